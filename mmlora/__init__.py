@@ -1,0 +1,1 @@
+"""mmlora: serve many LoRA adapters on one base model."""

@@ -1,0 +1,7 @@
+"""LoRA kernel backends behind one interface (see :mod:`mmlora.backends.base`), chosen by name."""
+
+from mmlora.backends import torch_gather  # noqa: F401  (registers "torch-gather")
+from mmlora.backends.base import LoRABackend
+from mmlora.backends.registry import available_backends, get_backend, register_backend
+
+__all__ = ["LoRABackend", "available_backends", "get_backend", "register_backend"]

@@ -1,0 +1,65 @@
+"""The LoRA backend interface: two batched operations every kernel family implements.
+
+Adapter weights live in the adapter pool as one pair of stacked tensors per (layer, target module):
+
+  A         [num_slots, n_slices * R, in_features]   shrink weights; slice i uses rows i*R : i*R + rank
+  B         [num_slots, out_features, R]              expand weights; slice i fills out columns
+                                                      slice_offsets[i] : slice_offsets[i + 1]
+  scalings  [num_slots, n_slices] float32             alpha / r (or alpha / sqrt(r)) per slot and slice
+
+``R`` is ``max_lora_rank``; an adapter of rank r < R has zero rows/columns past r, so a backend may
+either skip them (using ``info.ranks``) or compute them (the result is the same). Packed modules
+(q/k/v in ``qkv_proj``, gate/up in ``gate_up_proj``) have several slices; plain modules have one.
+
+Semantics, for every token t with slot s = info.token_slots[t] >= 0 and every slice i:
+  h[t, i*R:(i+1)*R]                = x[t] @ A[s, i*R:(i+1)*R].T
+  out[t, off[i]:off[i+1]]         += h[t, i*R:(i+1)*R] @ B[s, off[i]:off[i+1]].T * scalings[s, i]
+Rows with slot -1 are left untouched. Intermediate ``h`` has the dtype of ``x`` (as PEFT computes it).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import torch
+
+from mmlora.lora.batch_info import LoRABatchInfo
+
+
+class LoRABackend(ABC):
+    """A family of batched LoRA kernels. Instances are stateless apart from scratch buffers."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def shrink(self, x: torch.Tensor, A: torch.Tensor, info: LoRABatchInfo) -> torch.Tensor:
+        """x [T, in], A [S, n*R, in] -> h [T, n*R] in x.dtype; rows of base-only tokens are zero."""
+
+    @abstractmethod
+    def expand(
+        self,
+        h: torch.Tensor,
+        B: torch.Tensor,
+        scalings: torch.Tensor,
+        info: LoRABatchInfo,
+        out: torch.Tensor,
+        slice_offsets: tuple[int, ...],
+    ) -> None:
+        """h [T, n*R], B [S, out, R], scalings [S, n] -> out[T, out] += per-slice h_i @ B_i.T * scaling."""
+
+    def add_lora(
+        self,
+        out: torch.Tensor,
+        x: torch.Tensor,
+        A: torch.Tensor,
+        B: torch.Tensor,
+        scalings: torch.Tensor,
+        info: LoRABatchInfo,
+        slice_offsets: tuple[int, ...],
+    ) -> None:
+        """``out += lora(x)`` for the batch described by ``info``; a no-op when no row has an adapter."""
+        if not info.has_lora:
+            return
+        h = self.shrink(x, A, info)
+        self.expand(h, B, scalings, info, out, slice_offsets)

@@ -1,0 +1,197 @@
+"""Engine configuration: frozen, documented dataclasses composed into one ``EngineConfig``.
+
+Every field carries its help text in ``metadata["help"]``; the command line of the server and the app
+is generated from these dataclasses (``add_cli_args`` / ``from_cli_args``), so a new option is added
+in exactly one place. Unknown keyword arguments are errors that list the known ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Union, get_args, get_origin
+
+
+def _f(default: Any, help: str, **extra: Any) -> Any:
+    meta = {"help": help, **extra}
+    if isinstance(default, (list, dict, set)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str = _f(
+        "smollm2",
+        '"smollm2" (the embedded default), a HF checkpoint folder, a .gguf file, or "dummy:<preset>".',
+        aliases=["--model-path"],
+    )
+    tokenizer: str | None = _f(
+        None, "Tokenizer folder or GGUF file; defaults to the model's.", aliases=["--tokenizer-path"]
+    )
+    dtype: str = _f("auto", 'Weight and activation dtype: "auto", "float32", "float16" or "bfloat16".')
+    device: str = _f("auto", 'Torch device: "auto" (cuda if available, else cpu), "cpu", "cuda", "cuda:1".')
+    seed: int = _f(0, "Seed for random (dummy) weights and the default sampling generator.", aliases=["--random-seed"])
+    served_model_name: str | None = _f(None, "Name of the base model in the OpenAI API; defaults to the model path.")
+    max_model_len: int | None = _f(None, "Longest prompt + output in tokens; defaults to the model's context length.")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = _f(16, "Tokens per KV-cache page.")
+    mem_fraction_static: float = _f(
+        0.85, "On GPU: fraction of device memory for weights, adapter slots and KV pages together."
+    )
+    max_kv_tokens: int | None = _f(None, "Cap on KV-cache tokens (pages x block size); on CPU the default is 65536.")
+    disable_radix: bool = _f(True, "Accepted for SGLang compatibility; prefix caching is not enabled yet.")
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    lora_paths: list[str] = _f(
+        [], 'Adapters registered at start: "name=path" or a bare path (then the path is the name).', nargs="*"
+    )
+    max_loras_per_batch: int = _f(8, "GPU slots for adapters: the most distinct adapters in one batch.")
+    max_lora_rank: int = _f(64, "Largest adapter rank the slots hold; bigger adapters are refused.")
+    max_loaded_loras: int | None = _f(
+        None, "Adapters kept in the host cache (LRU beyond it); defaults to unlimited."
+    )
+    lora_backend: str = _f("torch-gather", "LoRA kernel backend; see mmlora.backends.available_backends().")
+    allow_pickled_adapters: bool = _f(
+        False, "Accept adapter_model.bin (read with torch.load(weights_only=True)); safetensors otherwise."
+    )
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_running_requests: int = _f(64, "Most requests decoding at once.")
+    max_num_batched_tokens: int = _f(2048, "Token budget of one forward (prefill chunks + decode tokens).")
+    max_queued_requests: int = _f(4096, "Waiting requests beyond which new ones are refused.")
+    disable_cuda_graph: bool = _f(False, "Run decode steps eagerly instead of replaying CUDA graphs.")
+    attention_backend: str = _f("auto", 'Attention kernels: "auto" (triton on CUDA, torch otherwise), "torch", "triton".')
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        lora, sched, cache = self.lora, self.scheduler, self.cache
+        _check(lora.max_loras_per_batch >= 1, "max_loras_per_batch", "must be >= 1")
+        _check(lora.max_lora_rank >= 1, "max_lora_rank", "must be >= 1")
+        _check(
+            lora.max_loaded_loras is None or lora.max_loaded_loras >= lora.max_loras_per_batch,
+            "max_loaded_loras",
+            f"must be >= max_loras_per_batch ({lora.max_loras_per_batch})",
+        )
+        _check(cache.block_size >= 1, "block_size", "must be >= 1")
+        _check(0.0 < cache.mem_fraction_static <= 1.0, "mem_fraction_static", "must be in (0, 1]")
+        _check(sched.max_running_requests >= 1, "max_running_requests", "must be >= 1")
+        _check(sched.max_num_batched_tokens >= 16, "max_num_batched_tokens", "must be >= 16")
+        _check(self.model.dtype in ("auto", "float32", "float16", "bfloat16"), "dtype", f"unknown {self.model.dtype!r}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Build from flat keyword arguments (``max_loras_per_batch=4, device="cpu"``)."""
+        parts: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
+        for key, value in kwargs.items():
+            section = _FIELD_SECTION.get(key)
+            if section is None:
+                raise TypeError(f"unknown engine option {key!r}; known options: {', '.join(sorted(_FIELD_SECTION))}")
+            parts[section][key] = value
+        if "lora_paths" in parts["lora"]:
+            parts["lora"]["lora_paths"] = normalize_lora_paths(parts["lora"]["lora_paths"])
+        return cls(**{name: _SECTIONS[name](**values) for name, values in parts.items()})
+
+    def replace(self, **kwargs: Any) -> EngineConfig:
+        flat = {f.name: getattr(getattr(self, s), f.name) for s, c in _SECTIONS.items() for f in dataclasses.fields(c)}
+        flat.update(kwargs)
+        return EngineConfig.from_kwargs(**flat)
+
+
+def _check(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}: {message}")
+
+
+_SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "cache": CacheConfig,
+    "lora": LoRAConfig,
+    "scheduler": SchedulerConfig,
+}
+_FIELD_SECTION = {f.name: s for s, c in _SECTIONS.items() for f in dataclasses.fields(c)}
+
+
+def normalize_lora_paths(lora_paths: Any) -> list[str]:
+    """Accept ``{name: path}``, ``["name=path", "path"]`` or one string; return ``["name=path", ...]``."""
+    if lora_paths is None:
+        return []
+    if isinstance(lora_paths, str):
+        lora_paths = [lora_paths]
+    if isinstance(lora_paths, dict):
+        return [f"{name}={path}" for name, path in lora_paths.items()]
+    out = []
+    for item in lora_paths:
+        if not isinstance(item, str) or not item:
+            raise ValueError(f"lora_paths: each entry must be a non-empty string, got {item!r}")
+        out.append(item)
+    return out
+
+
+def split_lora_spec(spec: str) -> tuple[str, str]:
+    """``"name=path"`` -> (name, path); a bare path is its own name."""
+    name, sep, path = spec.partition("=")
+    if sep and name and path:
+        return name, path
+    return spec, spec
+
+
+# ---- command line generated from the dataclasses -------------------------------------------------
+
+
+def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
+    origin = get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = [a for a in get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], True
+    return tp, False
+
+
+def add_cli_args(parser: argparse.ArgumentParser, *classes: type) -> None:
+    """Add one ``--flag`` per dataclass field (underscores become dashes)."""
+    for cls in classes:
+        hints = typing.get_type_hints(cls)
+        group = parser.add_argument_group(cls.__name__)
+        for f in dataclasses.fields(cls):
+            tp, _ = _unwrap_optional(hints[f.name])
+            flags = [f"--{f.name.replace('_', '-')}", *f.metadata.get("aliases", [])]
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            kwargs: dict[str, Any] = {"dest": f.name, "help": f.metadata.get("help", ""), "default": default}
+            if tp is bool:
+                kwargs["action"] = argparse.BooleanOptionalAction
+            elif get_origin(tp) is list:
+                kwargs["nargs"] = f.metadata.get("nargs", "*")
+                kwargs["type"] = get_args(tp)[0]
+            else:
+                kwargs["type"] = tp
+            group.add_argument(*flags, **kwargs)
+
+
+def from_cli_args(args: argparse.Namespace, cls: type) -> Any:
+    """Instantiate one dataclass from the parsed flags of its fields."""
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+def engine_config_from_cli(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(**{name: from_cli_args(args, cls) for name, cls in _SECTIONS.items()})
+
+
+ENGINE_SECTIONS: tuple[type, ...] = tuple(_SECTIONS.values())

@@ -1,0 +1,113 @@
+"""SamplingParams with SGLang's field names, validated on construction."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples. Field names follow SGLang's ``sampling_params``."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    seed: int | None = None
+    n: int = 1
+    min_new_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif self.stop is None:
+            object.__setattr__(self, "stop", ())
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        _require(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 0, "max_new_tokens", "must be an integer >= 0")
+        _require(_num(self.temperature) and self.temperature >= 0, "temperature", "must be >= 0")
+        _require(_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+        _require(isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1), "top_k", "must be -1 (off) or >= 1")
+        _require(_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
+        _require(_num(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty", "must be > 0")
+        _require(_num(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]")
+        _require(_num(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]")
+        _require(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
+        _require(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be token ids >= 0")
+        _require(self.seed is None or isinstance(self.seed, int), "seed", "must be an integer")
+        _require(isinstance(self.n, int) and 1 <= self.n <= 128, "n", "must be an integer in [1, 128]")
+        _require(isinstance(self.min_new_tokens, int) and self.min_new_tokens >= 0, "min_new_tokens", "must be >= 0")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+    @classmethod
+    def from_any(cls, value: SamplingParams | dict[str, Any] | None) -> SamplingParams:
+        """Accept a SamplingParams, a dict with SGLang's field names, or None (defaults)."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"sampling_params: expected a dict or SamplingParams, got {type(value).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"sampling_params: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        kwargs = {k: v for k, v in value.items() if v is not None or k == "seed"}
+        try:
+            return cls(**kwargs)
+        except TypeError as e:  # wrong type for a comparison inside validation
+            raise ValueError(f"sampling_params: {e}") from None
+
+
+def _num(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x
+
+
+def _require(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"sampling_params.{name}: {message}")
+
+
+@dataclass
+class RequestOutput:
+    """The state of one request (cumulative), or an increment when streaming.
+
+    ``text``/``output_ids``/``logprobs`` hold everything generated so far; when streaming, ``delta_text``
+    and ``delta_ids`` hold what this step added. ``finish_reason`` is None while running, else
+    ``"stop"`` (EOS, a stop string or stop token), ``"length"`` or ``"abort"``; ``matched_stop`` names
+    the stop string or token id that ended it; ``error`` explains an abort caused by bad input.
+    """
+
+    request_id: str
+    prompt_tokens: int
+    lora_name: str | None
+    text: str = ""
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    delta_text: str = ""
+    delta_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    matched_stop: str | int | None = None
+    error: str | None = None
+    first_token_time: float | None = None
+    arrival_time: float = 0.0
+    finish_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,20 @@
+"""Paged attention backends (torch reference; Triton kernels on CUDA), chosen by name."""
+
+from mmlora.layers.attention import torch_ref  # noqa: F401  (registers "torch")
+from mmlora.layers.attention.base import (
+    AttentionBackend,
+    available_attention_backends,
+    get_attention_backend,
+    register_attention_backend,
+    store_kv,
+)
+from mmlora.layers.attention.metadata import AttentionMetadata
+
+__all__ = [
+    "AttentionBackend",
+    "AttentionMetadata",
+    "available_attention_backends",
+    "get_attention_backend",
+    "register_attention_backend",
+    "store_kv",
+]

@@ -1,0 +1,86 @@
+"""The torch attention backend: the reference every kernel is tested against; runs on CPU.
+
+Decode batches gather every request's pages into one padded [B, L, Hkv, D] tensor and attend in one
+batched call; batches with prefill chunks loop over their requests.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mmlora.layers.attention.base import AttentionBackend, register_attention_backend, store_kv
+from mmlora.layers.attention.metadata import AttentionMetadata
+
+
+def _gather_pages(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> torch.Tensor:
+    """cache [N, bs, Hkv, D], block_tables [B, M] -> [B, max_len, Hkv, D] (positions past a request's length are junk)."""
+    bs = cache.shape[1]
+    pos = torch.arange(max_len, device=cache.device)
+    blocks = block_tables[:, pos // bs].long()  # [B, L]
+    flat = blocks * bs + (pos % bs)
+    return cache.view(-1, *cache.shape[2:])[flat]
+
+
+def _attend(
+    q: torch.Tensor,  # [B, Tq, Hq, D]
+    k: torch.Tensor,  # [B, L, Hkv, D]
+    v: torch.Tensor,
+    q_pos: torch.Tensor,  # [B, Tq] absolute positions (-1 = padding)
+    kv_len: torch.Tensor,  # [B]
+    scale: float,
+    sliding_window: int | None,
+    logit_softcap: float | None,
+) -> torch.Tensor:
+    group = q.shape[2] // k.shape[2]
+    qf = q.float().transpose(1, 2)  # [B, Hq, Tq, D]
+    kf = k.float().repeat_interleave(group, dim=2).transpose(1, 2)  # [B, Hq, L, D]
+    vf = v.float().repeat_interleave(group, dim=2).transpose(1, 2)
+    scores = qf @ kf.transpose(-1, -2) * scale  # [B, Hq, Tq, L]
+    if logit_softcap:
+        scores = logit_softcap * torch.tanh(scores / logit_softcap)
+    j = torch.arange(k.shape[1], device=q.device)
+    allowed = (j[None, None, :] <= q_pos[:, :, None]) & (j[None, None, :] < kv_len[:, None, None])
+    if sliding_window:
+        allowed &= j[None, None, :] > q_pos[:, :, None] - sliding_window
+    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    return (probs @ vf).transpose(1, 2).to(q.dtype)  # [B, Tq, Hq, D]
+
+
+@register_attention_backend("torch")
+class TorchAttention(AttentionBackend):
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        *,
+        scale: float,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
+    ) -> torch.Tensor:
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        B = meta.num_seqs
+        if meta.is_decode:
+            kk = _gather_pages(k_cache, meta.block_tables[:B], meta.max_seq_len)
+            vv = _gather_pages(v_cache, meta.block_tables[:B], meta.max_seq_len)
+            q_pos = (meta.seq_lens[:B] - 1).long().unsqueeze(1)
+            out = _attend(q[:B].unsqueeze(1), kk, vv, q_pos, meta.seq_lens[:B].long(), scale, sliding_window, logit_softcap)
+            return out.squeeze(1)
+        out = torch.empty_like(q)
+        start = 0
+        for b in range(B):
+            n, L = meta.query_lens_host[b], meta.seq_lens_host[b]
+            if n == 0:
+                continue
+            kk = _gather_pages(k_cache, meta.block_tables[b : b + 1], L)
+            vv = _gather_pages(v_cache, meta.block_tables[b : b + 1], L)
+            q_pos = torch.arange(L - n, L, device=q.device).unsqueeze(0)
+            kv_len = torch.tensor([L], device=q.device)
+            o = _attend(q[start : start + n].unsqueeze(0), kk, vv, q_pos, kv_len, scale, sliding_window, logit_softcap)
+            out[start : start + n] = o[0]
+            start += n
+        return out

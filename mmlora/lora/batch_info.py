@@ -1,0 +1,97 @@
+"""LoRABatchInfo: which adapter slot each token of one forward uses.
+
+Preallocated once at the engine's maximum batch (so CUDA graphs can capture the tensors) and filled in
+place every step by :meth:`LoRABatchInfo.fill`. Tokens are grouped into *segments*: runs of consecutive
+tokens that share an adapter slot (a prefill chunk of one request, or one decode token). Slot ``-1``
+means the base model only: kernels leave those rows untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+class LoRABatchInfo:
+    """Per-forward adapter routing, shared by every LoRA layer of the model.
+
+    Device tensors (int32), valid up to ``num_segments`` / ``num_tokens``; rows past them are padding:
+      seg_indptr     [max_tokens + 1]  segment i covers tokens seg_indptr[i]:seg_indptr[i + 1]
+      seg_lens       [max_tokens]      seg_indptr[i + 1] - seg_indptr[i]
+      weight_indices [max_tokens]      slot of segment i, or -1 (base only)
+      token_slots    [max_tokens]      slot of each token, or -1
+      ranks          [num_slots]       rank of the adapter in each slot (0 when empty)
+    Host mirrors (Python lists / ints) let backends make launch decisions without a device sync:
+      num_tokens, num_segments, max_rank (largest rank in this batch, 0 when no row has an adapter),
+      seg_lens_host, seg_slots_host, ranks_host.
+    """
+
+    def __init__(self, max_tokens: int, num_slots: int, device: torch.device | str) -> None:
+        self.max_tokens = max_tokens
+        self.num_slots = num_slots
+        self.device = torch.device(device)
+        i32 = dict(dtype=torch.int32, device=self.device)
+        self.seg_indptr = torch.zeros(max_tokens + 1, **i32)
+        self.seg_lens = torch.zeros(max_tokens, **i32)
+        self.weight_indices = torch.full((max_tokens,), -1, **i32)
+        self.token_slots = torch.full((max_tokens,), -1, **i32)
+        self.ranks = torch.zeros(num_slots, **i32)
+        self.num_tokens = 0
+        self.num_segments = 0
+        self.max_rank = 0
+        self.seg_lens_host: list[int] = []
+        self.seg_slots_host: list[int] = []
+        self.ranks_host: list[int] = [0] * num_slots
+
+    @property
+    def has_lora(self) -> bool:
+        return self.max_rank > 0
+
+    def set_slot_rank(self, slot: int, rank: int) -> None:
+        """Record the rank of the adapter now held in ``slot`` (0 when the slot is emptied)."""
+        self.ranks[slot] = rank
+        self.ranks_host[slot] = rank
+
+    def fill(self, seq_lens: Sequence[int], seq_slots: Sequence[int]) -> None:
+        """Fill in place from per-request token counts and slots (-1 = base), in batch order.
+
+        Adjacent requests on the same slot merge into one segment. Empty requests are skipped.
+        """
+        if len(seq_lens) != len(seq_slots):
+            raise ValueError("fill: seq_lens and seq_slots differ in length")
+        seg_lens: list[int] = []
+        seg_slots: list[int] = []
+        token_slots: list[int] = []
+        for n, slot in zip(seq_lens, seq_slots):
+            if n <= 0:
+                continue
+            if not -1 <= slot < self.num_slots:
+                raise ValueError(f"fill: slot {slot} outside [-1, {self.num_slots})")
+            if seg_slots and seg_slots[-1] == slot:
+                seg_lens[-1] += n
+            else:
+                seg_lens.append(n)
+                seg_slots.append(slot)
+            token_slots.extend([slot] * n)
+        total = len(token_slots)
+        if total > self.max_tokens:
+            raise ValueError(f"fill: {total} tokens exceed the preallocated {self.max_tokens}")
+        indptr = [0]
+        for n in seg_lens:
+            indptr.append(indptr[-1] + n)
+        nseg = len(seg_lens)
+        cpu = dict(dtype=torch.int32)
+        self.seg_indptr[: nseg + 1].copy_(torch.tensor(indptr, **cpu), non_blocking=True)
+        self.seg_indptr[nseg + 1 :].fill_(total)
+        self.seg_lens[:nseg].copy_(torch.tensor(seg_lens, **cpu), non_blocking=True)
+        self.seg_lens[nseg:].zero_()
+        self.weight_indices[:nseg].copy_(torch.tensor(seg_slots, **cpu), non_blocking=True)
+        self.weight_indices[nseg:].fill_(-1)
+        self.token_slots[:total].copy_(torch.tensor(token_slots, **cpu), non_blocking=True)
+        self.token_slots[total:].fill_(-1)
+        self.num_tokens = total
+        self.num_segments = nseg
+        self.seg_lens_host = seg_lens
+        self.seg_slots_host = seg_slots
+        self.max_rank = max((self.ranks_host[s] for s in seg_slots if s >= 0), default=0)
