@@ -1,6 +1,6 @@
 """Paged attention backends (torch reference; Triton kernels on CUDA), chosen by name."""
 
-from mmlora.layers.attention import torch_ref  # noqa: F401  (registers "torch")
+from mmlora.layers.attention import torch_ref, triton_backend  # noqa: F401  (register "torch", "triton")
 from mmlora.layers.attention.base import (
     AttentionBackend,
     available_attention_backends,

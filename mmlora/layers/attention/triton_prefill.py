@@ -1,0 +1,178 @@
+"""Triton paged prefill attention for varlen batches, on top of a cached prefix (chunked prefill).
+
+Grid (query tiles, num_seqs, num_kv_heads). A program takes ``TOKENS`` consecutive query tokens of one
+request and packs them with all ``GROUP`` query heads of one KV head into the rows of one tile
+(row r = token r // GROUP, head r % GROUP), so every K/V tile read from the paged cache serves the
+whole GQA group. Query token t of request b sits at absolute position ``context_len + t`` and attends
+causally to the request's cached keys (the prefix plus this forward's own tokens, already stored),
+restricted to ``(p - window, p]`` under a sliding window: key tiles wholly before the window of the
+tile's first token are skipped. The same kernel serves mixed batches (decode tokens are 1-token
+chunks), so it is the route for every batch that is not pure decode.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mmlora.layers.attention.triton_common import dot_precision, scale_scores, softmax_args
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    o_ptr,
+    block_tables_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cs,
+    stride_ch,
+    stride_bt,
+    mult,
+    cap_mult,
+    window,
+    GROUP: tl.constexpr,
+    TOKENS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    b = tl.program_id(1)
+    kvh = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + b)
+    q_len = tl.load(query_start_loc_ptr + b + 1) - q_start
+    t0 = tile * TOKENS
+    if t0 >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + b)
+    ctx = seq_len - q_len
+
+    rows = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    tok = t0 + rows // GROUP
+    heads = kvh * GROUP + rows % GROUP
+    row_mask = (rows < TOKENS * GROUP) & (tok < q_len)
+    d_mask = offs_d < HEAD_DIM
+    pos = ctx + tok
+    q_mask = row_mask[:, None] & d_mask[None, :]
+    q = tl.load(
+        q_ptr + (q_start + tok)[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=q_mask,
+        other=0.0,
+    )
+
+    hi = ctx + tl.minimum(t0 + TOKENS, q_len)  # one past the last key any row of this tile may see
+    lo = 0
+    if USE_WINDOW:
+        lo = tl.maximum(ctx + t0 - window + 1, 0)
+        lo = (lo // BLOCK_N) * BLOCK_N
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    bt_row = block_tables_ptr + b * stride_bt
+    for s0 in range(lo, hi, BLOCK_N):
+        j = s0 + offs_n
+        j_mask = j < hi
+        blk = tl.load(bt_row + j // PAGE, mask=j_mask, other=0).to(tl.int64)
+        kv_off = (blk * PAGE + j % PAGE)[:, None] * stride_cs + kvh * stride_ch + offs_d[None, :]
+        kv_mask = j_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+        s = scale_scores(s, mult, cap_mult, USE_SOFTCAP)
+        allowed = (j[None, :] <= pos[:, None]) & j_mask[None, :]
+        if USE_WINDOW:
+            allowed = allowed & (j[None, :] > pos[:, None] - window)
+        s = tl.where(allowed, s, float("-inf"))
+        # a row may have no allowed key in this tile (window, padding rows): keep exp2 away from NaN
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
+
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    tl.store(
+        o_ptr + (q_start + tok)[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+        out.to(o_ptr.dtype.element_ty),
+        mask=q_mask,
+    )
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out: torch.Tensor,
+    num_seqs: int,
+    max_query_len: int,
+    scale: float,
+    sliding_window: int | None,
+    logit_softcap: float | None,
+) -> None:
+    """out[t, h] = causal softmax-attention of query token t over its request's cached keys.
+
+    q, out [T, Hq, D] (last dim contiguous); k_cache/v_cache [N, page, Hkv, D] contiguous, already
+    holding this forward's K/V; block_tables [>= num_seqs, M] int32; query_start_loc [num_seqs + 1]
+    and seq_lens [num_seqs] int32 on the device; max_query_len a host int that sizes the grid.
+    """
+    _, page, hkv, d = k_cache.shape
+    group = q.shape[1] // hkv
+    block_d = triton.next_power_of_2(d)
+    # rows = tokens x group heads; head_dim 256 takes smaller tiles to stay within registers
+    block_m = max(128 if block_d <= 128 else 64, triton.next_power_of_2(group))
+    block_n = 64 if block_d <= 128 else 32
+    tokens = block_m // group
+    mult, cap_mult = softmax_args(scale, logit_softcap)
+    kc = k_cache.view(-1, hkv, d)
+    grid = (triton.cdiv(max_query_len, tokens), num_seqs, hkv)
+    _prefill_kernel[grid](
+        q,
+        kc,
+        v_cache.view(-1, hkv, d),
+        out,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        kc.stride(0),
+        kc.stride(1),
+        block_tables.stride(0),
+        mult,
+        cap_mult,
+        sliding_window or 0,
+        GROUP=group,
+        TOKENS=tokens,
+        HEAD_DIM=d,
+        BLOCK_D=block_d,
+        PAGE=page,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        USE_SOFTCAP=bool(logit_softcap),
+        USE_WINDOW=bool(sliding_window),
+        DOT_PREC=dot_precision(q.dtype),
+        num_warps=4 if block_m <= 64 else 8,
+        num_stages=2,
+    )
