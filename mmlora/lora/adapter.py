@@ -122,63 +122,15 @@ def load_adapter(
     _check_target_names(config, spec, fail)
 
     weights: dict[tuple[int, str], dict[str, list]] = {}
-    max_rank = 0
-    nbytes = 0
+    max_rank = nbytes = 0
     for module_path, (layer, target, slice_idx, kinds) in sorted(pairs.items()):
-        missing = [k for k in ("lora_A", "lora_B") if k not in kinds]
-        if missing:
-            raise fail(
-                f"module {module_path!r} has {', '.join(kinds)} but no {missing[0]} (incomplete A/B pair)"
-            )
-        a_key, b_key = kinds["lora_A"], kinds["lora_B"]
-        a, b = tensors[a_key], tensors[b_key]
-        for key, t in ((a_key, a), (b_key, b)):
-            if not isinstance(t, torch.Tensor) or t.dim() != 2:
-                shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                raise fail(f"tensor {key!r} must be a 2-D matrix, got {shape}")
-            if not t.is_floating_point():
-                raise fail(f"tensor {key!r} has dtype {t.dtype}; LoRA weights must be floating point")
-        rank, rank_b = a.shape[0], b.shape[1]
-        if rank != rank_b:
-            raise fail(f"rank mismatch for {module_path!r}: lora_A has rank {rank}, lora_B has rank {rank_b}")
-        in_f, out_f = target.in_features, target.out_features[slice_idx]
-        if a.shape[1] != in_f:
-            raise fail(
-                f"tensor {a_key!r} does not fit the base model: expected [{rank}, {in_f}], got {list(a.shape)}"
-            )
-        if b.shape[0] != out_f:
-            raise fail(
-                f"tensor {b_key!r} does not fit the base model: expected [{out_f}, {rank}], got {list(b.shape)}"
-            )
-        if rank < 1:
-            raise fail(f"module {module_path!r} has rank 0")
-        if rank > max_lora_rank:
-            raise fail(f"module {module_path!r} has rank {rank}, above max_lora_rank={max_lora_rank}")
-        if not _is_targeted(config, module_path):
-            raise fail(
-                f"the weights hold module {module_path!r}, which the config's target_modules / "
-                "exclude_modules / layers_to_transform do not select (config and weights disagree)"
-            )
-        want_r, alpha = _rank_and_alpha(config, module_path)
-        if rank != want_r:
-            raise fail(
-                f"module {module_path!r} has rank {rank} in its tensors but the config implies r={want_r}"
-            )
-        scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-        a, b = a.to(dtype=dtype, device="cpu").contiguous(), b.to(dtype=dtype, device="cpu").contiguous()
-        for key, t in ((a_key, a), (b_key, b)):
-            if not bool(torch.isfinite(t).all()):
-                raise fail(f"tensor {key!r} holds NaN or Inf values (in {dtype})")
-        entry = weights.setdefault(
-            (layer, target.name),
-            {
-                "A": [None] * len(target.slices),
-                "B": [None] * len(target.slices),
-                "s": [0.0] * len(target.slices),
-            },
+        a, b, scaling = _module_weights(
+            config, tensors, module_path, target, slice_idx, kinds, max_lora_rank, dtype, fail
         )
-        entry["A"][slice_idx], entry["B"][slice_idx], entry["s"][slice_idx] = a, b, float(scaling)
-        max_rank = max(max_rank, rank)
+        n = len(target.slices)
+        entry = weights.setdefault((layer, target.name), {"A": [None] * n, "B": [None] * n, "s": [0.0] * n})
+        entry["A"][slice_idx], entry["B"][slice_idx], entry["s"][slice_idx] = a, b, scaling
+        max_rank = max(max_rank, a.shape[0])
         nbytes += a.numel() * a.element_size() + b.numel() * b.element_size()
 
     _warn_untouched(config, spec, pairs, where)
@@ -191,6 +143,50 @@ def load_adapter(
         config=config,
         nbytes=nbytes,
     )
+
+
+def _module_weights(config, tensors, module_path, target, slice_idx, kinds, max_lora_rank, dtype, fail):
+    """Validate one module's A/B pair against the base model and the config -> (A, B, scaling)."""
+    missing = [k for k in ("lora_A", "lora_B") if k not in kinds]
+    if missing:
+        raise fail(f"module {module_path!r} has {', '.join(kinds)} but no {missing[0]} (incomplete A/B pair)")
+    a_key, b_key = kinds["lora_A"], kinds["lora_B"]
+    a, b = tensors[a_key], tensors[b_key]
+    for key, t in ((a_key, a), (b_key, b)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise fail(f"tensor {key!r} must be a 2-D matrix, got {shape}")
+        if not t.is_floating_point():
+            raise fail(f"tensor {key!r} has dtype {t.dtype}; LoRA weights must be floating point")
+    rank, rank_b = a.shape[0], b.shape[1]
+    if rank != rank_b:
+        raise fail(f"rank mismatch for {module_path!r}: lora_A has rank {rank}, lora_B has rank {rank_b}")
+    in_f, out_f = target.in_features, target.out_features[slice_idx]
+    if a.shape[1] != in_f:
+        raise fail(
+            f"tensor {a_key!r} does not fit the base model: expected [{rank}, {in_f}], got {list(a.shape)}"
+        )
+    if b.shape[0] != out_f:
+        raise fail(
+            f"tensor {b_key!r} does not fit the base model: expected [{out_f}, {rank}], got {list(b.shape)}"
+        )
+    if rank < 1:
+        raise fail(f"module {module_path!r} has rank 0")
+    if rank > max_lora_rank:
+        raise fail(f"module {module_path!r} has rank {rank}, above max_lora_rank={max_lora_rank}")
+    if not _is_targeted(config, module_path):
+        raise fail(
+            f"the weights hold module {module_path!r}, which the config's target_modules / "
+            "exclude_modules / layers_to_transform do not select (config and weights disagree)"
+        )
+    want_r, alpha = _rank_and_alpha(config, module_path)
+    if rank != want_r:
+        raise fail(f"module {module_path!r} has rank {rank} in its tensors but the config implies r={want_r}")
+    a, b = a.to(dtype=dtype, device="cpu").contiguous(), b.to(dtype=dtype, device="cpu").contiguous()
+    for key, t in ((a_key, a), (b_key, b)):
+        if not bool(torch.isfinite(t).all()):
+            raise fail(f"tensor {key!r} holds NaN or Inf values (in {dtype})")
+    return a, b, float(alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank)
 
 
 def _read_config(file: Path, fail) -> dict:
@@ -224,10 +220,10 @@ def _check_config(config: dict, fail) -> None:
             "PEFT's save_pretrained(path_initial_model_for_weight_conversion=...) first"
         )
     r = config.get("r", 8)
-    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+    if not _is_pos_int(r):
         raise fail(f"config field r must be a positive integer, got {r!r}")
     alpha = config.get("lora_alpha", 8)
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+    if not _is_number(alpha):
         raise fail(f"config field lora_alpha must be a number, got {alpha!r}")
     for field, value_ok in (("rank_pattern", _is_pos_int), ("alpha_pattern", _is_number)):
         pattern = config.get(field) or {}
@@ -237,20 +233,19 @@ def _check_config(config: dict, fail) -> None:
             raise fail(f"config field {field} must map module-name patterns to numbers, got {pattern!r}")
         for key in pattern:
             _compile(key, field, fail)
-    targets = config.get("target_modules")
-    if isinstance(targets, str):
-        _compile(targets, "target_modules", fail)
-    elif targets is not None and not (isinstance(targets, list) and all(isinstance(t, str) for t in targets)):
-        raise fail(f"config field target_modules must be a list of names or a regex string, got {targets!r}")
+    for field in ("target_modules", "exclude_modules"):
+        value = config.get(field)
+        if isinstance(value, str):
+            _compile(value, field, fail)
+        elif not (value is None or _is_str_list(value)):
+            raise fail(f"config field {field} must be a list of names or a regex string, got {value!r}")
     layers = config.get("layers_to_transform")
     if layers is not None and not (
         _is_int(layers) or (isinstance(layers, list) and all(_is_int(i) for i in layers))
     ):
         raise fail(f"config field layers_to_transform must be an integer or a list of them, got {layers!r}")
     pats = config.get("layers_pattern")
-    if pats is not None and not (
-        isinstance(pats, str) or (isinstance(pats, list) and all(isinstance(p, str) for p in pats))
-    ):
+    if pats is not None and not (isinstance(pats, str) or _is_str_list(pats)):
         raise fail(f"config field layers_pattern must be a string or a list of them, got {pats!r}")
 
 
@@ -286,23 +281,26 @@ def _parse_keys(tensors: dict[str, Any], spec: LoRAModelSpec, fail) -> dict[str,
     layer_re = re.compile(rf"^{re.escape(spec.layers_prefix)}\.(\d+)\.(.+)$")
     pairs: dict[str, tuple] = {}
     for key in tensors:
-        name = key[len(_PEFT_PREFIX) :] if key.startswith(_PEFT_PREFIX) else None
-        m = _KEY_RE.match(name) if name else None
-        if name is None or m is None:
-            if name is not None and ("lora_embedding_A" in name or "lora_embedding_B" in name):
-                raise fail(f"LoRA on embeddings is not supported yet (tensor {key!r})")
-            if name is not None and "lora_magnitude_vector" in name:
-                raise fail(f"DoRA is not supported (tensor {key!r})")
+        if not key.startswith(_PEFT_PREFIX):
             raise fail(
-                f"tensor {key!r} is not a recognised PEFT LoRA key (base_model.model.<module>.lora_A|lora_B.weight)"
+                f"tensor {key!r} is not a recognised PEFT LoRA key ({_PEFT_PREFIX}<module>.lora_A|lora_B.weight)"
+            )
+        name = key[len(_PEFT_PREFIX) :]
+        for prefix, reason in spec.refused_prefixes:
+            if name == prefix or name.startswith(prefix + "."):
+                raise fail(f"LoRA on {prefix!r} ({reason}) is not supported (tensor {key!r})")
+        embeds = [p for p in name.split(".") if p in _EMBEDDING_NAMES or p.startswith("lora_embedding_")]
+        if embeds:
+            raise fail(f"LoRA on embeddings / lm_head ({embeds[0]}) is not supported yet (tensor {key!r})")
+        if ".lora_magnitude_vector" in name:
+            raise fail(f"DoRA is not supported (tensor {key!r})")
+        m = _KEY_RE.match(name)
+        if m is None:
+            raise fail(
+                f"tensor {key!r} is not a recognised PEFT LoRA key ({_PEFT_PREFIX}<module>.lora_A|lora_B.weight)"
             )
         module_path = m["module"]
-        for prefix, reason in spec.refused_prefixes:
-            if module_path == prefix or module_path.startswith(prefix + "."):
-                raise fail(f"LoRA on {prefix!r} ({reason}) is not supported (tensor {key!r})")
         module = module_path.rsplit(".", 1)[-1]
-        if module in _EMBEDDING_NAMES:
-            raise fail(f"LoRA on embeddings / lm_head ({module}) is not supported yet (tensor {key!r})")
         if m["param"] == "bias":
             raise fail(f"a bias on {m['kind']} (lora_bias) is not supported (tensor {key!r})")
         lm = layer_re.match(module_path)
@@ -400,22 +398,20 @@ def _pattern_key(patterns: dict, key: str) -> str:
 
 def _warn_untouched(config: dict, spec: LoRAModelSpec, pairs: dict, where: str) -> None:
     """Modules the config selects but the file lacks keep PEFT's init (a zero B by default): no delta."""
-    missing = [
+    if not config.get("target_modules"):
+        return
+    every = (
         f"{spec.layers_prefix}.{i}.{spec.module_parents[m]}.{m}"
         for i in range(spec.num_layers)
         for m in spec.module_names
         if m in spec.module_parents
-    ]
-    missing = [
-        k for k in missing if k not in pairs and _is_targeted(config, k) and config.get("target_modules")
-    ]
+    )
+    missing = [k for k in every if k not in pairs and _is_targeted(config, k)]
     if missing:
         logger.warning(
             "LoRA adapter %r: config selects %d module(s) with no weights, e.g. %s; they get no delta",
-            where,
-            len(missing),
-            missing[0],
-        )
+            where, len(missing), missing[0],
+        )  # fmt: skip
 
 
 def _compile(pattern: str, field: str, fail) -> None:
@@ -435,3 +431,7 @@ def _is_pos_int(v: Any) -> bool:
 
 def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _is_str_list(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(x, str) for x in v)
