@@ -1,6 +1,10 @@
 """LoRA kernel backends behind one interface (see :mod:`mmlora.backends.base`), chosen by name."""
 
-from mmlora.backends import torch_gather  # noqa: F401  (registers "torch-gather")
+from mmlora.backends import (
+    torch_gather,  # noqa: F401  (registers "torch-gather")
+    triton_bgmv,  # noqa: F401  (registers "triton-bgmv")
+    triton_sgmv,  # noqa: F401  (registers "triton-sgmv")
+)
 from mmlora.backends.base import LoRABackend
 from mmlora.backends.registry import available_backends, get_backend, register_backend
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -27,9 +29,20 @@ def scale_scores(s, mult, cap_mult, USE_SOFTCAP: tl.constexpr):
     return s * mult
 
 
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def dot_upcast(dtype: torch.dtype) -> bool:
+    """Whether the kernels cast ``tl.dot`` operands to fp32: under the interpreter, whose bf16 dot
+    returns garbage (triton 3.9); on a GPU fp16/bf16 go to the tensor cores as they are."""
+    return interpreting() and dtype != torch.float32
+
+
 def dot_precision(dtype: torch.dtype) -> str:
-    """fp32 inputs are multiplied exactly (no TF32), so fp32 results match the reference tightly."""
-    return "ieee" if dtype == torch.float32 else "tf32"
+    """fp32 operands are multiplied exactly (no TF32), so fp32 results match the reference tightly."""
+    return "ieee" if dtype == torch.float32 or dot_upcast(dtype) else "tf32"
 
 
 def softmax_args(scale: float, logit_softcap: float | None) -> tuple[float, float]:

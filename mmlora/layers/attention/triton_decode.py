@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mmlora.layers.attention.triton_common import dot_precision, scale_scores, softmax_args
+from mmlora.layers.attention.triton_common import dot_precision, dot_upcast, scale_scores, softmax_args
 
 
 @triton.jit
@@ -54,6 +54,7 @@ def _decode_split_kernel(
     USE_SOFTCAP: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -78,6 +79,8 @@ def _decode_split_kernel(
         mask=g_mask[:, None] & d_mask[None, :],
         other=0.0,
     )
+    if UPCAST:
+        q = q.to(tl.float32)
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -90,6 +93,8 @@ def _decode_split_kernel(
         kv_off = (blk * PAGE + j % PAGE)[:, None] * stride_cs + kvh * stride_ch + offs_d[None, :]
         kv_mask = j_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
         s = scale_scores(s, mult, cap_mult, USE_SOFTCAP)
         s = tl.where(j_mask[None, :], s, float("-inf"))
@@ -99,6 +104,8 @@ def _decode_split_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        if UPCAST:
+            v = v.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
 
@@ -206,6 +213,7 @@ def decode_attention(
         USE_SOFTCAP=bool(logit_softcap),
         USE_WINDOW=bool(sliding_window),
         DOT_PREC=dot_precision(q.dtype),
+        UPCAST=dot_upcast(q.dtype),
         num_warps=4,
         num_stages=2,
     )

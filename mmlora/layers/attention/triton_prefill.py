@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mmlora.layers.attention.triton_common import dot_precision, scale_scores, softmax_args
+from mmlora.layers.attention.triton_common import dot_precision, dot_upcast, scale_scores, softmax_args
 
 
 @triton.jit
@@ -48,6 +48,7 @@ def _prefill_kernel(
     USE_SOFTCAP: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     tile = tl.program_id(0)
     b = tl.program_id(1)
@@ -74,6 +75,8 @@ def _prefill_kernel(
         mask=q_mask,
         other=0.0,
     )
+    if UPCAST:
+        q = q.to(tl.float32)
 
     hi = ctx + tl.minimum(t0 + TOKENS, q_len)  # one past the last key any row of this tile may see
     lo = 0
@@ -91,6 +94,8 @@ def _prefill_kernel(
         kv_off = (blk * PAGE + j % PAGE)[:, None] * stride_cs + kvh * stride_ch + offs_d[None, :]
         kv_mask = j_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
         s = scale_scores(s, mult, cap_mult, USE_SOFTCAP)
         allowed = (j[None, :] <= pos[:, None]) & j_mask[None, :]
@@ -104,6 +109,8 @@ def _prefill_kernel(
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        if UPCAST:
+            v = v.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
 
@@ -173,6 +180,7 @@ def prefill_attention(
         USE_SOFTCAP=bool(logit_softcap),
         USE_WINDOW=bool(sliding_window),
         DOT_PREC=dot_precision(q.dtype),
+        UPCAST=dot_upcast(q.dtype),
         num_warps=4 if block_m <= 64 else 8,
         num_stages=2,
     )

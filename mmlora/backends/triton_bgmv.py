@@ -1,0 +1,291 @@
+"""triton-bgmv: per-token gather matrix-vector kernels (Punica's BGMV), built for memory-bound decode.
+
+Each token reads its own adapter through ``info.token_slots``, so any batch is right (prefill too,
+with each token re-reading its adapter). Decode with many distinct adapters is a stream over adapter
+weights, so the kernels are elementwise multiply-and-reduce tiles with wide contiguous loads rather
+than ``tl.dot``:
+
+- shrink splits ``in_features`` across programs (split-K) so even a handful of tokens fills the GPU;
+  each split writes fp32 partial sums to its own plane of a [SPLIT_K, T, n*R] buffer (no atomics, no
+  memset, deterministic);
+- expand sums the partial planes for its token while loading them (they are tiny and L2-resident),
+  rounds ``h`` to x.dtype as PEFT does, and streams B over all slices of the packed output at once.
+
+Grids depend only on host ints (``num_tokens``, the pool rank, shapes), and loops over the rank run
+to ``ranks[slot]`` at run time, so a CUDA graph captured for a token count stays right for any mix of
+slots and ranks replayed into the same LoRABatchInfo.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mmlora.backends.base import LoRABackend
+from mmlora.backends.registry import register_backend
+from mmlora.backends.triton_common import (
+    check_expand_args,
+    check_expand_weights,
+    check_shrink_args,
+    next_pow2,
+    offset_args,
+    slice_bound,
+    sm_count,
+)
+from mmlora.lora.batch_info import LoRABatchInfo
+
+_MAX_SPLIT_K = 16
+
+
+@triton.jit
+def _bgmv_shrink_kernel(
+    x_ptr, a_ptr, p_ptr, token_slots_ptr, ranks_ptr,
+    in_features, R, K_PER_SPLIT, stride_xm, stride_as, stride_ar, stride_ps, stride_pm, SPLIT_K, R_TILES,
+    N_SLICES: tl.constexpr, NS_P2: tl.constexpr, SKIP_PAD: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Shrink partials: for token t with slot s = ts[t] >= 0 and split k:
+    ``P[k, t, :] = x[t, Kk] @ A[s, :, Kk].T`` over the split's columns Kk of in_features.
+
+    x [T, in] (fp32/fp16/bf16), A [S, N_SLICES * R, in] (x.dtype), P [SPLIT_K, T, N_SLICES * R] fp32.
+    Only columns below ranks[s] of each slice (all columns when not SKIP_PAD) of rows with a slot
+    are written; the caller zero-fills P when it needs the rest.
+    """
+    pid = tl.program_id(0)
+    rt = pid % R_TILES
+    sp = (pid // R_TILES) % SPLIT_K
+    t = pid // (R_TILES * SPLIT_K)
+    slot = tl.load(token_slots_ptr + t)
+    if slot < 0:
+        return
+    if SKIP_PAD:
+        rank = tl.load(ranks_ptr + slot)
+    else:
+        rank = R
+    if rt * BLOCK_R >= rank:
+        return
+    j = tl.arange(0, NS_P2 * BLOCK_R)
+    r = rt * BLOCK_R + j % BLOCK_R
+    col = (j // BLOCK_R) * R + r
+    w_ok = (j // BLOCK_R < N_SLICES) & (r < rank)
+    a_base = a_ptr + slot.to(tl.int64) * stride_as + col * stride_ar
+    x_base = x_ptr + t.to(tl.int64) * stride_xm
+    k_lo = sp * K_PER_SPLIT
+    k_hi = tl.minimum(k_lo + K_PER_SPLIT, in_features)
+    acc = tl.zeros((NS_P2 * BLOCK_R, BLOCK_K), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = kk < k_hi
+        xv = tl.load(x_base + kk, mask=k_ok, other=0.0).to(tl.float32)
+        av = tl.load(a_base[:, None] + kk[None, :], mask=w_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += av.to(tl.float32) * xv[None, :]
+    tl.store(p_ptr + sp * stride_ps + t.to(tl.int64) * stride_pm + col, tl.sum(acc, axis=1), mask=w_ok)
+
+
+@triton.jit
+def _bgmv_expand_kernel(
+    p_ptr, b_ptr, out_ptr, scal_ptr, token_slots_ptr, ranks_ptr,
+    R, N_OUT, stride_ps, stride_pm, stride_bs, stride_bn, stride_om, stride_ss, o0, o1, o2, o3, o4, N_TILES,
+    SPLIT_K: tl.constexpr, SPLIT_P2: tl.constexpr, N_SLICES: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, H_DTYPE: tl.constexpr,
+):  # fmt: skip
+    """Expand over all slices: for token t with slot s = ts[t] >= 0, slice j, h = sum_k P[k]:
+    ``y[t, o[j]:o[j+1]] += h[t, j*R:j*R+r] @ B[s, o[j]:o[j+1], :r].T * sc[s, j]``, r = ranks[s].
+
+    P [SPLIT_K, T, N_SLICES * R] (fp32 partials, or h itself with SPLIT_K = 1), B [S, N_OUT, R],
+    scalings [S, N_SLICES] fp32, out [T, N_OUT] updated in place. h is rounded to H_DTYPE (x.dtype)
+    before use, as PEFT computes it; fp32 accumulation. A program covers BLOCK_N output columns of one
+    token, which may straddle slices.
+    """
+    pid = tl.program_id(0)
+    nt = pid % N_TILES
+    t = pid // N_TILES
+    slot = tl.load(token_slots_ptr + t)
+    if slot < 0:
+        return
+    rank = tl.load(ranks_ptr + slot)
+    offs_n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N_OUT
+    b_base = b_ptr + slot.to(tl.int64) * stride_bs + offs_n * stride_bn
+    p_base = p_ptr + t.to(tl.int64) * stride_pm
+    sp = tl.arange(0, SPLIT_P2)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for r0 in range(0, rank, BLOCK_R):
+        rr = r0 + tl.arange(0, BLOCK_R)
+        r_ok = rr < rank
+        hsel = tl.zeros((BLOCK_N, BLOCK_R), dtype=tl.float32)
+        for i in tl.static_range(N_SLICES):
+            in_i = (offs_n >= slice_bound(i, o0, o1, o2, o3, o4)) & (
+                offs_n < slice_bound(i + 1, o0, o1, o2, o3, o4)
+            )
+            pv = tl.load(
+                p_base + sp[:, None] * stride_ps + i * R + rr[None, :],
+                mask=(sp[:, None] < SPLIT_K) & r_ok[None, :],
+                other=0.0,
+            )
+            hv = tl.sum(pv.to(tl.float32), axis=0).to(H_DTYPE).to(tl.float32)
+            hv = hv * tl.load(scal_ptr + slot * stride_ss + i)
+            hsel = tl.where(in_i[:, None], hv[None, :], hsel)
+        bv = tl.load(b_base[:, None] + rr[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0)
+        acc += tl.sum(bv.to(tl.float32) * hsel, axis=1)
+    o_ptrs = out_ptr + t.to(tl.int64) * stride_om + offs_n
+    prev = tl.load(o_ptrs, mask=n_ok)
+    tl.store(o_ptrs, (prev.to(tl.float32) + acc).to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+def _tl_dtype(dtype: torch.dtype) -> tl.dtype:
+    return {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}[dtype]
+
+
+class _ShrinkPlan:
+    """Launch shape of one shrink, from host ints only."""
+
+    def __init__(
+        self,
+        T: int,
+        in_features: int,
+        n: int,
+        R: int,
+        top_rank: int,
+        device: torch.device,
+        split_k: int | None,
+    ):
+        self.ns_p2 = next_pow2(n)
+        self.block_r = min(next_pow2(top_rank), max(1, 256 // self.ns_p2))
+        rows = self.ns_p2 * self.block_r
+        self.block_k = min(256, max(32, 8192 // rows))
+        self.r_tiles = triton.cdiv(R, self.block_r)  # cover R, not this batch's max rank: graph-safe
+        active = T * triton.cdiv(top_rank, self.block_r)
+        k_blocks = triton.cdiv(in_features, self.block_k)
+        want = split_k or triton.cdiv(4 * sm_count(device), active)
+        split = max(1, min(want, _MAX_SPLIT_K, k_blocks))
+        self.k_per_split = triton.cdiv(k_blocks, split) * self.block_k
+        self.split_k = triton.cdiv(in_features, self.k_per_split)
+
+
+def _shrink_partials(
+    x: torch.Tensor,
+    A: torch.Tensor,
+    info: LoRABatchInfo,
+    n: int,
+    R: int,
+    skip_pad: bool,
+    split_k: int | None,
+    zero: bool,
+) -> torch.Tensor:
+    T = info.num_tokens
+    plan = _ShrinkPlan(T, x.shape[1], n, R, info.max_rank if skip_pad else R, x.device, split_k)
+    alloc = torch.zeros if zero else torch.empty
+    p = alloc((plan.split_k, T, A.shape[1]), dtype=torch.float32, device=x.device)
+    grid = (T * plan.split_k * plan.r_tiles,)
+    _bgmv_shrink_kernel[grid](
+        x, A, p, info.token_slots, info.ranks,
+        x.shape[1], R, plan.k_per_split, x.stride(0), A.stride(0), A.stride(1), p.stride(0), p.stride(1),
+        plan.split_k, plan.r_tiles,
+        N_SLICES=n, NS_P2=plan.ns_p2, SKIP_PAD=skip_pad, BLOCK_R=plan.block_r, BLOCK_K=plan.block_k,
+    )  # fmt: skip
+    return p
+
+
+def _expand(
+    p: torch.Tensor,
+    B: torch.Tensor,
+    scalings: torch.Tensor,
+    info: LoRABatchInfo,
+    out: torch.Tensor,
+    slice_offsets: tuple[int, ...],
+    R: int,
+    h_dtype: torch.dtype,
+) -> None:
+    n = len(slice_offsets) - 1
+    n_out = B.shape[1]
+    block_r = min(64, max(16, next_pow2(info.max_rank)))
+    block_n = min(256, max(32, 4096 // block_r))
+    n_tiles = triton.cdiv(n_out, block_n)
+    grid = (info.num_tokens * n_tiles,)
+    _bgmv_expand_kernel[grid](
+        p, B, out, scalings, info.token_slots, info.ranks,
+        R, n_out, p.stride(0), p.stride(1), B.stride(0), B.stride(1), out.stride(0), scalings.stride(0),
+        *offset_args(slice_offsets), n_tiles,
+        SPLIT_K=p.shape[0], SPLIT_P2=next_pow2(p.shape[0]), N_SLICES=n, BLOCK_N=block_n, BLOCK_R=block_r,
+        H_DTYPE=_tl_dtype(h_dtype),
+    )  # fmt: skip
+
+
+def bgmv_shrink(
+    x: torch.Tensor,
+    A: torch.Tensor,
+    info: LoRABatchInfo,
+    n_slices: int | None = None,
+    split_k: int | None = None,
+) -> torch.Tensor:
+    """``h[t] = x[t] @ A[token_slots[t]].T`` per token (zeros for base-only rows), in x.dtype.
+
+    ``n_slices`` lets the kernel skip rank padding per slice (see :func:`sgmv_shrink`); ``split_k``
+    overrides the split-K heuristic (for tests and benchmarks).
+    """
+    n, R = check_shrink_args(x, A, info, n_slices)
+    if not info.has_lora or info.num_tokens == 0:
+        return x.new_zeros(info.num_tokens, A.shape[1])
+    p = _shrink_partials(x, A, info, n, R, n_slices is not None, split_k, zero=True)
+    return p.sum(0).to(x.dtype)
+
+
+def bgmv_expand(
+    h: torch.Tensor,
+    B: torch.Tensor,
+    scalings: torch.Tensor,
+    info: LoRABatchInfo,
+    out: torch.Tensor,
+    slice_offsets: tuple[int, ...],
+) -> None:
+    """``out[t, slice] += h[t, slice] @ B[token_slots[t], slice].T * scalings[slot, slice]``, one launch."""
+    _, R = check_expand_args(h, B, scalings, info, out, slice_offsets)
+    if not info.has_lora or info.num_tokens == 0:
+        return
+    _expand(h.unsqueeze(0), B, scalings, info, out, slice_offsets, R, h.dtype)
+
+
+@register_backend("triton-bgmv")
+class TritonBGMVBackend(LoRABackend):
+    """Per-token Triton kernels; best for decode. ``split_k`` (None: heuristic) fixes shrink's split."""
+
+    split_k: int | None = None
+
+    def shrink(
+        self, x: torch.Tensor, A: torch.Tensor, info: LoRABatchInfo, n_slices: int | None = None
+    ) -> torch.Tensor:
+        return bgmv_shrink(x, A, info, n_slices, self.split_k)
+
+    def expand(
+        self,
+        h: torch.Tensor,
+        B: torch.Tensor,
+        scalings: torch.Tensor,
+        info: LoRABatchInfo,
+        out: torch.Tensor,
+        slice_offsets: tuple[int, ...],
+    ) -> None:
+        bgmv_expand(h, B, scalings, info, out, slice_offsets)
+
+    def add_lora(
+        self,
+        out: torch.Tensor,
+        x: torch.Tensor,
+        A: torch.Tensor,
+        B: torch.Tensor,
+        scalings: torch.Tensor,
+        info: LoRABatchInfo,
+        slice_offsets: tuple[int, ...],
+    ) -> None:
+        """Fused path: shrink's fp32 split-K partials go straight to expand (2 launches, no memset)."""
+        if not info.has_lora:
+            return
+        n = len(slice_offsets) - 1
+        _, R = check_shrink_args(x, A, info, n)
+        check_expand_weights(A.shape[1], x.dtype, B, scalings, info, out, slice_offsets)
+        if info.num_tokens == 0:
+            return
+        p = _shrink_partials(x, A, info, n, R, True, self.split_k, zero=False)
+        _expand(p, B, scalings, info, out, slice_offsets, R, x.dtype)

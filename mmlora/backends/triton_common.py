@@ -1,0 +1,186 @@
+"""Shared pieces of the Triton LoRA backends: argument checks, launch heuristics, jitted helpers.
+
+Both backends follow :mod:`mmlora.backends.base`. Slice offsets of packed modules reach the kernels as
+scalar arguments (``o0 .. o4``, padded past ``n_slices`` with the last offset), so launches allocate
+nothing and need no device copy of the offsets: this keeps them capturable in CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from mmlora.lora.batch_info import LoRABatchInfo
+
+#: Packed modules in the supported models have at most 3 slices (q/k/v); 4 leaves room.
+MAX_SLICES = 4
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def dot_upcast(dtype: torch.dtype) -> bool:
+    """Whether kernels cast ``tl.dot`` operands to fp32 first.
+
+    The interpreter's bf16 dot returns garbage (seen with triton 3.9), so under the interpreter every
+    dot runs in fp32; on a GPU fp16/bf16 operands go to the tensor cores as they are.
+    """
+    return interpreting() or dtype == torch.float32
+
+
+@functools.lru_cache(maxsize=16)
+def _sm_count(device_type: str, index: int | None) -> int:
+    if device_type == "cuda":
+        return torch.cuda.get_device_properties(index or 0).multi_processor_count
+    return 4  # the interpreter: a small number keeps split-K exercised at tiny shapes
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (host-side, cached; 4 for CPU/interpreter)."""
+    return _sm_count(device.type, device.index)
+
+
+def next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def offset_args(slice_offsets: tuple[int, ...]) -> tuple[int, ...]:
+    """``slice_offsets`` padded to ``MAX_SLICES + 1`` scalars (repeating the last) for the kernels."""
+    offs = tuple(int(o) for o in slice_offsets)
+    return offs + (offs[-1],) * (MAX_SLICES + 1 - len(offs))
+
+
+def _check_2d_rows(name: str, t: torch.Tensor, min_rows: int) -> None:
+    if t.dim() != 2:
+        raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
+    if t.shape[0] < min_rows:
+        raise ValueError(f"{name} has {t.shape[0]} rows but the batch has {min_rows} tokens")
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dimension (stride {t.stride()})")
+
+
+def _check_dtype(name: str, t: torch.Tensor) -> None:
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"{name} has dtype {t.dtype}; supported: float32, float16, bfloat16")
+
+
+def _check_device(info: LoRABatchInfo, **tensors: torch.Tensor) -> None:
+    for name, t in tensors.items():
+        if t.device != info.device:
+            raise ValueError(f"{name} is on {t.device} but the LoRABatchInfo is on {info.device}")
+
+
+def check_shrink_args(
+    x: torch.Tensor, A: torch.Tensor, info: LoRABatchInfo, n_slices: int | None
+) -> tuple[int, int]:
+    """Validate shrink inputs; returns ``(n_slices, R)`` (``(1, n*R)`` when ``n_slices`` is unknown)."""
+    _check_2d_rows("x", x, info.num_tokens)
+    _check_dtype("x", x)
+    if A.dim() != 3:
+        raise ValueError(f"A must be 3-D [slots, n_slices * R, in_features], got shape {tuple(A.shape)}")
+    if A.dtype != x.dtype:
+        raise ValueError(f"A has dtype {A.dtype} but x has {x.dtype}")
+    if A.stride(-1) != 1:
+        raise ValueError(f"A must be contiguous in its last dimension (stride {A.stride()})")
+    if A.shape[2] != x.shape[1]:
+        raise ValueError(f"A has in_features {A.shape[2]} but x has {x.shape[1]}")
+    if A.shape[0] < info.num_slots:
+        raise ValueError(f"A has {A.shape[0]} slots but the batch info addresses {info.num_slots}")
+    _check_device(info, x=x, A=A)
+    if n_slices is None:
+        return 1, A.shape[1]
+    if not 1 <= n_slices <= MAX_SLICES or A.shape[1] % n_slices:
+        raise ValueError(f"n_slices={n_slices} does not divide A's {A.shape[1]} rows (max {MAX_SLICES})")
+    R = A.shape[1] // n_slices
+    if info.max_rank > R:
+        raise ValueError(f"batch max_rank {info.max_rank} exceeds the pool's rank R={R}")
+    return n_slices, R
+
+
+def check_expand_args(
+    h: torch.Tensor,
+    B: torch.Tensor,
+    scalings: torch.Tensor,
+    info: LoRABatchInfo,
+    out: torch.Tensor,
+    slice_offsets: tuple[int, ...],
+) -> tuple[int, int]:
+    """Validate expand inputs; returns ``(n_slices, R)``."""
+    _check_2d_rows("h", h, info.num_tokens)
+    _check_dtype("h", h)
+    _check_device(info, h=h)
+    return check_expand_weights(h.shape[1], h.dtype, B, scalings, info, out, slice_offsets)
+
+
+def check_expand_weights(
+    h_cols: int,
+    h_dtype: torch.dtype,
+    B: torch.Tensor,
+    scalings: torch.Tensor,
+    info: LoRABatchInfo,
+    out: torch.Tensor,
+    slice_offsets: tuple[int, ...],
+) -> tuple[int, int]:
+    """Validate expand's B, scalings, out and offsets against an ``h`` of ``h_cols`` columns of
+    ``h_dtype``; returns ``(n_slices, R)``."""
+    _check_2d_rows("out", out, info.num_tokens)
+    _check_dtype("out", out)
+    if B.dim() != 3:
+        raise ValueError(f"B must be 3-D [slots, out_features, R], got shape {tuple(B.shape)}")
+    if B.dtype != h_dtype:
+        raise ValueError(f"B has dtype {B.dtype} but h (x) has {h_dtype}")
+    if B.stride(-1) != 1:
+        raise ValueError(f"B must be contiguous in its last dimension (stride {B.stride()})")
+    n = len(slice_offsets) - 1
+    if not 1 <= n <= MAX_SLICES:
+        raise ValueError(f"slice_offsets {slice_offsets} must describe 1..{MAX_SLICES} slices")
+    if slice_offsets[0] != 0 or any(a > b for a, b in zip(slice_offsets, slice_offsets[1:])):
+        raise ValueError(f"slice_offsets {slice_offsets} must start at 0 and be non-decreasing")
+    if slice_offsets[-1] != B.shape[1] or out.shape[1] != B.shape[1]:
+        raise ValueError(
+            f"slice_offsets end {slice_offsets[-1]}, B out_features {B.shape[1]} and out width "
+            f"{out.shape[1]} must agree"
+        )
+    R = B.shape[2]
+    if h_cols != n * R:
+        raise ValueError(f"h (A) has {h_cols} columns (rows) but n_slices * R = {n} * {R}")
+    if B.shape[0] < info.num_slots:
+        raise ValueError(f"B has {B.shape[0]} slots but the batch info addresses {info.num_slots}")
+    if scalings.dtype != torch.float32 or scalings.dim() != 2 or scalings.shape[1] != n:
+        raise ValueError(
+            f"scalings must be float32 [slots, {n}], got {scalings.dtype} {tuple(scalings.shape)}"
+        )
+    if scalings.shape[0] < info.num_slots or scalings.stride(-1) != 1:
+        raise ValueError(f"scalings must have >= {info.num_slots} slots and a contiguous last dimension")
+    if info.max_rank > R:
+        raise ValueError(f"batch max_rank {info.max_rank} exceeds the pool's rank R={R}")
+    _check_device(info, B=B, scalings=scalings, out=out)
+    return n, R
+
+
+@triton.jit
+def slice_bound(i: tl.constexpr, o0, o1, o2, o3, o4):
+    """The ``i``-th slice offset among the scalar offsets (``i`` known at compile time)."""
+    if i == 0:  # noqa: SIM116  (no dicts in jitted code)
+        return o0
+    elif i == 1:
+        return o1
+    elif i == 2:
+        return o2
+    elif i == 3:
+        return o3
+    else:
+        return o4
+
+
+@triton.jit
+def select_bound(s, o0, o1, o2, o3, o4):
+    """The ``s``-th slice offset for a run-time scalar ``s`` in [0, MAX_SLICES]."""
+    return tl.where(s == 0, o0, tl.where(s == 1, o1, tl.where(s == 2, o2, tl.where(s == 3, o3, o4))))

@@ -1,0 +1,242 @@
+"""triton-sgmv: segmented gather matmul (Punica's SGMV) for runs of tokens that share an adapter.
+
+One program computes a tile of ``BLOCK_M`` tokens of one segment against that segment's adapter with
+``tl.dot``; the grid is (segments x token tiles x output tiles) flattened on axis 0, sized from host
+ints of the batch info (``num_segments``, the longest segment, the pool rank), so launches need no
+device sync. Programs past the end of their segment, of a base-only segment (slot -1) or of their
+adapter's rank return early: mixed ranks share one launch without computing the padding.
+
+CUDA graphs: the grid depends on ``num_segments`` and the longest segment, so a captured graph is
+valid only for replays with the same segment structure; decode graphs (where requests on the same
+adapter merge into longer segments) are better served by ``triton-bgmv``, whose grid depends on the
+token count alone.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mmlora.backends.base import LoRABackend
+from mmlora.backends.registry import register_backend
+from mmlora.backends.triton_common import (
+    check_expand_args,
+    check_shrink_args,
+    dot_upcast,
+    next_pow2,
+    offset_args,
+    select_bound,
+)
+from mmlora.lora.batch_info import LoRABatchInfo
+
+
+@triton.jit
+def _sgmv_shrink_kernel(
+    x_ptr, a_ptr, h_ptr, seg_indptr_ptr, weight_indices_ptr, ranks_ptr,
+    in_features, R, stride_xm, stride_as, stride_ar, stride_hm, M_TILES, R_TILES,
+    N_SLICES: tl.constexpr, NS_P2: tl.constexpr, SKIP_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    """Shrink: for segment i with slot w[i] >= 0: ``h[s[i]:s[i+1]] = x[s[i]:s[i+1]] @ A[w[i]].T``.
+
+    x [T, in] (fp32/fp16/bf16), A [S, N_SLICES * R, in] (x.dtype), h [T, N_SLICES * R] (x.dtype).
+    A program covers BLOCK_M tokens x (all slices, BLOCK_R ranks). Rows of base-only segments and
+    columns past the adapter's rank are written as zeros; fp32 accumulation.
+    """
+    pid = tl.program_id(0)
+    pid_r = pid % R_TILES
+    pid_m = (pid // R_TILES) % M_TILES
+    seg = pid // (R_TILES * M_TILES)
+    seg_end = tl.load(seg_indptr_ptr + seg + 1)
+    m0 = tl.load(seg_indptr_ptr + seg) + pid_m * BLOCK_M
+    if m0 >= seg_end:
+        return
+    slot = tl.load(weight_indices_ptr + seg)
+    if SKIP_PAD:
+        rank = tl.load(ranks_ptr + tl.maximum(slot, 0))
+    else:
+        rank = R
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < seg_end
+    j = tl.arange(0, NS_P2 * BLOCK_R)
+    r = pid_r * BLOCK_R + j % BLOCK_R
+    col = (j // BLOCK_R) * R + r
+    col_ok = (j // BLOCK_R < N_SLICES) & (r < R)
+    h_ptrs = h_ptr + offs_m[:, None] * stride_hm + col[None, :]
+    h_mask = m_ok[:, None] & col_ok[None, :]
+    if (slot < 0) | (pid_r * BLOCK_R >= rank):
+        tl.store(h_ptrs, tl.zeros((BLOCK_M, NS_P2 * BLOCK_R), dtype=h_ptr.dtype.element_ty), mask=h_mask)
+        return
+    w_ok = col_ok & (r < rank)
+    a_base = a_ptr + slot.to(tl.int64) * stride_as + col * stride_ar
+    acc = tl.zeros((BLOCK_M, NS_P2 * BLOCK_R), dtype=tl.float32)
+    for k0 in range(0, in_features, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = kk < in_features
+        xt = tl.load(
+            x_ptr + offs_m[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0
+        )
+        at = tl.load(a_base[None, :] + kk[:, None], mask=w_ok[None, :] & k_ok[:, None], other=0.0)
+        if UPCAST:
+            xt = xt.to(tl.float32)
+            at = at.to(tl.float32)
+        acc = tl.dot(xt, at, acc, input_precision=PREC)
+    tl.store(h_ptrs, acc.to(h_ptr.dtype.element_ty), mask=h_mask)
+
+
+@triton.jit
+def _sgmv_expand_kernel(
+    h_ptr, b_ptr, out_ptr, scal_ptr, seg_indptr_ptr, weight_indices_ptr, ranks_ptr,
+    R, stride_hm, stride_bs, stride_bn, stride_om, stride_ss, o0, o1, o2, o3, o4, M_TILES, N_TILES,
+    N_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    """Expand, all slices in one launch: for segment i with slot w[i] >= 0 and slice j:
+    ``y[s[i]:s[i+1], o[j]:o[j+1]] += h[s[i]:s[i+1], j*R:j*R+r] @ B[w[i], o[j]:o[j+1], :r].T * sc[w[i], j]``.
+
+    h [T, N_SLICES * R], B [S, out, R] (h.dtype), scalings [S, N_SLICES] fp32, out [T, out] (any float
+    dtype, updated in place), r = ranks[w[i]]. A program covers BLOCK_M tokens x BLOCK_N columns of one
+    slice and loops over the rank only up to r; fp32 accumulation.
+    """
+    pid = tl.program_id(0)
+    pid_n = pid % (N_SLICES * N_TILES)
+    pid_m = (pid // (N_SLICES * N_TILES)) % M_TILES
+    seg = pid // (N_SLICES * N_TILES * M_TILES)
+    s = pid_n // N_TILES
+    lo = select_bound(s, o0, o1, o2, o3, o4)
+    hi = select_bound(s + 1, o0, o1, o2, o3, o4)
+    n0 = lo + (pid_n % N_TILES) * BLOCK_N
+    seg_end = tl.load(seg_indptr_ptr + seg + 1)
+    m0 = tl.load(seg_indptr_ptr + seg) + pid_m * BLOCK_M
+    slot = tl.load(weight_indices_ptr + seg)
+    if (n0 >= hi) | (m0 >= seg_end) | (slot < 0):
+        return
+    rank = tl.load(ranks_ptr + slot)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < seg_end
+    n_ok = offs_n < hi
+    b_base = b_ptr + slot.to(tl.int64) * stride_bs + offs_n * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, rank, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = kk < rank
+        ht = tl.load(
+            h_ptr + offs_m[:, None] * stride_hm + (s * R + kk)[None, :],
+            mask=m_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )
+        bt = tl.load(b_base[None, :] + kk[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        if UPCAST:
+            ht = ht.to(tl.float32)
+            bt = bt.to(tl.float32)
+        acc = tl.dot(ht, bt, acc, input_precision=PREC)
+    scale = tl.load(scal_ptr + slot * stride_ss + s)
+    o_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    o_mask = m_ok[:, None] & n_ok[None, :]
+    prev = tl.load(o_ptrs, mask=o_mask)
+    tl.store(o_ptrs, (prev.to(tl.float32) + acc * scale).to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+def _block_m(max_seg_len: int) -> int:
+    return min(64, max(16, next_pow2(max_seg_len)))
+
+
+def sgmv_shrink(
+    x: torch.Tensor, A: torch.Tensor, info: LoRABatchInfo, n_slices: int | None = None
+) -> torch.Tensor:
+    """``h [T, n*R] = per-segment x @ A[slot].T`` (zeros for base-only rows), in x.dtype.
+
+    ``n_slices`` (the number of slices packed in A) lets the kernel skip rank padding per slice; when
+    None, A's rows are one slice of width n*R and every row is computed (same result, more work).
+    """
+    n, R = check_shrink_args(x, A, info, n_slices)
+    T = info.num_tokens
+    h = torch.empty(T, A.shape[1], dtype=x.dtype, device=x.device)
+    if not info.has_lora or T == 0:
+        h.zero_()
+        return h
+    skip_pad = n_slices is not None
+    ns_p2 = next_pow2(n)
+    top_rank = info.max_rank if skip_pad else R
+    block_r = min(max(16, next_pow2(top_rank)), max(16, 128 // ns_p2))
+    block_m = _block_m(max(info.seg_lens_host))
+    m_tiles = triton.cdiv(max(info.seg_lens_host), block_m)
+    r_tiles = triton.cdiv(R, block_r)
+    grid = (info.num_segments * m_tiles * r_tiles,)
+    _sgmv_shrink_kernel[grid](
+        x, A, h, info.seg_indptr, info.weight_indices, info.ranks,
+        x.shape[1], R, x.stride(0), A.stride(0), A.stride(1), h.stride(0), m_tiles, r_tiles,
+        N_SLICES=n, NS_P2=ns_p2, SKIP_PAD=skip_pad, BLOCK_M=block_m, BLOCK_R=block_r,
+        BLOCK_K=64 if block_m >= 64 else 128, UPCAST=dot_upcast(x.dtype),
+        PREC="ieee" if x.dtype == torch.float32 else "tf32",
+    )  # fmt: skip
+    return h
+
+
+def sgmv_expand(
+    h: torch.Tensor,
+    B: torch.Tensor,
+    scalings: torch.Tensor,
+    info: LoRABatchInfo,
+    out: torch.Tensor,
+    slice_offsets: tuple[int, ...],
+) -> None:
+    """``out[seg, slice] += h[seg, slice] @ B[slot, slice].T * scalings[slot, slice]`` in one launch."""
+    n, R = check_expand_args(h, B, scalings, info, out, slice_offsets)
+    if not info.has_lora or info.num_tokens == 0:
+        return
+    widths = [b - a for a, b in zip(slice_offsets, slice_offsets[1:])]
+    max_seg = max(info.seg_lens_host)
+    block_m = _block_m(max_seg)
+    block_n = 128 if block_m <= 32 else 64
+    block_k = min(64, max(16, next_pow2(info.max_rank)))
+    m_tiles = triton.cdiv(max_seg, block_m)
+    n_tiles = triton.cdiv(max(widths), block_n)
+    grid = (info.num_segments * m_tiles * n * n_tiles,)
+    _sgmv_expand_kernel[grid](
+        h, B, out, scalings, info.seg_indptr, info.weight_indices, info.ranks,
+        R, h.stride(0), B.stride(0), B.stride(1), out.stride(0), scalings.stride(0),
+        *offset_args(slice_offsets), m_tiles, n_tiles,
+        N_SLICES=n, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=dot_upcast(h.dtype),
+        PREC="ieee" if h.dtype == torch.float32 else "tf32",
+    )  # fmt: skip
+
+
+@register_backend("triton-sgmv")
+class TritonSGMVBackend(LoRABackend):
+    """Segment-tiled Triton kernels; best for prefill and chunked prefill (long runs on one adapter)."""
+
+    def shrink(
+        self, x: torch.Tensor, A: torch.Tensor, info: LoRABatchInfo, n_slices: int | None = None
+    ) -> torch.Tensor:
+        return sgmv_shrink(x, A, info, n_slices)
+
+    def expand(
+        self,
+        h: torch.Tensor,
+        B: torch.Tensor,
+        scalings: torch.Tensor,
+        info: LoRABatchInfo,
+        out: torch.Tensor,
+        slice_offsets: tuple[int, ...],
+    ) -> None:
+        sgmv_expand(h, B, scalings, info, out, slice_offsets)
+
+    def add_lora(
+        self,
+        out: torch.Tensor,
+        x: torch.Tensor,
+        A: torch.Tensor,
+        B: torch.Tensor,
+        scalings: torch.Tensor,
+        info: LoRABatchInfo,
+        slice_offsets: tuple[int, ...],
+    ) -> None:
+        """As the base class, but shrink knows the slice count, so it skips rank padding per slice."""
+        if not info.has_lora:
+            return
+        h = sgmv_shrink(x, A, info, n_slices=len(slice_offsets) - 1)
+        sgmv_expand(h, B, scalings, info, out, slice_offsets)

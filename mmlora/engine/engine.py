@@ -1,0 +1,342 @@
+"""Engine: add requests, step (schedule -> run -> sample -> postprocess), stream and abort.
+
+Not thread-safe: one thread drives ``step``. ``mmlora.engine.background.BackgroundEngine`` runs it
+on a thread for the server and the app.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from mmlora.config import EngineConfig
+from mmlora.engine.detokenizer import take_delta, update_text
+from mmlora.engine.model_runner import ModelRunner
+from mmlora.engine.request import Request, Status
+from mmlora.engine.sampler import sample
+from mmlora.engine.sampling_params import RequestOutput, SamplingParams
+from mmlora.engine.scheduler import Scheduler
+from mmlora.engine.setup import build_engine_parts
+from mmlora.lora.registry import AdapterEntry
+
+logger = logging.getLogger(__name__)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig | None = None, **kwargs: Any) -> None:
+        if config is None:
+            config = EngineConfig.from_kwargs(**kwargs)
+        elif kwargs:
+            config = config.replace(**kwargs)
+        self.config = config
+        parts = build_engine_parts(config)
+        self.device = parts.device
+        self.model = parts.model
+        self.hf_config = parts.hf_config
+        self.tokenizer = parts.tokenizer
+        self.lora = parts.lora
+        self.kv_cache = parts.kv_cache
+        self.max_model_len = parts.max_model_len
+        self.model_name = config.model.served_model_name or parts.source.name
+        self.is_multimodal = self.model.is_multimodal
+        self.runner = ModelRunner(self.model, self.kv_cache, parts.attention, self.lora, self.device)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache.allocator, self.lora)
+        self.eos_ids = parts.eos_ids
+        self._requests: dict[str, Request] = {}
+        self._aborts: set[str] = set()
+        self._pending_unloads: list[AdapterEntry] = []
+        self._ids = itertools.count()
+        self.counters = {"prompt_tokens_total": 0, "generation_tokens_total": 0, "requests_finished_total": 0}
+
+    # ---- requests -------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: str | None = None,
+        *,
+        input_ids: Sequence[int] | None = None,
+        sampling_params: SamplingParams | dict | None = None,
+        lora: str | None = None,
+        images: Sequence[Any] | None = None,
+        request_id: str | None = None,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+    ) -> str:
+        """Validate and queue one request; raises ValueError naming what is wrong."""
+        sp = SamplingParams.from_any(sampling_params)
+        if sp.n != 1:
+            raise ValueError("sampling_params.n: add_request takes n=1; generate() expands n")
+        if not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= 20:
+            raise ValueError("top_logprobs_num: must be an integer in [0, 20]")
+        rid = request_id if request_id is not None else uuid.uuid4().hex
+        if rid in self._requests:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        if len(self.scheduler.waiting) >= self.config.scheduler.max_queued_requests:
+            raise OverflowError(f"the queue is full ({self.config.scheduler.max_queued_requests} waiting requests)")
+        ids, mm_inputs = self._prepare_prompt(prompt, input_ids, images)
+        if len(ids) + 1 > self.max_model_len:
+            raise ValueError(f"prompt: {len(ids)} tokens leave no room in max_model_len={self.max_model_len}")
+        blocks = self.kv_cache.allocator.blocks_needed(len(ids) + 1, 0)
+        if blocks > self.kv_cache.allocator.num_blocks:
+            raise ValueError(f"prompt: {len(ids)} tokens do not fit in the KV cache")
+        entry = self.lora.resolve(lora)
+        if entry is not None:
+            self.lora.registry.acquire(entry)
+        req = Request(rid, ids, sp, entry, return_logprob, top_logprobs_num, mm_inputs)
+        if sp.seed is not None:
+            req.generator = torch.Generator(device=self.device).manual_seed(sp.seed)
+        self._requests[rid] = req
+        self.scheduler.add(req)
+        return rid
+
+    def _prepare_prompt(self, prompt: str | None, input_ids: Sequence[int] | None, images: Any) -> tuple[list[int], Any]:
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("give exactly one of text (prompt) and input_ids")
+        if images and not self.is_multimodal:
+            raise ValueError(f"images: the model {self.model_name!r} is text-only and takes no images")
+        if self.is_multimodal:
+            return self.model.prepare_prompt(self.tokenizer, prompt, input_ids, images or [])
+        if prompt is not None:
+            if not isinstance(prompt, str):
+                raise ValueError(f"text: expected a string, got {type(prompt).__name__}")
+            if self.tokenizer is None:
+                raise ValueError("text: this model has no tokenizer; give input_ids")
+            ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        else:
+            ids = list(input_ids)
+            vocab = self.hf_config.vocab_size
+            if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+                raise ValueError(f"input_ids: every id must be an integer in [0, {vocab})")
+        if not ids:
+            raise ValueError("prompt: empty")
+        return list(ids), None
+
+    def abort(self, request_id: str) -> None:
+        if request_id in self._requests:
+            self._aborts.add(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    # ---- the step -------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduling step; the outputs of every request that progressed or finished."""
+        outputs = [self._finish(self._requests[rid], "abort") for rid in self._aborts if rid in self._requests]
+        self._aborts.clear()
+        batch, failed = self.scheduler.schedule()
+        outputs += [self._finish(req, "abort") for req in failed]
+        if len(batch):
+            logits, sampling = self.runner.forward(batch)
+            for req, n in zip(batch.requests, batch.num_new):
+                req.num_computed += n
+            if sampling:
+                reqs = [batch.requests[i] for i in sampling]
+                tokens, logprobs = sample(logits, reqs)
+                now = time.monotonic()
+                for row, (req, tok) in enumerate(zip(reqs, tokens)):
+                    self._append_token(req, tok, logprobs[row], now)
+                    outputs.append(self._output(req))
+        self._finish_unloads()
+        return outputs
+
+    def _append_token(self, req: Request, token: int, logprobs: torch.Tensor, now: float) -> None:
+        if req.first_token_time is None:
+            req.first_token_time = now
+            self.counters["prompt_tokens_total"] += len(req.prompt_ids)
+        self.counters["generation_tokens_total"] += 1
+        req.output_ids.append(token)
+        if req.return_logprob:
+            req.logprobs.append(float(logprobs[token]))
+            if req.top_logprobs_num:
+                vals, idx = logprobs.topk(req.top_logprobs_num)
+                req.top_logprobs.append(list(zip(idx.tolist(), vals.tolist())))
+        sp = req.sampling
+        n_out = len(req.output_ids)
+        if n_out >= sp.min_new_tokens:
+            if not sp.ignore_eos and token in self.eos_ids:
+                req.finish_reason, req.matched_stop = "stop", token
+            elif token in sp.stop_token_ids:
+                req.finish_reason, req.matched_stop = "stop", token
+        if req.finish_reason is None and (n_out >= sp.max_new_tokens or req.num_tokens >= self.max_model_len):
+            req.finish_reason = "length"
+        update_text(req, self.tokenizer)
+        if req.finish_reason is not None:
+            self._finish(req, req.finish_reason)
+
+    def _finish(self, req: Request, reason: str) -> RequestOutput:
+        if req.status is not Status.FINISHED:
+            req.finish_reason = req.finish_reason or reason
+            req.status = Status.FINISHED
+            req.finish_time = time.monotonic()
+            self.scheduler.remove(req)
+            if req.lora is not None:
+                self.lora.registry.release(req.lora)
+            self._requests.pop(req.rid, None)
+            self.counters["requests_finished_total"] += 1
+        return self._output(req)
+
+    def _output(self, req: Request) -> RequestOutput:
+        delta_ids = req.output_ids[req.sent_ids_len :]
+        req.sent_ids_len = len(req.output_ids)
+        return RequestOutput(
+            request_id=req.rid,
+            prompt_tokens=len(req.prompt_ids),
+            lora_name=req.lora_name,
+            text=req.text,
+            output_ids=list(req.output_ids),
+            logprobs=list(req.logprobs) if req.return_logprob else None,
+            top_logprobs=list(req.top_logprobs) if req.top_logprobs_num else None,
+            delta_text=take_delta(req),
+            delta_ids=delta_ids,
+            finish_reason=req.finish_reason if req.finished else None,
+            matched_stop=req.matched_stop,
+            error=req.error,
+            first_token_time=req.first_token_time,
+            arrival_time=req.arrival_time,
+            finish_time=req.finish_time,
+        )
+
+    # ---- convenience ----------------------------------------------------------------------------
+
+    def generate(
+        self,
+        texts: str | Sequence[str] | None = None,
+        lora_paths: str | Sequence[str | None] | None = None,
+        images: Sequence[Any] | None = None,
+        sampling_params: SamplingParams | dict | Sequence[SamplingParams | dict] | None = None,
+        *,
+        input_ids: Sequence[Sequence[int]] | None = None,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+    ) -> list[RequestOutput]:
+        """Run a batch to completion: one output per prompt (``n`` consecutive outputs when n > 1)."""
+        prompts: list[Any] = [texts] if isinstance(texts, str) else list(texts) if texts is not None else []
+        if input_ids is not None:
+            if prompts:
+                raise ValueError("give texts or input_ids, not both")
+            prompts = [None] * len(input_ids)
+        count = len(prompts)
+        loras = _per_prompt(lora_paths, count, "lora_paths")
+        imgs = _per_prompt(images, count, "images", list_is_per_prompt=True)
+        params = _per_prompt(sampling_params, count, "sampling_params")
+        rids: list[str] = []
+        try:
+            for i in range(count):
+                sp = SamplingParams.from_any(params[i])
+                for j in range(sp.n):
+                    seed = sp.seed + j if sp.seed is not None else None
+                    one = SamplingParams(**{**sp.__dict__, "n": 1, "seed": seed})
+                    rid = self.add_request(
+                        prompts[i],
+                        input_ids=input_ids[i] if input_ids is not None else None,
+                        sampling_params=one,
+                        lora=loras[i],
+                        images=_as_list(imgs[i]),
+                        request_id=f"gen-{next(self._ids)}",
+                        return_logprob=return_logprob,
+                        top_logprobs_num=top_logprobs_num,
+                    )
+                    rids.append(rid)
+        except Exception:
+            for rid in rids:
+                self.abort(rid)
+            while any(r in self._requests for r in rids):
+                self.step()
+            raise
+        results: dict[str, RequestOutput] = {}
+        while len(results) < len(rids):
+            for out in self.step():
+                if out.finished:
+                    results[out.request_id] = out
+        return [results[rid] for rid in rids]
+
+    def stream(self, prompt: str | None = None, **kwargs: Any) -> Iterator[RequestOutput]:
+        """Add one request and yield its increments until it finishes (drives the other requests too)."""
+        rid = self.add_request(prompt, **kwargs)
+        try:
+            while True:
+                for out in self.step():
+                    if out.request_id == rid:
+                        yield out
+                        if out.finished:
+                            return
+        finally:
+            if rid in self._requests:
+                self.abort(rid)
+                while rid in self._requests:
+                    self.step()
+
+    # ---- adapters -------------------------------------------------------------------------------
+
+    def load_lora(self, name: str, path: str, pinned: bool = False) -> None:
+        self.lora.load(name, path, pinned=pinned)
+
+    def unload_lora(self, name: str) -> None:
+        """Refuse new requests for ``name`` now; free its slot and host copy once its requests finish."""
+        entry = self.lora.registry.mark_unloading(name)
+        self._pending_unloads.append(entry)
+        self._finish_unloads()
+
+    def _finish_unloads(self) -> None:
+        for entry in list(self._pending_unloads):
+            if entry.refcount == 0:
+                self.lora.finish_unload(entry)
+                self._pending_unloads.remove(entry)
+
+    def list_loras(self) -> list[dict[str, Any]]:
+        pool = self.lora.pool
+        return [
+            {
+                "name": e.name,
+                "path": e.path,
+                "rank": e.rank,
+                "pinned": e.pinned,
+                "in_gpu_slot": pool.slot_of(e.uid) is not None,
+                "in_host_cache": pool.in_host(e.uid),
+                "active_requests": e.refcount,
+                "unloading": e.unloading,
+            }
+            for e in self.lora.registry.entries()
+        ]
+
+    def stats(self) -> dict[str, Any]:
+        sched, alloc = self.scheduler, self.kv_cache.allocator
+        return {
+            "num_running": len(sched.running),
+            "num_waiting": len(sched.waiting),
+            "kv_cache_usage": alloc.usage,
+            "kv_tokens_total": alloc.num_blocks * alloc.block_size,
+            "running_loras": sorted({r.lora_name for r in sched.running if r.lora is not None}),
+            "waiting_loras": sorted({r.lora_name for r in sched.waiting if r.lora is not None}),
+            "max_loras": self.lora.pool.num_slots,
+            "slots_used": self.lora.pool.slots_used,
+            "num_preemptions_total": sched.num_preemptions,
+            **self.counters,
+        }
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(f"the model {self.model_name!r} has no chat template")
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def _as_list(value: Any) -> list[Any] | None:
+    if value is None:
+        return None
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _per_prompt(value: Any, count: int, name: str, list_is_per_prompt: bool = False) -> list[Any]:
+    """One value for all prompts, or a list aligned with them (its length is checked)."""
+    if isinstance(value, (list, tuple)) and (list_is_per_prompt or not isinstance(value, str)):
+        if len(value) != count:
+            raise ValueError(f"{name}: has {len(value)} entries for {count} prompts")
+        return list(value)
+    return [value] * count

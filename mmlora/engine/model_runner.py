@@ -1,0 +1,89 @@
+"""ModelRunner: turns a ScheduledBatch into a ForwardBatch, runs the model, returns logits."""
+
+from __future__ import annotations
+
+import torch
+
+from mmlora.engine.forward_batch import ForwardBatch
+from mmlora.engine.scheduler import ScheduledBatch
+from mmlora.kvcache.allocator import KVCache
+from mmlora.layers.attention import AttentionBackend, AttentionMetadata
+from mmlora.lora.manager import LoRAManager
+from mmlora.models.base import CausalLM
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: CausalLM,
+        kv_cache: KVCache,
+        attention: AttentionBackend,
+        lora: LoRAManager,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.lora = lora
+        self.device = device
+        self.block_size = kv_cache.allocator.block_size
+        for i, layer in enumerate(model.layers):
+            attn = layer.self_attn
+            attn.backend = attention
+            attn.k_cache, attn.v_cache = kv_cache.layer(i)
+
+    def _i32(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32).to(self.device, non_blocking=True)
+
+    def build(self, sched: ScheduledBatch) -> tuple[ForwardBatch, list[int]]:
+        """The ForwardBatch, and the batch indices of requests that sample this step."""
+        ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        qsl, seq_lens, ctx_lens = [0], [], []
+        logits_rows, sampling = [], []
+        bs = self.block_size
+        for b, (req, n) in enumerate(zip(sched.requests, sched.num_new)):
+            start = req.num_computed
+            ids.extend(req.all_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            slot_mapping.extend(req.blocks[p // bs] * bs + p % bs for p in range(start, start + n))
+            qsl.append(qsl[-1] + n)
+            seq_lens.append(start + n)
+            ctx_lens.append(start)
+            if start + n == req.num_tokens:
+                logits_rows.append(qsl[-1] - 1)
+                sampling.append(b)
+        max_blocks = max(len(r.blocks) for r in sched.requests)
+        tables = [r.blocks + [0] * (max_blocks - len(r.blocks)) for r in sched.requests]
+        attn = AttentionMetadata(
+            query_start_loc=self._i32(qsl),
+            seq_lens=self._i32(seq_lens),
+            context_lens=self._i32(ctx_lens),
+            block_tables=torch.tensor(tables, dtype=torch.int32).to(self.device, non_blocking=True),
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64).to(self.device, non_blocking=True),
+            num_seqs=len(sched),
+            num_tokens=len(ids),
+            max_query_len=max(sched.num_new),
+            max_seq_len=max(seq_lens),
+            query_lens_host=list(sched.num_new),
+            seq_lens_host=seq_lens,
+        )
+        batch = ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True),
+            positions=torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True),
+            attn=attn,
+            lora=self.lora.info,
+            logits_rows=torch.tensor(logits_rows, dtype=torch.long).to(self.device, non_blocking=True),
+        )
+        return batch, sampling
+
+    @torch.inference_mode()
+    def forward(self, sched: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
+        """fp32 logits [B', V] for the requests that sample (their batch indices second)."""
+        batch, sampling = self.build(sched)
+        slots = [r.slot for r in sched.requests]
+        with self.lora.activate(list(sched.num_new), slots):
+            hidden = self.model(batch)
+        if not sampling:
+            return hidden.new_empty(0, 0, dtype=torch.float32), sampling
+        return self.model.compute_logits(hidden[batch.logits_rows]), sampling

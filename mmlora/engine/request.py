@@ -1,0 +1,70 @@
+"""Request: one sequence's state from arrival to finish."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from mmlora.engine.sampling_params import SamplingParams
+from mmlora.lora.registry import AdapterEntry
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    """Tokens ``all_ids[:num_computed]`` have their K/V in the request's pages; the rest run next.
+
+    A request samples when a forward brings ``num_computed`` up to ``len(all_ids)``. Preemption frees
+    its pages and sets ``num_computed`` to 0: the prompt and the output so far are recomputed.
+    """
+
+    rid: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    lora: AdapterEntry | None
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    mm_inputs: Any = None  # model-specific multimodal inputs (images), prepared at add_request
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    num_computed: int = 0
+    blocks: list[int] = field(default_factory=list)
+    slot: int = -1
+    status: Status = Status.WAITING
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    finish_reason: str | None = None
+    matched_stop: str | int | None = None
+    error: str | None = None
+    text: str = ""
+    sent_text_len: int = 0
+    sent_ids_len: int = 0
+    generator: torch.Generator | None = None
+    num_preemptions: int = 0
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def lora_name(self) -> str | None:
+        return self.lora.name if self.lora is not None else None
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED

@@ -1,0 +1,58 @@
+"""Sampling: penalties, temperature, top-k / top-p / min-p, per-request seeds, logprobs of the model."""
+
+from __future__ import annotations
+
+import torch
+
+from mmlora.engine.request import Request
+
+
+def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """Repetition penalty (HF style, over prompt + output) and OpenAI frequency / presence penalties (output)."""
+    for i, req in enumerate(requests):
+        sp = req.sampling
+        if sp.repetition_penalty != 1.0:
+            ids = torch.tensor(sorted(set(req.all_ids)), device=logits.device, dtype=torch.long)
+            vals = logits[i, ids]
+            logits[i, ids] = torch.where(vals > 0, vals / sp.repetition_penalty, vals * sp.repetition_penalty)
+        if (sp.frequency_penalty or sp.presence_penalty) and req.output_ids:
+            ids, counts = torch.tensor(req.output_ids, device=logits.device).unique(return_counts=True)
+            logits[i, ids] -= sp.frequency_penalty * counts.to(logits.dtype) + sp.presence_penalty
+    return logits
+
+
+def _filter(probs_logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """Mask logits outside top-k, top-p and min-p (each row its own settings)."""
+    logits = probs_logits
+    B, V = logits.shape
+    top_k = torch.tensor([r.sampling.top_k if r.sampling.top_k > 0 else V for r in requests], device=logits.device)
+    top_p = torch.tensor([r.sampling.top_p for r in requests], device=logits.device, dtype=logits.dtype)
+    min_p = torch.tensor([r.sampling.min_p for r in requests], device=logits.device, dtype=logits.dtype)
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(V, device=logits.device).expand(B, V)
+    remove = ranks >= top_k.clamp(max=V).unsqueeze(1)
+    probs = sorted_logits.softmax(dim=-1)
+    cum = probs.cumsum(dim=-1)
+    remove |= (cum - probs) > top_p.unsqueeze(1)  # keep the smallest prefix reaching top_p
+    remove |= probs < (min_p.unsqueeze(1) * probs[:, :1])
+    remove[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def sample(logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], torch.Tensor]:
+    """logits [B, V] fp32 -> (next token ids, log_softmax of the raw logits [B, V])."""
+    logprobs = torch.log_softmax(logits, dim=-1)
+    logits = _apply_penalties(logits.clone(), requests)
+    greedy = [r.sampling.greedy for r in requests]
+    tokens = logits.argmax(dim=-1)
+    if not all(greedy):
+        temps = torch.tensor(
+            [1.0 if g else r.sampling.temperature for r, g in zip(requests, greedy)], device=logits.device
+        )
+        probs = _filter(logits / temps.unsqueeze(1), requests).softmax(dim=-1)
+        for i, req in enumerate(requests):
+            if greedy[i]:
+                continue
+            tokens[i] = torch.multinomial(probs[i], 1, generator=req.generator)[0]
+    return tokens.tolist(), logprobs

@@ -1,0 +1,147 @@
+"""Building an engine's parts: device and dtype, model and weights, LoRA pool, KV cache sized to memory."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mmlora.config import EngineConfig
+from mmlora.kvcache.allocator import KVCache
+from mmlora.layers.attention import AttentionBackend, get_attention_backend
+from mmlora.lora.manager import LoRAManager
+from mmlora.models.base import CausalLM
+from mmlora.models.loader import ModelSource, iter_weights, load_config, load_tokenizer, resolve_model
+from mmlora.models.registry import model_class_for
+
+logger = logging.getLogger(__name__)
+
+CPU_DEFAULT_KV_TOKENS = 32768
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class EngineParts:
+    device: torch.device
+    dtype: torch.dtype
+    source: ModelSource
+    hf_config: Any
+    tokenizer: Any
+    model: CausalLM
+    lora: LoRAManager
+    kv_cache: KVCache
+    attention: AttentionBackend
+    max_model_len: int
+    eos_ids: set[int]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device: {name!r} asked for, but CUDA is not available here")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device, hf_config: Any) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32
+    configured = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
+    return configured if configured in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+def _text_config(hf_config: Any) -> Any:
+    return getattr(hf_config, "text_config", None) or hf_config
+
+
+def build_engine_parts(config: EngineConfig) -> EngineParts:
+    mc = config.model
+    device = resolve_device(mc.device)
+    source = resolve_model(mc.model)
+    hf_config = load_config(source)
+    cls = model_class_for(hf_config)
+    dtype = resolve_dtype(mc.dtype, device, hf_config)
+    tokenizer = load_tokenizer(source, mc.tokenizer)
+    torch.manual_seed(mc.seed)
+    with torch.device(device):
+        model = cls(hf_config).to(dtype)
+    if source.kind == "dummy":
+        model.init_dummy_weights(mc.seed)
+    else:
+        model.load_weights(iter_weights(source, hf_config))
+    model.eval().requires_grad_(False)
+
+    sched = config.scheduler
+    max_tokens = max(sched.max_num_batched_tokens, sched.max_running_requests)
+    lora = LoRAManager(model, config.lora, max_tokens, dtype, device)
+
+    text_cfg = _text_config(hf_config)
+    max_model_len = mc.max_model_len or int(getattr(text_cfg, "max_position_embeddings", 4096))
+    attn0 = model.layers[0].self_attn
+    per_token = KVCache.bytes_per_token(len(model.layers), attn0.num_kv_heads, attn0.head_dim, dtype)
+    num_blocks = _plan_kv_blocks(config, device, per_token, max_tokens, text_cfg.vocab_size)
+    kv_cache = KVCache(
+        len(model.layers), num_blocks, config.cache.block_size, attn0.num_kv_heads, attn0.head_dim, dtype, device
+    )
+    logger.info(
+        "KV cache: %d tokens (%d pages of %d); adapter slots: %d x rank %d (%.1f MiB)",
+        num_blocks * config.cache.block_size,
+        num_blocks,
+        config.cache.block_size,
+        config.lora.max_loras_per_batch,
+        config.lora.max_lora_rank,
+        lora.pool.nbytes() / 2**20,
+    )
+    attention = get_attention_backend(sched.attention_backend, device)
+    return EngineParts(
+        device=device,
+        dtype=dtype,
+        source=source,
+        hf_config=hf_config,
+        tokenizer=tokenizer,
+        model=model,
+        lora=lora,
+        kv_cache=kv_cache,
+        attention=attention,
+        max_model_len=max_model_len,
+        eos_ids=_eos_ids(text_cfg, tokenizer),
+    )
+
+
+def _plan_kv_blocks(config: EngineConfig, device: torch.device, per_token: int, max_tokens: int, vocab: int) -> int:
+    """Pages that fit: on GPU what ``mem_fraction_static`` leaves after weights and adapter slots."""
+    block_size = config.cache.block_size
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        used = total - free
+        # Activations of the largest forward: logits in fp32 plus a margin for the hidden states.
+        reserve = max_tokens * vocab * 4 + (1 << 30)
+        budget = int(total * config.cache.mem_fraction_static) - used - reserve
+        tokens = budget // per_token
+        if tokens < block_size:
+            raise ValueError(
+                f"mem_fraction_static={config.cache.mem_fraction_static}: no room left for the KV cache "
+                f"(weights and adapter slots take {used / 2**30:.1f} GiB of {total / 2**30:.1f} GiB)"
+            )
+    else:
+        tokens = CPU_DEFAULT_KV_TOKENS
+    if config.cache.max_kv_tokens is not None:
+        tokens = min(tokens, config.cache.max_kv_tokens)
+    return max(1, tokens // block_size)
+
+
+def _eos_ids(text_cfg: Any, tokenizer: Any) -> set[int]:
+    ids: set[int] = set()
+    eos = getattr(text_cfg, "eos_token_id", None)
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif isinstance(eos, (list, tuple)):
+        ids.update(eos)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids

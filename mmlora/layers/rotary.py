@@ -1,0 +1,73 @@
+"""Rotary position embeddings (default, linear, llama3 and yarn-free dynamic-less variants), cos/sin cached."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def rope_parameters(hf_config: Any) -> dict[str, Any]:
+    """The rope settings of a HF config, old style (rope_theta + rope_scaling) or new (rope_parameters)."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    scaling = getattr(hf_config, "rope_scaling", None) or {}
+    for key, value in scaling.items():
+        params.setdefault(key, value)
+    if "rope_theta" not in params:
+        params["rope_theta"] = getattr(hf_config, "rope_theta", 10000.0)
+    params.setdefault("rope_type", params.get("type", "default"))
+    return params
+
+
+def _inv_freq(dim: int, params: dict[str, Any]) -> tuple[torch.Tensor, float]:
+    base = float(params["rope_theta"])
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    rope_type = params["rope_type"]
+    if rope_type == "default":
+        return inv_freq, 1.0
+    if rope_type == "linear":
+        return inv_freq / float(params["factor"]), 1.0
+    if rope_type == "llama3":
+        factor = float(params["factor"])
+        low, high = float(params["low_freq_factor"]), float(params["high_freq_factor"])
+        old_len = float(params["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, smoothed, scaled), 1.0
+    raise ValueError(f"rope_type {rope_type!r} is not supported (supported: default, linear, llama3)")
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies RoPE to q [T, Hq, D] and k [T, Hkv, D] at integer positions [T] (neox layout, as HF)."""
+
+    def __init__(self, head_dim: int, max_positions: int, params: dict[str, Any]) -> None:
+        super().__init__()
+        inv_freq, self.attention_scaling = _inv_freq(head_dim, params)
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self.max_positions = max_positions
+        self._cache: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._cache is None or self._cache[0].device != positions.device or self._cache[0].dtype != dtype:
+            t = torch.arange(self.max_positions, device=positions.device, dtype=torch.float32)
+            freqs = torch.outer(t, self.inv_freq.to(positions.device))
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self._cache = ((emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype))
+        cos, sin = self._cache
+        return cos[positions], sin[positions]
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.cos_sin(positions, q.dtype)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin

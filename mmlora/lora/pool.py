@@ -1,0 +1,163 @@
+"""Adapter memory pool: ``max_loras_per_batch`` device slots sized by ``max_lora_rank``, and a host cache.
+
+Device side: per (layer, target) one A [S, n*R, in], B [S, out, R] and scalings [S, n] buffer; an
+adapter occupies the same slot index in all of them. Slots are reused least-recently-used first, never
+one whose adapter is in the running batch (``busy``) and never a pinned one. Host side: up to
+``max_loaded_loras`` validated adapters (LRU), never evicting a pinned adapter or one with requests
+in flight; an evicted adapter is read from disk again on its next use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import OrderedDict
+from collections.abc import Callable
+
+import torch
+
+from mmlora.lora.adapter import LoadedAdapter, LoRAModuleWeights
+from mmlora.lora.spec import LoRAModelSpec
+
+logger = logging.getLogger(__name__)
+
+
+class LoRAPool:
+    def __init__(
+        self,
+        spec: LoRAModelSpec,
+        num_slots: int,
+        max_rank: int,
+        max_loaded: int | None,
+        dtype: torch.dtype,
+        device: torch.device,
+        on_slot_change: Callable[[int, int], None],
+    ) -> None:
+        self.spec = spec
+        self.num_slots = num_slots
+        self.max_rank = max_rank
+        self.max_loaded = max_loaded
+        self.dtype = dtype
+        self.device = device
+        self._on_slot_change = on_slot_change  # (slot, rank) when a slot's content changes
+        self.buffers: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        for layer in range(spec.num_layers):
+            for t in spec.targets:
+                n = len(t.slices)
+                A = torch.zeros(num_slots, n * max_rank, t.in_features, dtype=dtype, device=device)
+                B = torch.zeros(num_slots, sum(t.out_features), max_rank, dtype=dtype, device=device)
+                scalings = torch.zeros(num_slots, n, dtype=torch.float32, device=device)
+                self.buffers[(layer, t.name)] = (A, B, scalings)
+        self.slot_uid: list[int | None] = [None] * num_slots
+        self._slot_of: dict[int, int] = {}
+        self._slot_clock = [0] * num_slots
+        self._clock = 0
+        self.host: OrderedDict[int, LoadedAdapter] = OrderedDict()
+        self.pinned: set[int] = set()
+
+    # ---- host cache -----------------------------------------------------------------------------
+
+    def in_host(self, uid: int) -> bool:
+        return uid in self.host
+
+    def put_host(self, uid: int, adapter: LoadedAdapter, protected: set[int]) -> None:
+        """Add a validated adapter to the host cache, evicting LRU ones that are not ``protected``."""
+        if self.device.type == "cuda":
+            adapter = _pinned(adapter)
+        self.host[uid] = adapter
+        self.host.move_to_end(uid)
+        if self.max_loaded is None:
+            return
+        for old in list(self.host):
+            if len(self.host) <= self.max_loaded:
+                break
+            if old == uid or old in protected or old in self.pinned or old in self._slot_of:
+                continue
+            del self.host[old]
+            logger.debug("evicted adapter %d from the host cache", old)
+
+    def touch_host(self, uid: int) -> None:
+        self.host.move_to_end(uid)
+
+    # ---- device slots ---------------------------------------------------------------------------
+
+    def slot_of(self, uid: int) -> int | None:
+        return self._slot_of.get(uid)
+
+    def _victim(self, busy: set[int]) -> int | None:
+        free = [s for s, u in enumerate(self.slot_uid) if u is None]
+        if free:
+            return free[0]
+        candidates = [s for s, u in enumerate(self.slot_uid) if u not in busy and u not in self.pinned]
+        return min(candidates, key=lambda s: self._slot_clock[s]) if candidates else None
+
+    def can_get_slot(self, uid: int, busy: set[int]) -> bool:
+        return uid in self._slot_of or self._victim(busy) is not None
+
+    def acquire_slot(self, uid: int, busy: set[int]) -> int | None:
+        """The slot holding ``uid``, loading it (from the host cache) into a free or LRU slot if needed."""
+        self._clock += 1
+        slot = self._slot_of.get(uid)
+        if slot is None:
+            slot = self._victim(busy)
+            if slot is None:
+                return None
+            old = self.slot_uid[slot]
+            if old is not None:
+                del self._slot_of[old]
+            self._write_slot(slot, self.host[uid])
+            self.slot_uid[slot] = uid
+            self._slot_of[uid] = slot
+        self._slot_clock[slot] = self._clock
+        return slot
+
+    def drop(self, uid: int) -> None:
+        """Forget an adapter entirely: its slot (zeroed) and its host copy."""
+        slot = self._slot_of.pop(uid, None)
+        if slot is not None:
+            self.slot_uid[slot] = None
+            for A, B, scalings in self.buffers.values():
+                A[slot].zero_()
+                B[slot].zero_()
+                scalings[slot].zero_()
+            self._on_slot_change(slot, 0)
+        self.host.pop(uid, None)
+        self.pinned.discard(uid)
+
+    def _write_slot(self, slot: int, adapter: LoadedAdapter) -> None:
+        R = self.max_rank
+        for (layer, target), (A, B, scalings) in self.buffers.items():
+            A[slot].zero_()
+            B[slot].zero_()
+            scalings[slot].zero_()
+            weights = adapter.weights.get((layer, target))
+            if weights is None:
+                continue
+            offsets = next(t for t in self.spec.targets if t.name == target).slice_offsets
+            for i, (a, b, s) in enumerate(zip(weights.A, weights.B, weights.scalings)):
+                if a is None:
+                    continue
+                r = a.shape[0]
+                A[slot, i * R : i * R + r].copy_(a, non_blocking=True)
+                B[slot, offsets[i] : offsets[i + 1], :r].copy_(b, non_blocking=True)
+                scalings[slot, i] = s
+        self._on_slot_change(slot, adapter.rank)
+
+    @property
+    def slots_used(self) -> int:
+        return len(self._slot_of)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for bufs in self.buffers.values() for t in bufs)
+
+
+def _pinned(adapter: LoadedAdapter) -> LoadedAdapter:
+    """A copy in page-locked host memory, so slot loads are asynchronous copies."""
+
+    def pin(ts: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor | None, ...]:
+        return tuple(t.pin_memory() if t is not None else None for t in ts)
+
+    weights = {
+        key: LoRAModuleWeights(A=pin(w.A), B=pin(w.B), scalings=w.scalings) for key, w in adapter.weights.items()
+    }
+    return dataclasses.replace(adapter, weights=weights)

@@ -1,0 +1,85 @@
+"""Adapter registry: user-facing names -> internal ids, with in-flight reference counts.
+
+Ids are never reused, so a name that is unloaded and registered again never aliases old pool state.
+Unloading marks the adapter at once (new requests are refused); it is removed when its last
+in-flight request releases it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from dataclasses import dataclass
+
+
+@dataclass
+class AdapterEntry:
+    name: str
+    path: str
+    uid: int
+    pinned: bool = False
+    refcount: int = 0
+    unloading: bool = False
+    rank: int = 0
+
+
+class AdapterRegistry:
+    def __init__(self) -> None:
+        self._by_name: dict[str, AdapterEntry] = {}
+        self._ids = itertools.count(1)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._by_name
+
+    def __len__(self) -> int:
+        return len(self._by_name)
+
+    def entries(self) -> list[AdapterEntry]:
+        return list(self._by_name.values())
+
+    def names(self) -> list[str]:
+        return list(self._by_name)
+
+    def register(self, name: str, path: str, pinned: bool = False) -> AdapterEntry:
+        if not name:
+            raise ValueError("lora name must be a non-empty string")
+        if name in self._by_name:
+            raise ValueError(f"lora name {name!r} is already registered (path {self._by_name[name].path})")
+        entry = AdapterEntry(name=name, path=path, uid=next(self._ids), pinned=pinned)
+        self._by_name[name] = entry
+        return entry
+
+    def get(self, name: str) -> AdapterEntry | None:
+        return self._by_name.get(name)
+
+    def lookup(self, name_or_path: str) -> AdapterEntry | None:
+        """A registered name, or an already registered path."""
+        entry = self._by_name.get(name_or_path)
+        if entry is not None:
+            return entry
+        real = os.path.realpath(name_or_path)
+        for e in self._by_name.values():
+            if os.path.realpath(e.path) == real:
+                return e
+        return None
+
+    def acquire(self, entry: AdapterEntry) -> None:
+        if entry.unloading:
+            raise ValueError(f"lora {entry.name!r} is being unloaded")
+        entry.refcount += 1
+
+    def release(self, entry: AdapterEntry) -> None:
+        if entry.refcount <= 0:
+            raise RuntimeError(f"lora {entry.name!r} released more often than acquired")
+        entry.refcount -= 1
+
+    def mark_unloading(self, name: str) -> AdapterEntry:
+        entry = self._by_name.get(name)
+        if entry is None:
+            raise ValueError(f"lora {name!r} is not registered; registered: {', '.join(self._by_name) or 'none'}")
+        entry.unloading = True
+        return entry
+
+    def remove(self, entry: AdapterEntry) -> None:
+        if self._by_name.get(entry.name) is entry:
+            del self._by_name[entry.name]

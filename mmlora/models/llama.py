@@ -1,0 +1,146 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2): GQA, RoPE (incl. llama3 scaling), qkv bias
+for Qwen2, tied embeddings, sliding-window attention where the config sets it.
+
+Our own implementation over a ForwardBatch and the paged KV cache; HF checkpoint names map onto our
+packed modules through the class-level data below.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from mmlora.engine.forward_batch import ForwardBatch
+from mmlora.layers.attention import AttentionBackend
+from mmlora.layers.norms import RMSNorm
+from mmlora.layers.rotary import RotaryEmbedding, rope_parameters
+from mmlora.models.base import CausalLM
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: Any, layer_idx: int, bias: bool) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.qkv_proj.output_sizes = (self.q_size, self.kv_size, self.kv_size)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.rotary = RotaryEmbedding(self.head_dim, cfg.max_position_embeddings, rope_parameters(cfg))
+        self.scale = self.head_dim**-0.5
+        self.sliding_window = _layer_sliding_window(cfg, layer_idx)
+        self.layer_idx = layer_idx
+        self.backend: AttentionBackend | None = None
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        T = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(batch.positions, q, k)
+        o = self.backend.forward(
+            q, k, v, self.k_cache, self.v_cache, batch.attn, scale=self.scale, sliding_window=self.sliding_window
+        )
+        return self.o_proj(o.reshape(T, self.q_size))
+
+
+def _layer_sliding_window(cfg: Any, layer_idx: int) -> int | None:
+    window = getattr(cfg, "sliding_window", None)
+    if not window or getattr(cfg, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types is not None and layer_types[layer_idx] != "sliding_attention":
+        return None
+    max_window_layers = getattr(cfg, "max_window_layers", None)
+    if layer_types is None and max_window_layers is not None and layer_idx >= max_window_layers:
+        return None
+    return int(window)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        if getattr(cfg, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported for Llama-family models (silu only)")
+        self.intermediate = cfg.intermediate_size
+        bias = bool(getattr(cfg, "mlp_bias", False))
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias)
+        self.gate_up_proj.output_sizes = (cfg.intermediate_size, cfg.intermediate_size)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: Any, layer_idx: int, qkv_bias: bool) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, layer_idx, qkv_bias)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), batch)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: Any, qkv_bias: bool) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, qkv_bias) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        hidden = self.embed_tokens(batch.input_ids)
+        if batch.input_embeds is not None:
+            hidden = hidden.index_copy(0, batch.embed_rows, batch.input_embeds.to(hidden.dtype))
+        for layer in self.layers:
+            hidden = layer(hidden, batch)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(CausalLM):
+    hf_architectures = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+    hf_model_types = ("llama", "mistral", "qwen2")
+    packed_modules_mapping = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+    lora_module_parents = {
+        "q_proj": "self_attn",
+        "k_proj": "self_attn",
+        "v_proj": "self_attn",
+        "o_proj": "self_attn",
+        "gate_proj": "mlp",
+        "up_proj": "mlp",
+        "down_proj": "mlp",
+    }
+    lora_target_paths = {
+        "qkv_proj": "self_attn.qkv_proj",
+        "o_proj": "self_attn.o_proj",
+        "gate_up_proj": "mlp.gate_up_proj",
+        "down_proj": "mlp.down_proj",
+    }
+    lora_layers_prefix = "model.layers"
+
+    def __init__(self, hf_config: Any) -> None:
+        super().__init__(hf_config)
+        qkv_bias = bool(getattr(hf_config, "attention_bias", False)) or hf_config.model_type == "qwen2"
+        self.model = LlamaModel(hf_config, qkv_bias)
+        self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+        if getattr(hf_config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        return self.model(batch)
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.model.layers

@@ -1,0 +1,139 @@
+"""OpenAI's error envelope for every error the server answers, and the API-key guard.
+
+Bad input is always a 4xx: 400 for a request the server understands but refuses (bad values, mismatched
+lengths, malformed JSON), 404 for an unknown model, adapter or route, 422 for a body that does not
+match the schema; 401 for a missing or wrong key; 429/503 when the server cannot take more work.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from mmlora.engine.background import EngineUnavailableError, QueueFullError
+
+logger = logging.getLogger(__name__)
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_exceeded",
+    500: "internal_server_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    """An error answered as ``{"error": {"message", "type", "param", "code"}}`` with ``status``."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.status, self.message, param=self.param, code=self.code)
+
+
+def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {
+        "error": {
+            "message": message,
+            "type": _TYPES.get(status, "invalid_request_error" if status < 500 else "internal_server_error"),
+            "param": param,
+            "code": code if code is not None else status,
+        }
+    }
+
+
+def error_response(status: int, message: str, **kwargs: Any) -> JSONResponse:
+    return JSONResponse(error_body(status, message, **kwargs), status_code=status)
+
+
+def to_api_error(exc: BaseException) -> APIError:
+    """Map what the engine raises to an HTTP answer (ValueError is the engine's 'bad input')."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, QueueFullError):
+        return APIError(429, str(exc), code="too_many_requests")
+    if isinstance(exc, EngineUnavailableError):
+        return APIError(503, str(exc), code="unavailable")
+    if isinstance(exc, (ValueError, TypeError)):
+        msg = str(exc)
+        return APIError(400, msg, param=_param_of(msg))
+    logger.exception("internal error", exc_info=exc)
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}")
+
+
+def _param_of(message: str) -> str | None:
+    """``"sampling_params.top_p: must be ..."`` -> ``"sampling_params.top_p"`` (best effort)."""
+    head, sep, _ = message.partition(":")
+    return head if sep and " " not in head and len(head) < 80 else None
+
+
+def _loc(loc: tuple[Any, ...]) -> str:
+    parts = [str(p) for p in loc if p not in ("body", "query", "path")]
+    return ".".join(parts) if parts else "body"
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        if any(e.get("type") == "json_invalid" for e in errors):
+            detail = next(e for e in errors if e.get("type") == "json_invalid")
+            ctx = detail.get("ctx") or {}
+            return error_response(400, f"malformed JSON body: {ctx.get('error', detail.get('msg'))}", code="json_invalid")
+        first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+        param = _loc(tuple(first.get("loc", ())))
+        messages = "; ".join(f"{_loc(tuple(e.get('loc', ())))}: {e.get('msg')}" for e in errors[:5])
+        return error_response(422, messages, param=param, code="validation_error")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        if exc.status_code == 404 and message == "Not Found":
+            message = f"no such endpoint: {request.method} {request.url.path}"
+        return error_response(exc.status_code, message, code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        err = to_api_error(exc)
+        return JSONResponse(err.body(), status_code=err.status)
+
+
+class APIKeyMiddleware:
+    """Require ``Authorization: Bearer <key>`` on every HTTP request (a pure ASGI middleware, so that
+    streaming responses are not buffered)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            given = dict(scope.get("headers") or []).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                response = error_response(401, "missing or invalid API key (Authorization: Bearer <key>)",
+                                          code="invalid_api_key")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

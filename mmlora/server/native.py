@@ -1,0 +1,185 @@
+"""SGLang's native ``POST /generate``: one prompt or a batch, each with its own adapter and sampling.
+
+Shapes follow SGLang: a single ``text`` (or one ``input_ids`` list) answers one object, a list answers a
+list (``n`` > 1 answers n consecutive objects per prompt); each object is
+``{"text", "output_ids", "meta_info": {"id", "prompt_tokens", "completion_tokens", "cached_tokens",
+"finish_reason": {"type", ...}, "lora_path", "e2e_latency"}}``. With ``stream`` the answer is server-sent
+events carrying the cumulative state (``"index"`` tells which prompt) and ending with ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from mmlora.engine.sampling_params import RequestOutput
+from mmlora.server.engine_io import (
+    SSE_DONE,
+    collect,
+    check_failures,
+    expand_n,
+    failure_error,
+    merge,
+    parse_sampling,
+    sse,
+    submit,
+)
+from mmlora.server.errors import APIError
+from mmlora.server.media import load_image_bytes
+from mmlora.server.protocol import GenerateRequest
+from mmlora.server.state import ServerState
+
+router = APIRouter()
+
+
+def _aligned(value: Any, n: int, name: str, batch: bool) -> list[Any]:
+    """A per-prompt list of ``value``: a scalar is repeated; a list must have one entry per prompt."""
+    if isinstance(value, list):
+        if not batch:
+            raise APIError(400, f"{name}: a list is only allowed when text/input_ids is a list", param=name)
+        if len(value) != n:
+            raise APIError(400, f"{name}: has {len(value)} entries but there are {n} prompts", param=name)
+        return list(value)
+    return [value] * n
+
+
+def _images(value: Any, n: int, batch: bool, state: ServerState) -> list[list[bytes] | None]:
+    if value is None:
+        return [None] * n
+    if not state.engine.is_multimodal:
+        raise APIError(400, f"image_data: the model {state.served_name!r} takes no images", param="image_data")
+    if not batch:
+        refs = [value] if isinstance(value, str) else value
+        return [[load_image_bytes(r, state.config, param="image_data") for r in refs]]
+    if not isinstance(value, list) or len(value) != n:
+        raise APIError(400, f"image_data: for a batch give a list with one entry per prompt ({n})", param="image_data")
+    out: list[list[bytes] | None] = []
+    for entry in value:
+        if entry is None:
+            out.append(None)
+        else:
+            refs = [entry] if isinstance(entry, str) else entry
+            out.append([load_image_bytes(r, state.config, param="image_data") for r in refs])
+    return out
+
+
+async def _build(body: GenerateRequest, state: ServerState) -> tuple[list[dict[str, Any]], list[Any], bool]:
+    """-> (engine request kwargs, the lora_path each one named, answer-is-a-list)."""
+    if body.text is not None and body.input_ids is not None:
+        raise APIError(400, "give either text or input_ids, not both", param="text")
+    if body.text is None and body.input_ids is None:
+        raise APIError(400, "one of text or input_ids is required", param="text")
+    if body.text is not None:
+        batch = isinstance(body.text, list)
+        prompts: list[Any] = body.text if batch else [body.text]
+        key = "prompt"
+    else:
+        batch = bool(body.input_ids) and isinstance(body.input_ids[0], list)
+        prompts = body.input_ids if batch else [body.input_ids]
+        key = "input_ids"
+    if not prompts or (key == "input_ids" and any(len(p) == 0 for p in prompts)):
+        raise APIError(400, f"{'text' if key == 'prompt' else 'input_ids'}: must not be empty", param=key)
+    n = len(prompts)
+    sampling = _aligned(body.sampling_params, n, "sampling_params", batch)
+    loras = _aligned(body.lora_path, n, "lora_path", batch)
+    logprob = _aligned(body.return_logprob, n, "return_logprob", batch)
+    top_n = _aligned(body.top_logprobs_num, n, "top_logprobs_num", batch)
+    _aligned(body.logprob_start_len, n, "logprob_start_len", batch)
+    rids = _aligned(body.rid, n, "rid", batch)
+    if batch and isinstance(body.rid, str):
+        raise APIError(400, "rid: for a batch give a list with one id per prompt", param="rid")
+    images = _images(body.image_data, n, batch, state)
+    resolved: dict[Any, str | None] = {}
+    for lp in loras:
+        if lp not in resolved:
+            resolved[lp] = await state.adapters.resolve(lp, param="lora_path")
+    items, named = [], []
+    for i in range(n):
+        sp = parse_sampling(sampling[i], param="sampling_params")
+        if top_n[i] < 0:
+            raise APIError(400, "top_logprobs_num: must be >= 0", param="top_logprobs_num")
+        copies = expand_n(sp)
+        for j, one in enumerate(copies):
+            rid = rids[i] if len(copies) == 1 or rids[i] is None else f"{rids[i]}-{j}"
+            items.append(
+                {
+                    key: prompts[i],
+                    "sampling_params": one,
+                    "lora": resolved[loras[i]],
+                    "images": images[i],
+                    "request_id": rid,
+                    "return_logprob": bool(logprob[i]),
+                    "top_logprobs_num": int(top_n[i]) if logprob[i] else 0,
+                }
+            )
+            named.append(loras[i])
+    return items, named, batch or len(items) > 1
+
+
+def _finish_reason(out: RequestOutput) -> dict[str, Any] | None:
+    if out.finish_reason is None:
+        return None
+    if out.finish_reason == "length":
+        return {"type": "length", "length": len(out.output_ids)}
+    if out.finish_reason == "stop":
+        return {"type": "stop", "matched": out.matched_stop}
+    return {"type": "abort", "message": out.error or "aborted"}
+
+
+def _format(out: RequestOutput, lora_path: Any, state: ServerState, with_text: bool, logprob: bool) -> dict:
+    now = time.time()
+    end = out.finish_time or now
+    meta: dict[str, Any] = {
+        "id": out.request_id,
+        "finish_reason": _finish_reason(out),
+        "prompt_tokens": out.prompt_tokens,
+        "completion_tokens": len(out.output_ids),
+        "cached_tokens": 0,
+        "lora_path": lora_path,
+        "e2e_latency": max(0.0, end - out.arrival_time) if out.arrival_time else None,
+    }
+    if logprob:
+        tok = state.token_text
+
+        def entry(tid: int, lp: float) -> list[Any]:
+            return [lp, tid, tok(tid) if with_text else None]
+
+        meta["output_token_logprobs"] = [entry(t, lp) for t, lp in zip(out.output_ids, out.logprobs or [])]
+        meta["output_top_logprobs"] = [
+            [entry(t, lp) for t, lp in row] for row in (out.top_logprobs or [])
+        ]
+    return {"text": out.text, "output_ids": list(out.output_ids), "meta_info": meta}
+
+
+@router.post("/generate")
+async def generate(body: GenerateRequest, request: Request) -> Any:
+    state: ServerState = request.app.state.mmlora
+    items, named, as_list = await _build(body, state)
+    handles = await submit(state.bg, items)
+    with_text = body.return_text_in_logprobs
+
+    if body.stream:
+
+        async def events() -> Any:
+            async for i, out in merge(handles):
+                if out.finish_reason == "abort":
+                    err = failure_error(out)
+                    yield sse({**err.body(), "index": i})
+                    continue
+                chunk = _format(out, named[i], state, with_text, items[i]["return_logprob"])
+                chunk["index"] = i
+                yield sse(chunk)
+            yield SSE_DONE
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    outputs = await collect(request, handles)
+    check_failures(outputs)
+    results = [
+        _format(out, named[i], state, with_text, items[i]["return_logprob"]) for i, out in enumerate(outputs)
+    ]
+    return results if as_list else results[0]
+

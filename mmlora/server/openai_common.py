@@ -1,0 +1,139 @@
+"""Pieces shared by ``/v1/completions`` and ``/v1/chat/completions``: sampling, model, usage, streaming."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from mmlora.engine.background import RequestHandle
+from mmlora.engine.sampling_params import RequestOutput, SamplingParams
+from mmlora.server.engine_io import SSE_DONE, failure_error, merge, parse_sampling, sse
+from mmlora.server.errors import APIError
+from mmlora.server.protocol import ChatCompletionRequest, CompletionRequest
+from mmlora.server.state import ServerState
+
+_RENAMED = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def sampling_from_openai(req: CompletionRequest | ChatCompletionRequest, max_tokens: int) -> SamplingParams:
+    """OpenAI (and vLLM extra) sampling fields -> SamplingParams; refuse what is not supported."""
+    if req.logit_bias:
+        raise APIError(400, "logit_bias is not supported", param="logit_bias")
+    values: dict[str, Any] = {
+        "max_new_tokens": max_tokens,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "top_k": req.top_k,
+        "min_p": req.min_p,
+        "presence_penalty": req.presence_penalty,
+        "frequency_penalty": req.frequency_penalty,
+        "repetition_penalty": req.repetition_penalty,
+        "stop": req.stop,
+        "stop_token_ids": req.stop_token_ids,
+        "seed": req.seed,
+        "n": req.n,
+        "ignore_eos": req.ignore_eos,
+        "min_new_tokens": req.min_tokens,
+        "skip_special_tokens": req.skip_special_tokens,
+    }
+    values = {k: v for k, v in values.items() if v is not None}
+    try:
+        return parse_sampling(values)
+    except APIError as e:
+        # Name the OpenAI field the client sent, not our internal one.
+        message = e.message.replace("sampling_params.", "")
+        field = message.partition(":")[0]
+        field = _RENAMED.get(field, field)
+        message = field + message[len(message.partition(":")[0]) :]
+        raise APIError(400, message, param=field) from None
+
+
+async def resolve_lora(state: ServerState, req: CompletionRequest | ChatCompletionRequest) -> str | None:
+    """The adapter a request selects through ``model`` (and optionally the ``lora_path`` extra)."""
+    by_model = await state.adapters.resolve_model(req.model)
+    if req.lora_path:
+        by_path = await state.adapters.resolve(req.lora_path, param="lora_path")
+        if by_model is not None and by_path != by_model:
+            raise APIError(400, "model and lora_path name different adapters", param="lora_path")
+        return by_path
+    return by_model
+
+
+def max_tokens_for(state: ServerState, prompt_tokens: int, requested: int | None, *, param: str) -> int:
+    """The requested budget, or what is left of the context window when none was given."""
+    limit = int(getattr(state.engine, "max_model_len", 0) or 0)
+    if requested is None:
+        if limit and prompt_tokens >= limit:
+            raise APIError(400, f"prompt has {prompt_tokens} tokens; the context is {limit}", param="messages")
+        return max(1, limit - prompt_tokens) if limit else 128
+    if requested < 0:
+        raise APIError(400, f"{param}: must be >= 0", param=param)
+    return requested
+
+
+def finish_reason(out: RequestOutput) -> str | None:
+    return out.finish_reason if out.finish_reason in ("stop", "length") else None
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def usage_of(outputs: list[RequestOutput], n: int) -> dict[str, int]:
+    """Each prompt counts once however many choices (n) it has."""
+    prompt = sum(out.prompt_tokens for out in outputs[::n])
+    return usage(prompt, sum(len(out.output_ids) for out in outputs))
+
+
+async def stream_chunks(
+    handles: list[RequestHandle],
+    *,
+    make_chunk: Callable[[int, RequestOutput, int], dict[str, Any] | None],
+    base: dict[str, Any],
+    n: int,
+    include_usage: bool,
+    continuous_usage: bool,
+    head: list[dict[str, Any]] | None = None,
+) -> AsyncIterator[str]:
+    """SSE stream of OpenAI chunks, a final usage chunk if asked, and ``data: [DONE]``.
+
+    ``make_chunk(index, increment, first_new_token)`` builds one choice delta (or None to skip).
+    """
+    for chunk in head or []:
+        yield sse({**base, **chunk, **({"usage": None} if include_usage else {})})
+    done: dict[int, RequestOutput] = {}
+    async for i, out in merge(handles):
+        if out.finish_reason == "abort":
+            yield sse(failure_error(out).body())
+            done[i] = out
+            continue
+        choice = make_chunk(i, out, len(out.output_ids) - len(out.delta_ids))
+        if out.finished:
+            done[i] = out
+        if choice is None:
+            continue
+        chunk = {**base, "choices": [choice]}
+        if continuous_usage:
+            chunk["usage"] = usage(out.prompt_tokens, len(out.output_ids))
+        elif include_usage:
+            chunk["usage"] = None
+        yield sse(chunk)
+    if include_usage:
+        outs = [done[i] for i in sorted(done)]
+        yield sse({**base, "choices": [], "usage": usage_of(outs, n)})
+    yield SSE_DONE
+
+
+def base_fields(kind: str, model: str) -> dict[str, Any]:
+    return {"id": new_id("cmpl" if kind == "text_completion" else "chatcmpl"), "object": kind,
+            "created": int(time.time()), "model": model}

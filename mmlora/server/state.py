@@ -1,0 +1,27 @@
+"""What every handler needs, kept on ``app.state.mmlora``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from mmlora.engine.background import BackgroundEngine
+from mmlora.server.adapters import AdapterDirectory
+from mmlora.server.config import ServerConfig
+from mmlora.server.engine_io import TokenText
+from mmlora.server.metrics import ServerMetrics
+
+
+@dataclass
+class ServerState:
+    bg: BackgroundEngine
+    config: ServerConfig
+    served_name: str
+    adapters: AdapterDirectory
+    token_text: TokenText
+    metrics: ServerMetrics
+
+    @property
+    def engine(self) -> Any:
+        """For read-only facts (tokenizer, is_multimodal, max_model_len); calls go through ``bg``."""
+        return self.bg.engine
