@@ -247,6 +247,12 @@ def _check_config(config: dict, fail) -> None:
     pats = config.get("layers_pattern")
     if pats is not None and not (isinstance(pats, str) or _is_str_list(pats)):
         raise fail(f"config field layers_pattern must be a string or a list of them, got {pats!r}")
+    # LoraConfig.__post_init__ refuses these combinations; so do we, rather than guess
+    for field in ("layers_to_transform", "layers_pattern"):
+        if isinstance(config.get("target_modules"), str) and config.get(field) is not None:
+            raise fail(f"config field {field} cannot be used when target_modules is a regex string")
+    if pats and layers is None:
+        raise fail("config field layers_pattern is set but layers_to_transform is not")
 
 
 def _read_tensors(folder: Path, allow_pickled: bool, fail) -> dict[str, Any]:

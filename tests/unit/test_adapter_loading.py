@@ -104,6 +104,15 @@ def check_against_peft(peft_model, loaded: LoadedAdapter, spec: LoRAModelSpec, a
     return len(seen)
 
 
+@pytest.mark.parametrize("make_config", [llama_config, qwen2_config])
+def test_spec_helper_matches_model_class(make_config):
+    """The oracle spec used here is the one the engine's model class builds."""
+    from mmlora.models.llama import LlamaForCausalLM as OurLlama
+
+    cfg = make_config()
+    assert OurLlama(cfg).lora_model_spec() == lora_spec(cfg)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Faithful loading
 
@@ -205,6 +214,26 @@ def test_layers_to_transform(tmp_path, layers_pattern):
     assert set(loaded.weights) == {(1, "qkv_proj"), (1, "gate_up_proj")}
 
 
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"r": 4, "lora_alpha": 8, "use_rslora": True, "target_modules": ALL_SEVEN,
+         "rank_pattern": {"k_proj": 2, "up_proj": 6}, "alpha_pattern": {"o_proj": 3}},
+        {"r": 3, "lora_alpha": 5, "target_modules": r".*\.(v_proj|gate_proj)"},
+        {"r": 3, "lora_alpha": 5, "target_modules": ["v_proj", "gate_proj"], "layers_to_transform": 1},
+    ],
+)  # fmt: skip
+def test_matches_peft_from_pretrained(tmp_path, kwargs):
+    """The serving oracle: PEFT re-reading the saved folder (not the in-memory training model)."""
+    from peft import PeftModel
+
+    cfg = qwen2_config()
+    make_adapter(tmp_path, cfg, **kwargs)
+    reloaded = PeftModel.from_pretrained(Qwen2ForCausalLM(cfg), str(tmp_path)).eval()
+    spec = lora_spec(cfg)
+    check_against_peft(reloaded, load_adapter(tmp_path, spec, max_lora_rank=8), spec)
+
+
 def test_fp16_dtype(tmp_path):
     cfg = llama_config()
     peft_model = make_adapter(tmp_path, cfg, r=4, lora_alpha=8, target_modules=ALL_SEVEN)
@@ -237,6 +266,63 @@ def test_old_style_default_adapter_names(tmp_path):
     save_file(renamed, str(file))
     spec = lora_spec(cfg)
     check_against_peft(peft_model, load_adapter(tmp_path, spec, max_lora_rank=8), spec)
+
+
+def test_pattern_first_match_wins_and_exclude_modules(tmp_path):
+    cfg = qwen2_config()
+    peft_model = make_adapter(
+        tmp_path, cfg, r=4, lora_alpha=8, target_modules="all-linear", exclude_modules=["down_proj"],
+        rank_pattern={r"layers\.0\.self_attn\.q_proj": 6, "q_proj": 2}, alpha_pattern={r".*\.1\..*_proj": 1},
+    )  # fmt: skip
+    spec = lora_spec(cfg)
+    loaded = load_adapter(tmp_path, spec, max_lora_rank=8)
+    assert check_against_peft(peft_model, loaded, spec) == 2 * 6
+    assert [loaded.weights[(i, "qkv_proj")].A[0].shape[0] for i in range(2)] == [6, 2]
+    assert not any(t == "down_proj" for _, t in loaded.weights)
+    assert loaded.weights[(1, "o_proj")].scalings == (0.25,)
+
+
+def test_overlapping_patterns_reordered_by_save_are_refused(tmp_path):
+    """PEFT saves the config with sorted keys, so overlapping patterns can match differently on reload
+    (PeftModel.from_pretrained then fails with a size mismatch); the loader refuses with a clear message."""
+    make_adapter(
+        tmp_path, llama_config(), r=4, target_modules=["q_proj"],
+        rank_pattern={"q_proj": 2, r"layers\.0\.self_attn\.q_proj": 6},
+    )  # fmt: skip
+    refused(
+        tmp_path, "'model.layers.0.self_attn.q_proj' has rank 2 in its tensors but the config implies r=6"
+    )
+
+
+def test_exclude_modules_regex(tmp_path):
+    cfg = llama_config()
+    peft_model = make_adapter(
+        tmp_path, cfg, r=4, lora_alpha=8, target_modules=ALL_SEVEN, exclude_modules=r".*\.0\.mlp\..*"
+    )
+    spec = lora_spec(cfg)
+    loaded = load_adapter(tmp_path, spec, max_lora_rank=8)
+    assert check_against_peft(peft_model, loaded, spec) == 7 + 4
+
+
+def test_bfloat16_and_rank_bound_inclusive(tmp_path):
+    cfg = llama_config()
+    make_adapter(tmp_path, cfg, r=8, lora_alpha=8, target_modules=["o_proj"])
+    loaded = load_adapter(tmp_path, lora_spec(cfg), max_lora_rank=8, dtype=torch.bfloat16)
+    assert loaded.rank == 8 and loaded.weights[(0, "o_proj")].A[0].dtype == torch.bfloat16
+
+
+def test_selected_module_without_weights_gets_no_delta(tmp_path, caplog):
+    """PEFT keeps its init (zero B by default) for a selected module absent from the file: no delta."""
+    cfg = llama_config()
+    make_adapter(tmp_path, cfg, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    file = tmp_path / "adapter_model.safetensors"
+    tensors = {k: v for k, v in load_file(str(file)).items() if "layers.1.self_attn.v_proj" not in k}
+    save_file(tensors, str(file))
+    with caplog.at_level("WARNING", logger="mmlora.lora.adapter"):
+        loaded = load_adapter(tmp_path, lora_spec(cfg), max_lora_rank=8)
+    assert "model.layers.1.self_attn.v_proj" in caplog.text
+    assert loaded.weights[(1, "qkv_proj")].A[2] is None and loaded.weights[(1, "qkv_proj")].scalings[2] == 0.0
+    assert loaded.weights[(0, "qkv_proj")].A[2] is not None
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -364,6 +450,11 @@ def test_pickled_code_never_runs(adapter, tmp_path, monkeypatch):
         ({"target_modules": "(q_proj"}, "invalid regex"),
         ({"target_modules": 7}, "target_modules must be a list"),
         ({"layers_to_transform": "0"}, "layers_to_transform must be an integer"),
+        (
+            {"target_modules": ".*q_proj", "layers_to_transform": [0]},
+            "cannot be used when target_modules is a regex",
+        ),
+        ({"layers_pattern": "layers"}, "layers_pattern is set but layers_to_transform is not"),
     ],
 )
 def test_refused_config(adapter, changes, phrase):
@@ -472,6 +563,13 @@ def test_overflow_in_requested_dtype(adapter):
     edit_tensors(adapter, _set(QA, torch.full((4, 32), 1e6)))
     load_adapter(adapter, SPEC, max_lora_rank=8)  # finite in fp32
     refused(adapter, "NaN or Inf values (in torch.float16)", dtype=torch.float16)
+
+
+def test_adapter_for_another_base_model(tmp_path):
+    make_adapter(tmp_path, llama_config(), r=4, target_modules=["q_proj"])
+    refused(
+        tmp_path, "does not fit the base model: expected [4, 48], got [4, 32]", spec=lora_spec(qwen2_config())
+    )
 
 
 def test_vision_tower_refused(adapter):
