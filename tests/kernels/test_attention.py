@@ -19,6 +19,13 @@ import pytest  # noqa: E402
 
 from mmlora.layers.attention import AttentionMetadata, get_attention_backend  # noqa: E402
 from mmlora.layers.attention.triton_backend import TritonAttention, store_kv_triton  # noqa: E402
+from mmlora.layers.attention.triton_decode import _decode_split_kernel  # noqa: E402
+
+if not torch.cuda.is_available() and type(_decode_split_kernel).__name__ != "InterpretedFunction":
+    raise RuntimeError(
+        "mmlora's Triton kernels were imported before TRITON_INTERPRET=1 was set, so they cannot run on "
+        "this CPU-only machine: set TRITON_INTERPRET=1 before the first mmlora import (e.g. tests/conftest.py)"
+    )
 
 CPU = torch.device("cpu")
 HAS_CUDA = torch.cuda.is_available()
@@ -187,6 +194,15 @@ def test_triton_long_window_skips_pages() -> None:
     for specs in ([(150, 1), (90, 1)], [(150, 20), (3, 1)]):
         case = make_case(specs, hq=3, hkv=1, d=16, page=2, seed=4)
         _check_triton(case, 0.25, 11, None, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_triton_half_precision(dtype: torch.dtype) -> None:
+    # fp16/bf16 at small shapes on either device (the interpreter path upcasts its dot operands)
+    dev = torch.device("cuda") if HAS_CUDA else CPU
+    for specs in (MIXED, DECODE):
+        case = make_case(specs, hq=4, hkv=2, d=32, page=4, dtype=dtype, device=dev, seed=5)
+        _check_triton(case, 32**-0.5, 6, 3.0, atol=2e-2, rtol=2e-2)
 
 
 def test_store_kv_skips_negative_slots() -> None:
