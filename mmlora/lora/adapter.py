@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
 
 from mmlora.lora.spec import LoRAModelSpec
 
@@ -258,9 +260,6 @@ def _check_config(config: dict, fail) -> None:
 def _read_tensors(folder: Path, allow_pickled: bool, fail) -> dict[str, Any]:
     st_file, bin_file = folder / SAFETENSORS_NAME, folder / PICKLE_NAME
     if st_file.is_file():
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-
         try:
             return load_file(str(st_file), device="cpu")
         except (SafetensorError, OSError, ValueError, RuntimeError) as e:
@@ -320,7 +319,7 @@ def _parse_keys(tensors: dict[str, Any], spec: LoRAModelSpec, fail) -> dict[str,
                 f"tensor {key!r} is outside the decoder layers ({spec.layers_prefix}.<i>); not supported"
             )
         layer, rest = int(lm[1]), lm[2]
-        expected = f"{spec.module_parents[module]}.{module}"
+        expected = f"{spec.module_parents.get(module, '<parent>')}.{module}"
         if rest != expected:
             raise fail(
                 f"tensor {key!r} is not a recognised module path (expected ...{spec.layers_prefix}.{layer}.{expected})"
