@@ -1,0 +1,300 @@
+"""LoRA backends (torch-gather, triton-sgmv, triton-bgmv) against a plain fp64 per-token loop.
+
+The oracle follows the contract in :mod:`mmlora.backends.base` token by token, independent of any
+backend: ``h = x @ A[slot, slice, :rank].T`` rounded to x.dtype, then
+``out += h @ B[slot, slice, :, :rank].T * scaling``; rows with slot -1 stay bit-identical.
+On CPU the Triton kernels run under TRITON_INTERPRET=1 at tiny shapes; the ``gpu`` cases run at
+Mistral-7B projection shapes on CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # must precede the first triton import of the session
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import random  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+
+import pytest  # noqa: E402
+
+from mmlora.backends import get_backend  # noqa: E402
+from mmlora.backends.triton_bgmv import TritonBGMVBackend  # noqa: E402
+from mmlora.lora.batch_info import LoRABatchInfo  # noqa: E402
+
+HAS_CUDA = torch.cuda.is_available()
+DEV = torch.device("cuda" if HAS_CUDA else "cpu")
+gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+BACKENDS = ["torch-gather", "triton-sgmv", "triton-bgmv"]
+TRITON = ["triton-sgmv", "triton-bgmv"]
+# (atol, rtol) on out, relative to the fp64 oracle that rounds h to the input dtype like the kernels.
+TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (2e-2, 2e-2), torch.bfloat16: (6e-2, 4e-2)}
+
+
+def slots_for(pattern: str, n_req: int, num_slots: int, rng: random.Random) -> list[int]:
+    """Adapter popularity: which slot each request uses (-1 = base model only)."""
+    if pattern == "distinct":
+        return [i % num_slots for i in range(n_req)]
+    if pattern == "uniform":
+        return [rng.randrange(num_slots) for _ in range(n_req)]
+    if pattern == "zipf":
+        weights = [1.0 / (k + 1) ** 1.5 for k in range(num_slots)]
+        return rng.choices(range(num_slots), weights=weights, k=n_req)
+    if pattern == "identical":
+        return [0] * n_req
+    if pattern == "base_mix":
+        return [rng.randrange(-1, num_slots) if i % 3 else -1 for i in range(n_req)]
+    if pattern == "all_base":
+        return [-1] * n_req
+    raise ValueError(pattern)
+
+
+def split_tokens(T: int, mode: str, rng: random.Random) -> list[int]:
+    """Per-request token counts summing to T: one token each (decode) or random runs (prefill)."""
+    if mode == "decode":
+        return [1] * T
+    lens, left = [], T
+    while left:
+        n = min(left, rng.randint(1, max(1, T // 3)))
+        lens.append(n)
+        left -= n
+    return lens
+
+
+@dataclass
+class Case:
+    x: torch.Tensor
+    A: torch.Tensor
+    B: torch.Tensor
+    scalings: torch.Tensor
+    out: torch.Tensor
+    offsets: tuple[int, ...]
+    info: LoRABatchInfo
+    ranks: list[int]
+    token_slots: list[int]
+
+
+def make_case(
+    T: int,
+    in_f: int,
+    widths: tuple[int, ...],
+    R: int,
+    ranks: list[int],
+    pattern: str,
+    mode: str,
+    dtype: torch.dtype,
+    seed: int = 0,
+    spare_rows: int = 0,
+    pad_value: float = 0.0,
+) -> Case:
+    """A pool of len(ranks) slots of max rank R (padding filled with ``pad_value``) and one batch."""
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    S, n = len(ranks), len(widths)
+    offsets = tuple([0] + [sum(widths[: i + 1]) for i in range(n)])
+    A = torch.full((S, n * R, in_f), pad_value)
+    B = torch.full((S, offsets[-1], R), pad_value)
+    for s, r in enumerate(ranks):
+        for i in range(n):
+            A[s, i * R : i * R + r] = torch.randn(r, in_f, generator=g) / in_f**0.5
+            B[s, offsets[i] : offsets[i + 1], :r] = torch.randn(widths[i], r, generator=g) / r**0.5
+    scalings = torch.rand(S, n, generator=g) + 0.5
+    lens = split_tokens(T, mode, rng)
+    slots = slots_for(pattern, len(lens), S, rng)
+    info = LoRABatchInfo(T + spare_rows + 4, S, DEV)
+    for s, r in enumerate(ranks):
+        info.set_slot_rank(s, r)
+    info.fill(lens, slots)
+    token_slots = [s for n_tok, s in zip(lens, slots) for _ in range(n_tok)]
+    x = torch.randn(T + spare_rows, in_f, generator=g)
+    out = torch.randn(T + spare_rows, offsets[-1], generator=g)
+    to = dict(device=DEV, dtype=dtype)
+    return Case(
+        x.to(**to), A.to(**to), B.to(**to), scalings.to(DEV), out.to(**to), offsets, info, ranks, token_slots
+    )
+
+
+def reference(c: Case) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, out after add_lora) in fp64 by a per-token, per-slice loop over the contract."""
+    T, n = len(c.token_slots), len(c.offsets) - 1
+    R = c.B.shape[2]
+    x, A, B = c.x.double().cpu(), c.A.double().cpu(), c.B.double().cpu()
+    out = c.out.double().cpu().clone()
+    h = torch.zeros(T, n * R, dtype=torch.float64)
+    for t, s in enumerate(c.token_slots):
+        if s < 0:
+            continue
+        r = c.ranks[s]
+        for i in range(n):
+            lo, hi = c.offsets[i], c.offsets[i + 1]
+            hi_ = x[t] @ A[s, i * R : i * R + r].T
+            hi_ = hi_.to(c.x.dtype).double()  # h lives in x.dtype (as PEFT computes it)
+            h[t, i * R : i * R + r] = hi_
+            out[t, lo:hi] += (B[s, lo:hi, :r] @ hi_) * float(c.scalings[s, i])
+    return h, out
+
+
+def assert_out(c: Case, got: torch.Tensor, want: torch.Tensor, out0: torch.Tensor) -> None:
+    atol, rtol = TOL[c.x.dtype]
+    T = len(c.token_slots)
+    got64 = got.double().cpu()
+    assert torch.isfinite(got64).all()
+    torch.testing.assert_close(got64[:T], want[:T], atol=atol, rtol=rtol)
+    base = torch.tensor([s < 0 for s in c.token_slots] + [True] * (got.shape[0] - T))
+    assert torch.equal(got[base].cpu(), out0[base].cpu()), "rows without an adapter were modified"
+
+
+# (T, in, slice widths, R, ranks per slot, popularity, token split) at interpreter-friendly sizes.
+CPU_CASES = {
+    "decode-distinct-qkv": (7, 64, (64, 16, 16), 16, [16, 8, 4, 16, 2, 16, 8, 1], "distinct", "decode"),
+    "decode-uniform-gateup": (3, 48, (48, 48), 8, [8, 8, 4], "uniform", "decode"),
+    "decode-zipf-single": (133, 32, (40,), 8, [8, 1, 4, 8, 2], "zipf", "decode"),
+    "decode-identical": (7, 96, (32,), 16, [16, 16], "identical", "decode"),
+    "decode-basemix-qkv": (7, 64, (64, 16, 16), 16, [16, 4, 8], "base_mix", "decode"),
+    "single-token": (1, 64, (64, 16, 16), 16, [16], "identical", "decode"),
+    "prefill-uniform-qkv": (133, 64, (64, 16, 16), 16, [16, 8, 2, 16], "uniform", "prefill"),
+    "prefill-basemix-gateup": (37, 64, (32, 48), 16, [3, 16, 7], "base_mix", "prefill"),
+    "prefill-zipf-single": (7, 96, (96,), 16, [1, 16, 5], "zipf", "prefill"),
+    "mixed-ranks-1-to-128": (13, 32, (32, 16, 16), 128, [1, 128, 64, 7, 33], "distinct", "prefill"),
+}
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _dtype_grid() -> list:
+    """fp32 on every case; fp16/bf16 on a few (the interpreter is slow), all of them on CUDA."""
+    params = []
+    for name in CPU_CASES:
+        for dt in DTYPES:
+            cheap = dt == torch.float32 or name in (
+                "decode-distinct-qkv",
+                "prefill-basemix-gateup",
+                "mixed-ranks-1-to-128",
+                "single-token",
+            )
+            marks = () if cheap or HAS_CUDA else (pytest.mark.skip(reason="interpreter: fp32 covers it"),)
+            params.append(pytest.param(name, dt, id=f"{name}-{str(dt)[6:]}", marks=marks))
+    return params
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name,dtype", _dtype_grid())
+def test_add_lora_matches_reference(backend: str, name: str, dtype: torch.dtype) -> None:
+    c = make_case(*CPU_CASES[name], dtype=dtype, seed=sum(map(ord, name)), spare_rows=2)
+    _, want = reference(c)
+    out0 = c.out.clone()
+    get_backend(backend).add_lora(c.out, c.x, c.A, c.B, c.scalings, c.info, c.offsets)
+    assert_out(c, c.out, want, out0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", ["decode-basemix-qkv", "prefill-basemix-gateup", "mixed-ranks-1-to-128"])
+def test_shrink_then_expand(backend: str, name: str) -> None:
+    """The two interface calls separately: h matches (zeros on base rows), and expand adds it."""
+    c = make_case(*CPU_CASES[name], dtype=torch.float32, seed=7)
+    want_h, want = reference(c)
+    be = get_backend(backend)
+    h = be.shrink(c.x, c.A, c.info)
+    assert h.shape == want_h.shape and h.dtype == c.x.dtype
+    torch.testing.assert_close(h.double().cpu(), want_h, atol=1e-5, rtol=1e-5)
+    out0 = c.out.clone()
+    be.expand(h, c.B, c.scalings, c.info, c.out, c.offsets)
+    assert_out(c, c.out, want, out0)
+
+
+@pytest.mark.parametrize("backend", TRITON)
+@pytest.mark.parametrize("name", ["decode-distinct-qkv", "prefill-uniform-qkv", "mixed-ranks-1-to-128"])
+def test_rank_padding_is_never_read(backend: str, name: str) -> None:
+    """Weights past each adapter's rank poisoned with NaN: the fused path must not touch them."""
+    c = make_case(*CPU_CASES[name], dtype=torch.float32, seed=3, pad_value=float("nan"))
+    _, want = reference(c)
+    out0 = c.out.clone()
+    get_backend(backend).add_lora(c.out, c.x, c.A, c.B, c.scalings, c.info, c.offsets)
+    assert_out(c, c.out, want, out0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_lora_batch_leaves_out_unchanged(backend: str) -> None:
+    c = make_case(*CPU_CASES["decode-basemix-qkv"][:5], "all_base", "decode", dtype=torch.float32)
+    assert not c.info.has_lora
+    out0 = c.out.clone()
+    be = get_backend(backend)
+    be.add_lora(c.out, c.x, c.A, c.B, c.scalings, c.info, c.offsets)
+    assert torch.equal(c.out, out0)
+    h = be.shrink(c.x, c.A, c.info)
+    assert h.shape == (7, c.A.shape[1]) and not h.any()
+    be.expand(h, c.B, c.scalings, c.info, c.out, c.offsets)
+    assert torch.equal(c.out, out0)
+
+
+@pytest.mark.parametrize("split_k", [1, 2, 3])
+def test_bgmv_split_k_values_agree(split_k: int) -> None:
+    c = make_case(*CPU_CASES["decode-distinct-qkv"], dtype=torch.float32, seed=11)
+    _, want = reference(c)
+    out0 = c.out.clone()
+    be = TritonBGMVBackend()
+    be.split_k = split_k
+    be.add_lora(c.out, c.x, c.A, c.B, c.scalings, c.info, c.offsets)
+    assert_out(c, c.out, want, out0)
+
+
+@pytest.mark.parametrize("backend", TRITON)
+def test_bad_inputs_raise_value_errors(backend: str) -> None:
+    c = make_case(*CPU_CASES["decode-uniform-gateup"], dtype=torch.float32)
+    be = get_backend(backend)
+    add = be.add_lora
+    with pytest.raises(ValueError, match="in_features"):
+        add(c.out, c.x[:, :-1], c.A, c.B, c.scalings, c.info, c.offsets)
+    with pytest.raises(ValueError, match="dtype"):
+        add(c.out, c.x.half(), c.A, c.B, c.scalings, c.info, c.offsets)
+    with pytest.raises(ValueError, match="contiguous"):
+        add(c.out, c.x.t().contiguous().t(), c.A, c.B, c.scalings, c.info, c.offsets)
+    with pytest.raises(ValueError, match="slice_offsets"):
+        add(c.out, c.x, c.A, c.B, c.scalings, c.info, (0, 48, 90))
+    with pytest.raises(ValueError, match="scalings"):
+        add(c.out, c.x, c.A, c.B, c.scalings.double(), c.info, c.offsets)
+    with pytest.raises(ValueError, match="rows"):
+        add(c.out[:1], c.x, c.A, c.B, c.scalings, c.info, c.offsets)
+    with pytest.raises(ValueError, match="columns"):
+        be.expand(c.x.new_zeros(3, 5), c.B, c.scalings, c.info, c.out, c.offsets)
+
+
+# Mistral-7B projections on CUDA: (in, slice widths), ranks mixed up to R = 64.
+GPU_SHAPES = {"qkv": (4096, (4096, 1024, 1024)), "gate_up": (4096, (14336, 14336)), "down": (14336, (4096,))}
+
+
+@gpu
+@pytest.mark.parametrize("backend", TRITON)
+@pytest.mark.parametrize("proj", list(GPU_SHAPES))
+@pytest.mark.parametrize("T,mode,pattern", [(1, "decode", "distinct"), (32, "decode", "distinct"),
+                                            (256, "decode", "zipf"), (77, "decode", "base_mix"),
+                                            (1031, "prefill", "uniform"), (2048, "prefill", "base_mix")])  # fmt: skip
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_real_shapes_on_gpu(
+    backend: str, proj: str, T: int, mode: str, pattern: str, dtype: torch.dtype
+) -> None:
+    in_f, widths = GPU_SHAPES[proj]
+    ranks = [8, 16, 64, 16, 8, 64, 32, 1] * 4
+    c = make_case(T, in_f, widths, 64, ranks, pattern, mode, dtype, seed=T)
+    _, want = reference_fast(c)
+    out0 = c.out.clone()
+    get_backend(backend).add_lora(c.out, c.x, c.A, c.B, c.scalings, c.info, c.offsets)
+    assert_out(c, c.out, want, out0)
+
+
+def reference_fast(c: Case) -> tuple[None, torch.Tensor]:
+    """The same oracle as :func:`reference`, vectorised per slot (fp64 on the GPU) for real shapes."""
+    n, R = len(c.offsets) - 1, c.B.shape[2]
+    out = c.out.double().clone()
+    slots = torch.tensor(c.token_slots, device=c.x.device)
+    for s, r in enumerate(c.ranks):
+        rows = (slots == s).nonzero().squeeze(1)
+        if rows.numel() == 0:
+            continue
+        for i in range(n):
+            lo, hi = c.offsets[i], c.offsets[i + 1]
+            h = (c.x[rows].double() @ c.A[s, i * R : i * R + r].double().T).to(c.x.dtype).double()
+            out[rows, lo:hi] += (h @ c.B[s, lo:hi, :r].double().T) * float(c.scalings[s, i])
+    return None, out.cpu()
