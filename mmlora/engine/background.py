@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import copy
 import logging
 import threading
@@ -30,7 +31,16 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _ADD_REQUEST_KEYS = frozenset(
-    {"prompt", "input_ids", "sampling_params", "lora", "images", "request_id", "return_logprob", "top_logprobs_num"}
+    {
+        "prompt",
+        "input_ids",
+        "sampling_params",
+        "lora",
+        "images",
+        "request_id",
+        "return_logprob",
+        "top_logprobs_num",
+    }
 )
 
 
@@ -47,7 +57,7 @@ class RequestHandle:
 
     def __init__(self, request_id: str, owner: BackgroundEngine) -> None:
         self.request_id = request_id
-        self.submit_time = time.time()
+        self.submit_time = time.monotonic()  # the engine's clock
         self._owner = owner
         self._cond = threading.Condition()
         self._items: collections.deque[RequestOutput] = collections.deque()
@@ -71,10 +81,8 @@ class RequestHandle:
             self._cond.notify_all()
             waiters, self._waiters = self._waiters, []
         for loop, fut in waiters:
-            try:
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits there any more
                 loop.call_soon_threadsafe(_resolve, fut)
-            except RuntimeError:  # that loop is closed: nobody waits there any more
-                pass
 
     # -- consumer side --
     @property
@@ -180,7 +188,7 @@ class BackgroundEngine:
         return self._in_flight
 
     def add_listener(self, fn: Callable[[RequestOutput, float], None]) -> None:
-        """Call ``fn(output, time.time())`` on the engine thread for every output (metrics, logs).
+        """Call ``fn(output, time.monotonic())`` on the engine thread for every output (metrics, logs).
 
         ``fn`` must be quick and must not call back into this object; its exceptions are logged.
         """
@@ -236,7 +244,9 @@ class BackgroundEngine:
         if not drain:
             self._call(lambda eng: [self._abort_now(rid) for rid in list(self._handles)])
         if not self.wait_idle(timeout):
-            logger.warning("shutdown: %d request(s) still in flight after %s s; aborting", self._in_flight, timeout)
+            logger.warning(
+                "shutdown: %d request(s) still in flight after %s s; aborting", self._in_flight, timeout
+            )
             self._call(lambda eng: [self._abort_now(rid) for rid in list(self._handles)])
             self.wait_idle(5.0)
         with self._cond:
@@ -344,7 +354,7 @@ class BackgroundEngine:
         except Exception as e:
             self._step_failed(e)
             return
-        now = time.time()
+        now = time.monotonic()
         for out in outputs:
             handle = self._handles.get(out.request_id)
             if handle is None:
@@ -374,7 +384,7 @@ class BackgroundEngine:
                     finish_reason="abort",
                     error=f"internal error: {type(error).__name__}: {error}",
                     arrival_time=handle.submit_time,
-                    finish_time=time.time(),
+                    finish_time=time.monotonic(),
                 )
             )
             del self._handles[rid]

@@ -41,7 +41,9 @@ def confine_adapter_path(path: str, lora_root: str | None, *, param: str = "lora
                 os.path.exists(os.path.join(real, b)) for b in ("adapter_model.bin", "pytorch_model.bin")
             ):
                 raise APIError(
-                    400, f"{param}: pickled adapters (.bin) are refused; convert it to safetensors", param=param
+                    400,
+                    f"{param}: pickled adapters (.bin) are refused; convert it to safetensors",
+                    param=param,
                 )
             raise APIError(400, f"{param}: {path!r} has no {name}", param=param)
         if not _inside(os.path.realpath(file), root):
@@ -66,12 +68,15 @@ class AdapterDirectory:
     def loras(self) -> list[dict[str, Any]]:
         return self._loras
 
+    def _live(self) -> list[dict[str, Any]]:
+        return [info for info in self._loras if not info.get("unloading")]
+
     def _lookup(self, key: str) -> str | None:
-        for info in self._loras:
+        for info in self._live():
             if info["name"] == key:
                 return info["name"]
         real = os.path.realpath(key) if ("/" in key or os.sep in key) else None
-        for info in self._loras:
+        for info in self._live():
             path = info.get("path")
             if path and (path == key or (real is not None and os.path.realpath(path) == real)):
                 return info["name"]
@@ -92,15 +97,19 @@ class AdapterDirectory:
         if self.config.enable_lora_runtime_update and ("/" in key or os.sep in key):
             # An unregistered path under the adapter root: the engine registers and loads it on first use.
             return confine_adapter_path(key, self.config.lora_root, param=param)
-        raise APIError(404, f"{param}: unknown adapter {key!r}; loaded: {self.names()}", param=param,
-                       code="lora_not_found")
+        raise APIError(
+            404,
+            f"{param}: unknown adapter {key!r}; loaded: {self.names()}",
+            param=param,
+            code="lora_not_found",
+        )
 
     async def resolve_model(self, model: str | None) -> str | None:
         """OpenAI ``model`` -> adapter name or None for the base: served name, adapter, or served:adapter."""
         if model is None or model == "" or model == self.served_name:
             return None
         prefix = self.served_name + ":"
-        key = model[len(prefix):] if model.startswith(prefix) else model
+        key = model[len(prefix) :] if model.startswith(prefix) else model
         try:
             return await self.resolve(key, param="model")
         except APIError as e:
@@ -114,4 +123,8 @@ class AdapterDirectory:
             ) from None
 
     def names(self) -> list[str]:
-        return [info["name"] for info in self._loras]
+        """Adapters that take requests (those being unloaded are left out)."""
+        return [info["name"] for info in self._live()]
+
+    def live(self) -> list[dict[str, Any]]:
+        return self._live()

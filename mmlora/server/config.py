@@ -9,7 +9,9 @@ from mmlora.config import _f
 
 @dataclass(frozen=True)
 class ServerConfig:
-    host: str = _f("127.0.0.1", "Address to bind; loopback unless told otherwise (0.0.0.0 exposes the server).")
+    host: str = _f(
+        "127.0.0.1", "Address to bind; loopback unless told otherwise (0.0.0.0 exposes the server)."
+    )
     port: int = _f(30000, "TCP port to listen on.")
     api_key: str | None = _f(
         None, "If set, every endpoint requires the header 'Authorization: Bearer <key>'."
@@ -21,7 +23,8 @@ class ServerConfig:
         None, "Folder that adapters loaded at run time must lie in (checked on resolved real paths)."
     )
     allowed_local_media_path: str | None = _f(
-        None, "Folder that images given as local file paths or file:// URLs must lie in; none allowed if unset."
+        None,
+        "Folder that images given as local file paths or file:// URLs must lie in; none allowed if unset.",
     )
     allow_remote_media: bool = _f(False, "Fetch http(s) image URLs (off: such URLs are refused).")
     max_in_flight_requests: int | None = _f(
@@ -29,8 +32,12 @@ class ServerConfig:
         "Requests accepted and not yet finished beyond which new ones get 429; "
         "defaults to max_running_requests + max_queued_requests.",
     )
-    health_timeout: float = _f(60.0, "Seconds /health waits for its one-token generation before answering 503.")
-    drain_timeout: float = _f(600.0, "On SIGTERM: seconds to let in-flight requests finish before aborting them.")
+    health_timeout: float = _f(
+        60.0, "Seconds /health waits for its one-token generation before answering 503."
+    )
+    drain_timeout: float = _f(
+        600.0, "On SIGTERM: seconds to let in-flight requests finish before aborting them."
+    )
     log_level: str = _f("info", "Log level of the server and uvicorn: debug, info, warning, error.")
 
     def __post_init__(self) -> None:

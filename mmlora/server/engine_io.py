@@ -35,9 +35,7 @@ def expand_n(sp: SamplingParams) -> list[SamplingParams]:
     uses ``seed + i`` so that the samples differ yet the whole answer is reproducible."""
     if sp.n == 1:
         return [sp]
-    return [
-        dataclasses.replace(sp, n=1, seed=None if sp.seed is None else sp.seed + i) for i in range(sp.n)
-    ]
+    return [dataclasses.replace(sp, n=1, seed=None if sp.seed is None else sp.seed + i) for i in range(sp.n)]
 
 
 async def submit(bg: BackgroundEngine, items: list[dict[str, Any]]) -> list[RequestHandle]:

@@ -38,7 +38,9 @@ _TYPES = {
 class APIError(Exception):
     """An error answered as ``{"error": {"message", "type", "param", "code"}}`` with ``status``."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, *, param: str | None = None, code: str | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -49,7 +51,9 @@ class APIError(Exception):
         return error_body(self.status, self.message, param=self.param, code=self.code)
 
 
-def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+def error_body(
+    status: int, message: str, *, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
     return {
         "error": {
             "message": message,
@@ -68,7 +72,7 @@ def to_api_error(exc: BaseException) -> APIError:
     """Map what the engine raises to an HTTP answer (ValueError is the engine's 'bad input')."""
     if isinstance(exc, APIError):
         return exc
-    if isinstance(exc, QueueFullError):
+    if isinstance(exc, (QueueFullError, OverflowError)):  # the engine's own waiting queue is full
         return APIError(429, str(exc), code="too_many_requests")
     if isinstance(exc, EngineUnavailableError):
         return APIError(503, str(exc), code="unavailable")
@@ -101,7 +105,12 @@ def install_error_handlers(app: FastAPI) -> None:
         if any(e.get("type") == "json_invalid" for e in errors):
             detail = next(e for e in errors if e.get("type") == "json_invalid")
             ctx = detail.get("ctx") or {}
-            return error_response(400, f"malformed JSON body: {ctx.get('error', detail.get('msg'))}", code="json_invalid")
+            return error_response(
+                400, f"malformed JSON body: {ctx.get('error', detail.get('msg'))}", code="json_invalid"
+            )
+        if any(tuple(e.get("loc", ())) == ("body",) for e in errors):
+            # The body as a whole is not a JSON object (no JSON content type, a list, a string, ...).
+            return error_response(400, "the request body must be a JSON object", code="json_invalid")
         first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
         param = _loc(tuple(first.get("loc", ())))
         messages = "; ".join(f"{_loc(tuple(e.get('loc', ())))}: {e.get('msg')}" for e in errors[:5])
@@ -132,8 +141,9 @@ class APIKeyMiddleware:
         if scope["type"] == "http":
             given = dict(scope.get("headers") or []).get(b"authorization", b"")
             if not secrets.compare_digest(given, self.expected):
-                response = error_response(401, "missing or invalid API key (Authorization: Bearer <key>)",
-                                          code="invalid_api_key")
+                response = error_response(
+                    401, "missing or invalid API key (Authorization: Bearer <key>)", code="invalid_api_key"
+                )
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)

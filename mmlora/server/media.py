@@ -33,8 +33,9 @@ def load_image_bytes(ref: str, config: ServerConfig, *, param: str = "image_url"
     scheme = urllib.parse.urlsplit(ref).scheme.lower()
     if scheme in ("http", "https"):
         if not config.allow_remote_media:
-            raise APIError(400, f"{param}: remote image URLs are disabled (start with --allow-remote-media)",
-                           param=param)
+            raise APIError(
+                400, f"{param}: remote image URLs are disabled (start with --allow-remote-media)", param=param
+            )
         return _fetch(ref, param)
     if scheme == "file":
         return _read_local(urllib.parse.unquote(urllib.parse.urlsplit(ref).path), config, param)
@@ -57,8 +58,9 @@ def _b64(payload: str, param: str) -> bytes:
 
 def _read_local(path: str, config: ServerConfig, param: str) -> bytes:
     if not config.allowed_local_media_path:
-        raise APIError(400, f"{param}: local image files are disabled (see --allowed-local-media-path)",
-                       param=param)
+        raise APIError(
+            400, f"{param}: local image files are disabled (see --allowed-local-media-path)", param=param
+        )
     root = os.path.realpath(config.allowed_local_media_path)
     real = os.path.realpath(os.path.join(root, path))
     if os.path.commonpath([real, root]) != root:

@@ -20,12 +20,74 @@ from mmlora.engine.sampling_params import RequestOutput
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0)
-_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-                240.0, 480.0, 960.0, 1920.0, 7680.0)
+_TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+_ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+_E2E_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 
 
 class _EngineStatsCollector:
@@ -86,16 +148,40 @@ class ServerMetrics:
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=False)
         labels = ["model_name"]
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", labels,
-                              buckets=_TTFT_BUCKETS, registry=self.registry)
-        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between output tokens.", labels,
-                             buckets=_ITL_BUCKETS, registry=self.registry)
-        self.tpot = Histogram("vllm:time_per_output_token_seconds", "Time per output token (same as ITL).",
-                              labels, buckets=_ITL_BUCKETS, registry=self.registry)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.", labels,
-                             buckets=_E2E_BUCKETS, registry=self.registry)
-        self.success = Counter("vllm:request_success", "Finished requests by reason.",
-                               ["model_name", "finished_reason"], registry=self.registry)
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Time to first token.",
+            labels,
+            buckets=_TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self.itl = Histogram(
+            "vllm:inter_token_latency_seconds",
+            "Time between output tokens.",
+            labels,
+            buckets=_ITL_BUCKETS,
+            registry=self.registry,
+        )
+        self.tpot = Histogram(
+            "vllm:time_per_output_token_seconds",
+            "Time per output token (same as ITL).",
+            labels,
+            buckets=_ITL_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "End-to-end request latency.",
+            labels,
+            buckets=_E2E_BUCKETS,
+            registry=self.registry,
+        )
+        self.success = Counter(
+            "vllm:request_success",
+            "Finished requests by reason.",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
+        )
         self._engine = _EngineStatsCollector(model_name)
         self.registry.register(self._engine)  # type: ignore[arg-type]
         self._last: dict[str, float] = {}  # request id -> time of its previous token (engine thread only)
@@ -112,7 +198,7 @@ class ServerMetrics:
                 first = out.first_token_time or now
                 self.ttft.labels(m).observe(max(0.0, first - start))
                 new_tokens -= 1
-                last = now  # the engine's clock may differ from ours: gaps are measured on ours
+                last = first
             if new_tokens > 0:
                 gap = max(0.0, now - last) / new_tokens
                 for _ in range(new_tokens):

@@ -18,8 +18,8 @@ from fastapi.responses import StreamingResponse
 from mmlora.engine.sampling_params import RequestOutput
 from mmlora.server.engine_io import (
     SSE_DONE,
-    collect,
     check_failures,
+    collect,
     expand_n,
     failure_error,
     merge,
@@ -50,12 +50,16 @@ def _images(value: Any, n: int, batch: bool, state: ServerState) -> list[list[by
     if value is None:
         return [None] * n
     if not state.engine.is_multimodal:
-        raise APIError(400, f"image_data: the model {state.served_name!r} takes no images", param="image_data")
+        raise APIError(
+            400, f"image_data: the model {state.served_name!r} takes no images", param="image_data"
+        )
     if not batch:
         refs = [value] if isinstance(value, str) else value
         return [[load_image_bytes(r, state.config, param="image_data") for r in refs]]
     if not isinstance(value, list) or len(value) != n:
-        raise APIError(400, f"image_data: for a batch give a list with one entry per prompt ({n})", param="image_data")
+        raise APIError(
+            400, f"image_data: for a batch give a list with one entry per prompt ({n})", param="image_data"
+        )
     out: list[list[bytes] | None] = []
     for entry in value:
         if entry is None:
@@ -130,8 +134,7 @@ def _finish_reason(out: RequestOutput) -> dict[str, Any] | None:
 
 
 def _format(out: RequestOutput, lora_path: Any, state: ServerState, with_text: bool, logprob: bool) -> dict:
-    now = time.time()
-    end = out.finish_time or now
+    end = out.finish_time or time.monotonic()  # the engine's timestamps are time.monotonic()
     meta: dict[str, Any] = {
         "id": out.request_id,
         "finish_reason": _finish_reason(out),
@@ -148,9 +151,7 @@ def _format(out: RequestOutput, lora_path: Any, state: ServerState, with_text: b
             return [lp, tid, tok(tid) if with_text else None]
 
         meta["output_token_logprobs"] = [entry(t, lp) for t, lp in zip(out.output_ids, out.logprobs or [])]
-        meta["output_top_logprobs"] = [
-            [entry(t, lp) for t, lp in row] for row in (out.top_logprobs or [])
-        ]
+        meta["output_top_logprobs"] = [[entry(t, lp) for t, lp in row] for row in (out.top_logprobs or [])]
     return {"text": out.text, "output_ids": list(out.output_ids), "meta_info": meta}
 
 
@@ -182,4 +183,3 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
         _format(out, named[i], state, with_text, items[i]["return_logprob"]) for i, out in enumerate(outputs)
     ]
     return results if as_list else results[0]
-

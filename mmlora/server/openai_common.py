@@ -70,7 +70,9 @@ def max_tokens_for(state: ServerState, prompt_tokens: int, requested: int | None
     limit = int(getattr(state.engine, "max_model_len", 0) or 0)
     if requested is None:
         if limit and prompt_tokens >= limit:
-            raise APIError(400, f"prompt has {prompt_tokens} tokens; the context is {limit}", param="messages")
+            raise APIError(
+                400, f"prompt has {prompt_tokens} tokens; the context is {limit}", param="messages"
+            )
         return max(1, limit - prompt_tokens) if limit else 128
     if requested < 0:
         raise APIError(400, f"{param}: must be >= 0", param=param)
@@ -135,5 +137,9 @@ async def stream_chunks(
 
 
 def base_fields(kind: str, model: str) -> dict[str, Any]:
-    return {"id": new_id("cmpl" if kind == "text_completion" else "chatcmpl"), "object": kind,
-            "created": int(time.time()), "model": model}
+    return {
+        "id": new_id("cmpl" if kind == "text_completion" else "chatcmpl"),
+        "object": kind,
+        "created": int(time.time()),
+        "model": model,
+    }

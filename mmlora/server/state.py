@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from mmlora.engine.background import BackgroundEngine
@@ -20,6 +21,7 @@ class ServerState:
     adapters: AdapterDirectory
     token_text: TokenText
     metrics: ServerMetrics
+    started: float = field(default_factory=time.time)
 
     @property
     def engine(self) -> Any:

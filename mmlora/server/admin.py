@@ -1,0 +1,135 @@
+"""Adapter administration and operations: load/unload, health, model info, metrics.
+
+Run-time load/unload is off unless ``--enable-lora-runtime-update``; paths are confined to
+``--lora-root`` and fully validated by the engine before any device memory is touched. Unload refuses
+new requests for the adapter at once and frees its slot and host copy when its in-flight requests end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from mmlora.engine.sampling_params import SamplingParams
+from mmlora.server.adapters import confine_adapter_path
+from mmlora.server.errors import APIError, to_api_error
+from mmlora.server.metrics import CONTENT_TYPE
+from mmlora.server.protocol import LoadLoRARequest, UnloadLoRARequest
+from mmlora.server.state import ServerState
+
+router = APIRouter()
+
+
+def _require_runtime_update(state: ServerState) -> None:
+    if not state.config.enable_lora_runtime_update:
+        raise APIError(
+            403,
+            "run-time adapter loading is disabled; start the server with --enable-lora-runtime-update "
+            "and --lora-root",
+            code="lora_runtime_update_disabled",
+        )
+
+
+@router.post("/load_lora_adapter")
+async def load_lora_adapter(body: LoadLoRARequest, request: Request) -> dict[str, Any]:
+    state: ServerState = request.app.state.mmlora
+    _require_runtime_update(state)
+    name = body.lora_name
+    if name == state.served_name or name.startswith(state.served_name + ":"):
+        raise APIError(400, f"lora_name: {name!r} clashes with the served model name", param="lora_name")
+    real = confine_adapter_path(body.lora_path, state.config.lora_root)
+    await state.adapters.refresh()
+    if name in state.adapters.names():
+        raise APIError(400, f"lora_name: an adapter named {name!r} is already loaded", param="lora_name")
+    try:
+        await state.bg.run_async(lambda eng: eng.load_lora(name, real, pinned=body.pinned))
+    except Exception as e:
+        raise to_api_error(e) from None
+    finally:
+        await state.adapters.refresh()
+    return {"success": True, "message": f"loaded adapter {name!r}", "lora_name": name}
+
+
+@router.post("/unload_lora_adapter")
+async def unload_lora_adapter(body: UnloadLoRARequest, request: Request) -> dict[str, Any]:
+    state: ServerState = request.app.state.mmlora
+    _require_runtime_update(state)
+    name = body.lora_name
+    await state.adapters.refresh()
+    if name not in state.adapters.names():
+        raise APIError(
+            404,
+            f"lora_name: no adapter named {name!r}; loaded: {state.adapters.names()}",
+            param="lora_name",
+            code="lora_not_found",
+        )
+    try:
+        await state.bg.run_async(lambda eng: eng.unload_lora(name))
+    except Exception as e:
+        raise to_api_error(e) from None
+    finally:
+        await state.adapters.refresh()
+    return {"success": True, "message": f"unloaded adapter {name!r}", "lora_name": name}
+
+
+async def _health(request: Request) -> Response:
+    """A real one-token generation through the whole engine."""
+    state: ServerState = request.app.state.mmlora
+    if not state.bg.accepting:
+        raise APIError(503, "the server is shutting down", code="unavailable")
+    try:
+        handle = await state.bg.submit_async(
+            input_ids=[_probe_token(state)],
+            sampling_params=SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True),
+        )
+        out = await asyncio.wait_for(handle.result_async(), state.config.health_timeout)
+    except asyncio.TimeoutError:
+        raise APIError(503, f"health check: no token within {state.config.health_timeout} s") from None
+    except Exception as e:
+        err = to_api_error(e)
+        raise APIError(503, f"health check failed: {err.message}") from None
+    if out.finish_reason == "abort" or len(out.output_ids) != 1:
+        raise APIError(503, f"health check failed: {out.error or out.finish_reason}")
+    return Response(status_code=200)
+
+
+def _probe_token(state: ServerState) -> int:
+    tok = state.engine.tokenizer
+    for candidate in (getattr(tok, "bos_token_id", None), getattr(tok, "eos_token_id", None)):
+        if isinstance(candidate, int):
+            return candidate
+    return 0
+
+
+router.add_api_route("/health", _health, methods=["GET"])
+router.add_api_route("/health_generate", _health, methods=["GET"])
+
+
+@router.get("/get_model_info")
+async def get_model_info(request: Request) -> dict[str, Any]:
+    state: ServerState = request.app.state.mmlora
+    eng = state.engine
+    cfg = getattr(eng, "config", None)
+    model_cfg = getattr(cfg, "model", None)
+    lora_cfg = getattr(cfg, "lora", None)
+    return {
+        "model_path": getattr(model_cfg, "model", state.served_name),
+        "tokenizer_path": getattr(model_cfg, "tokenizer", None) or getattr(model_cfg, "model", None),
+        "served_model_name": state.served_name,
+        "is_generation": True,
+        "is_multimodal": bool(eng.is_multimodal),
+        "max_model_len": getattr(eng, "max_model_len", None),
+        "max_loras_per_batch": getattr(lora_cfg, "max_loras_per_batch", None),
+        "max_lora_rank": getattr(lora_cfg, "max_lora_rank", None),
+        "lora_backend": getattr(lora_cfg, "lora_backend", None),
+        "loras": await state.adapters.refresh(),
+    }
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    state: ServerState = request.app.state.mmlora
+    return Response(content=await state.metrics.render(), media_type=CONTENT_TYPE)
