@@ -5,6 +5,7 @@ new token's K/V, split kernel, reduce) at Mistral-7B's head layout (32 query hea
 head_dim 128, bf16, pages of 16 tokens on randomly permuted blocks) for each batch size and context
 length, replayed from a CUDA graph so launch overhead is not counted. KV bandwidth is the K and V
 bytes the step must read (batch x context x Hkv x D x 2 tensors x dtype size) over the time.
+``--prefill`` also times the prefill kernel (from scratch and on a cached prefix) in TFLOP/s.
 """
 
 from __future__ import annotations
@@ -103,6 +104,54 @@ def bench_decode(
     return rows
 
 
+def _prefill_inputs(
+    num_seqs: int, context: int, chunk: int, hq: int, hkv: int, d: int, page: int, dtype, device
+):
+    """``num_seqs`` requests each adding ``chunk`` tokens on top of ``context`` cached ones."""
+    seq = context + chunk
+    blocks_per_seq = -(-seq // page)
+    block_tables = torch.randperm(num_seqs * blocks_per_seq, device=device).to(torch.int32)
+    block_tables = block_tables.view(num_seqs, blocks_per_seq)
+    k_cache = torch.randn(num_seqs * blocks_per_seq, page, hkv, d, device=device, dtype=dtype)
+    pos = torch.arange(context, seq, device=device)
+    slots = (block_tables[:, pos // page].long() * page + pos % page).flatten()
+    T = num_seqs * chunk
+    meta = AttentionMetadata(
+        query_start_loc=torch.arange(num_seqs + 1, dtype=torch.int32, device=device) * chunk,
+        seq_lens=torch.full((num_seqs,), seq, dtype=torch.int32, device=device),
+        context_lens=torch.full((num_seqs,), context, dtype=torch.int32, device=device),
+        block_tables=block_tables,
+        slot_mapping=slots,
+        num_seqs=num_seqs,
+        num_tokens=T,
+        max_query_len=chunk,
+        max_seq_len=seq,
+        query_lens_host=[chunk] * num_seqs,
+        seq_lens_host=[seq] * num_seqs,
+    )
+    q = torch.randn(T, hq, d, device=device, dtype=dtype)
+    k = torch.randn(T, hkv, d, device=device, dtype=dtype)
+    return q, k, torch.randn_like(k), k_cache, torch.randn_like(k_cache), meta
+
+
+def bench_prefill(shapes: list[tuple[int, int, int]], iters: int = 20) -> list[dict]:
+    """(num_seqs, cached context, chunk) per row; FLOPs count the causal pairs only (QK and PV)."""
+    device = torch.device("cuda")
+    hq, hkv, d, page, dtype = 32, 8, 128, 16, torch.bfloat16
+    rows = []
+    for num_seqs, context, chunk in shapes:
+        inputs = _prefill_inputs(num_seqs, context, chunk, hq, hkv, d, page, dtype, device)
+        pairs = num_seqs * (chunk * context + chunk * (chunk + 1) // 2)
+        flops = 4 * pairs * hq * d
+        ms = _time_graph(lambda a=inputs: TritonAttention().forward(*a, scale=d**-0.5), iters)
+        row = {"num_seqs": num_seqs, "context": context, "chunk": chunk, "ms": round(ms, 4)}
+        row["tflop_per_s"] = round(flops / ms / 1e9, 1)
+        logger.info("%s", row)
+        rows.append(row)
+        del inputs
+    return rows
+
+
 def main(argv: list[str] | None = None) -> dict:
     """Parse ``argv``, run the decode timings, write JSON to ``--out`` and return it."""
     parser = argparse.ArgumentParser(prog="python -m mmlora.bench.attention", description=__doc__)
@@ -117,11 +166,13 @@ def main(argv: list[str] | None = None) -> dict:
         help="fixed num_kv_splits to time besides the automatic choice",
     )
     parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--prefill", action="store_true", help="also time the prefill kernel (TFLOP/s)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("mmlora.bench.attention needs a CUDA device (the kernels are timed on the GPU)")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     rows = bench_decode(args.batches, args.contexts, [None, *args.splits], args.iters)
+    prefill = bench_prefill([(8, 0, 512), (4, 0, 2048), (8, 2048, 256)]) if args.prefill else []
     report = {
         "benchmark": "triton paged decode attention (Mistral-7B heads: Hq 32, Hkv 8, D 128, bf16, page 16)",
         "device": torch.cuda.get_device_name(),
@@ -129,6 +180,7 @@ def main(argv: list[str] | None = None) -> dict:
         "host": platform.node(),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "results": rows,
+        "prefill": prefill,
     }
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)

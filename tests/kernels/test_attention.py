@@ -29,6 +29,7 @@ if not torch.cuda.is_available() and type(_decode_split_kernel).__name__ != "Int
 
 CPU = torch.device("cpu")
 HAS_CUDA = torch.cuda.is_available()
+DEV = torch.device("cuda") if HAS_CUDA else CPU  # the small-shape tests run natively where CUDA exists
 gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 
 
@@ -52,7 +53,7 @@ def make_case(
     d: int,
     page: int,
     dtype: torch.dtype = torch.float32,
-    device: torch.device = CPU,
+    device: torch.device = DEV,
     seed: int = 0,
     spare_blocks: int = 3,
 ) -> Case:
@@ -151,7 +152,7 @@ OPTIONS = {"plain": (None, None), "window": (5, None), "softcap": (None, 2.0), "
 @pytest.mark.parametrize("option", list(OPTIONS))
 def test_torch_reference_matches_dense_fp64(batch: str, option: str) -> None:
     window, softcap = OPTIONS[option]
-    case = make_case(BATCHES[batch], hq=4, hkv=2, d=16, page=4, seed=1)
+    case = make_case(BATCHES[batch], hq=4, hkv=2, d=16, page=4, seed=1, device=CPU)
     scale = 0.7
     out, kc, _ = run_backend(get_attention_backend("torch", CPU), case, scale, window, softcap)
     torch.testing.assert_close(
@@ -199,17 +200,16 @@ def test_triton_long_window_skips_pages() -> None:
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_triton_half_precision(dtype: torch.dtype) -> None:
     # fp16/bf16 at small shapes on either device (the interpreter path upcasts its dot operands)
-    dev = torch.device("cuda") if HAS_CUDA else CPU
     for specs in (MIXED, DECODE):
-        case = make_case(specs, hq=4, hkv=2, d=32, page=4, dtype=dtype, device=dev, seed=5)
+        case = make_case(specs, hq=4, hkv=2, d=32, page=4, dtype=dtype, seed=5)
         _check_triton(case, 32**-0.5, 6, 3.0, atol=2e-2, rtol=2e-2)
 
 
 def test_store_kv_skips_negative_slots() -> None:
-    k_cache = torch.zeros(3, 4, 2, 16)
-    v_cache = torch.zeros(3, 4, 2, 16)
-    k, v = torch.randn(3, 2, 16), torch.randn(3, 2, 16)
-    store_kv_triton(k, v, k_cache, v_cache, torch.tensor([5, -1, 0]))
+    k_cache = torch.zeros(3, 4, 2, 16, device=DEV)
+    v_cache = torch.zeros(3, 4, 2, 16, device=DEV)
+    k, v = torch.randn(3, 2, 16, device=DEV), torch.randn(3, 2, 16, device=DEV)
+    store_kv_triton(k, v, k_cache, v_cache, torch.tensor([5, -1, 0], device=DEV))
     flat_k, flat_v = k_cache.view(-1, 2, 16), v_cache.view(-1, 2, 16)
     torch.testing.assert_close(flat_k[5], k[0])
     torch.testing.assert_close(flat_v[0], v[2])
@@ -220,13 +220,28 @@ def test_padding_rows_are_zero() -> None:
     # a CUDA-graph bucket may hand more token rows than meta.num_tokens; the extras come back zero
     case = make_case(DECODE, hq=2, hkv=1, d=16, page=4)
     pad = lambda x: torch.cat([x, torch.ones_like(x[:2])])  # noqa: E731
-    slots = torch.cat([case.meta.slot_mapping, torch.tensor([-1, -1])])
+    slots = torch.cat([case.meta.slot_mapping, torch.tensor([-1, -1], device=DEV)])
     meta = AttentionMetadata(**{**case.meta.__dict__, "slot_mapping": slots})
     kc, vc = case.k_cache.clone(), case.v_cache.clone()
     out = TritonAttention().forward(pad(case.q), pad(case.k), pad(case.v), kc, vc, meta, scale=0.25)
-    ref, _, _ = run_backend(get_attention_backend("torch", CPU), case, 0.25, None, None)
+    ref, _, _ = run_backend(get_attention_backend("torch", DEV), case, 0.25, None, None)
     torch.testing.assert_close(out[: len(DECODE)], ref, atol=1e-5, rtol=1e-5)
     assert out[len(DECODE) :].abs().sum() == 0
+
+
+@pytest.mark.parametrize("splits", [None, 4])
+def test_decode_padded_request_is_zero(splits) -> None:
+    # a CUDA-graph bucket pads the batch with requests of seq_len 0 writing to slot -1
+    case = make_case(DECODE, hq=2, hkv=1, d=16, page=4)
+    seq_lens, slots = case.meta.seq_lens.clone(), case.meta.slot_mapping.clone()
+    seq_lens[1], slots[1] = 0, -1
+    meta = AttentionMetadata(**{**case.meta.__dict__, "seq_lens": seq_lens, "slot_mapping": slots})
+    kc, vc = case.k_cache.clone(), case.v_cache.clone()
+    out = TritonAttention(splits).forward(case.q, case.k, case.v, kc, vc, meta, scale=0.25)
+    ref, _, _ = run_backend(get_attention_backend("torch", DEV), case, 0.25, None, None)
+    assert out[1].abs().sum() == 0
+    keep = [0, 2, 3]
+    torch.testing.assert_close(out[keep], ref[keep], atol=1e-5, rtol=1e-5)
 
 
 def test_bad_input_raises_value_error() -> None:
@@ -243,6 +258,18 @@ def test_bad_input_raises_value_error() -> None:
     with pytest.raises(ValueError, match="num_kv_splits"):
         TritonAttention(num_kv_splits=0)
     assert isinstance(get_attention_backend("triton", CPU), TritonAttention)
+    if not HAS_CUDA:
+        return
+    with pytest.raises(ValueError, match="device"):  # CPU tensors with native (not interpreted) Triton
+        backend.forward(
+            case.q.cpu(),
+            case.k.cpu(),
+            case.v.cpu(),
+            case.k_cache.cpu(),
+            case.v_cache.cpu(),
+            case.meta,
+            scale=1.0,
+        )
 
 
 # ---------------------------------------------------------------- CUDA: real shapes, fp16/bf16

@@ -19,6 +19,7 @@ import triton.language as tl
 
 from mmlora.layers.attention.base import AttentionBackend, register_attention_backend
 from mmlora.layers.attention.metadata import AttentionMetadata
+from mmlora.layers.attention.triton_common import interpreting
 from mmlora.layers.attention.triton_decode import decode_attention
 from mmlora.layers.attention.triton_prefill import prefill_attention
 
@@ -135,6 +136,17 @@ def _validate(
         raise ValueError(f"q dtype {q.dtype} must equal the cache dtype {k_cache.dtype}")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"unsupported dtype {q.dtype}; use float16, bfloat16 or float32")
+    devices = {
+        t.device for t in (q, k, v, k_cache, v_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens)
+    }
+    if len(devices) != 1:
+        raise ValueError(
+            f"q, k, v, caches and metadata must share one device; got {sorted(map(str, devices))}"
+        )
+    if q.device.type != "cuda" and not interpreting():
+        raise ValueError(
+            f"the triton attention backend needs CUDA tensors (or TRITON_INTERPRET=1), got {q.device}"
+        )
     if sliding_window is not None and sliding_window <= 0:
         raise ValueError(f"sliding_window must be positive or None, got {sliding_window}")
     if logit_softcap is not None and logit_softcap <= 0:
