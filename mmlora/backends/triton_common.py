@@ -26,13 +26,27 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+#: Triton decides at decoration time whether a kernel is interpreted, so what counts is the setting
+#: when this module (and the kernel modules with it) was first imported.
+KERNELS_INTERPRETED = interpreting()
+
+
+def require_runnable(device: torch.device) -> None:
+    """Refuse clearly (instead of Triton's "0 active drivers") to launch on CPU without the interpreter."""
+    if device.type == "cpu" and not KERNELS_INTERPRETED:
+        raise RuntimeError(
+            "Triton LoRA backends on CPU need TRITON_INTERPRET=1 set before triton is first imported "
+            "(e.g. `TRITON_INTERPRET=1 python ...`), or use lora_backend='torch-gather'"
+        )
+
+
 def dot_upcast(dtype: torch.dtype) -> bool:
     """Whether kernels cast ``tl.dot`` operands to fp32 first.
 
     The interpreter's bf16 dot returns garbage (seen with triton 3.9), so under the interpreter every
     dot runs in fp32; on a GPU fp16/bf16 operands go to the tensor cores as they are.
     """
-    return interpreting() or dtype == torch.float32
+    return KERNELS_INTERPRETED or dtype == torch.float32
 
 
 @functools.lru_cache(maxsize=16)
@@ -94,6 +108,7 @@ def check_shrink_args(
     if A.shape[0] < info.num_slots:
         raise ValueError(f"A has {A.shape[0]} slots but the batch info addresses {info.num_slots}")
     _check_device(info, x=x, A=A)
+    require_runnable(x.device)
     if n_slices is None:
         return 1, A.shape[1]
     if not 1 <= n_slices <= MAX_SLICES or A.shape[1] % n_slices:
@@ -162,6 +177,7 @@ def check_expand_weights(
     if info.max_rank > R:
         raise ValueError(f"batch max_rank {info.max_rank} exceeds the pool's rank R={R}")
     _check_device(info, B=B, scalings=scalings, out=out)
+    require_runnable(out.device)
     return n, R
 
 

@@ -1,0 +1,393 @@
+"""Kernel microbenchmark: LoRA shrink + expand per Mistral-7B projection, for every LoRA backend.
+
+For each projection (qkv packed as 3 slices, o, gate_up packed as 2, down), rank, token count (decode:
+one token per request; prefill: requests of 512 tokens) and adapter popularity (distinct, uniform over
+16 adapters, identical) it times ``backend.add_lora`` (shrink + expand) and the base projection's own
+GEMM, and reports achieved bandwidth: bytes of the distinct adapters' weights plus x read and out
+read + written, over the time, against a device-to-device copy measured in the same run.
+
+On CUDA each timing replays a CUDA graph of several calls that rotate over disjoint copies of the
+adapters (>= 256 MB touched per replay where the batch allows), so weights stream from HBM as they
+would in a model step rather than from L2. Writes ``kernels.json`` (and ``kernels.png`` when matplotlib
+is installed) under ``--out``. Without CUDA only ``--smoke`` runs: tiny shapes under the Triton
+interpreter, to check the CLI end to end.
+
+    python -m mmlora.bench kernels --out benchmarks/results/kernels [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import logging
+import math
+import os
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+PROJECTIONS = {  # name -> (in_features, slice widths)
+    "qkv": (4096, (4096, 1024, 1024)),
+    "o": (4096, (4096,)),
+    "gate_up": (4096, (14336, 14336)),
+    "down": (14336, (4096,)),
+}
+SMOKE_PROJECTIONS = {"qkv": (64, (64, 16, 16)), "down": (96, (32,))}
+BACKENDS = ("torch-gather", "triton-sgmv", "triton-bgmv")
+POPULARITY = ("distinct", "uniform", "identical")
+UNIFORM_POOL = 16
+ROTATE_BYTES = 256 << 20
+MAX_ROTATIONS = 64
+
+
+def _layout(
+    phase: str, T: int, popularity: str, req_len: int, rng: random.Random
+) -> tuple[list[int], list[int]]:
+    """Per-request token counts and compact slot ids (0..n_distinct-1) for one batch."""
+    lens = (
+        [1] * T if phase == "decode" else [req_len] * (T // req_len) + ([T % req_len] if T % req_len else [])
+    )
+    if popularity == "distinct":
+        slots = list(range(len(lens)))
+    elif popularity == "uniform":
+        slots = [rng.randrange(UNIFORM_POOL) for _ in lens]
+    else:
+        slots = [0] * len(lens)
+    remap = {s: i for i, s in enumerate(dict.fromkeys(slots))}
+    return lens, [remap[s] for s in slots]
+
+
+def _time_calls(fns: list[Callable[[], object]], device: torch.device) -> tuple[float, bool]:
+    """Median seconds per call of ``fns`` (run in sequence), through a CUDA graph where possible."""
+    if device.type != "cuda":
+        for f in fns:
+            f()
+        runs = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            for f in fns:
+                f()
+            runs.append((time.perf_counter() - t0) / len(fns))
+        return statistics.median(runs), False
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            for f in fns:
+                f()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for f in fns:
+                f()
+        run: Callable[[], object] = graph.replay
+        used_graph = True
+    except RuntimeError as exc:  # a backend that cannot be captured is timed eagerly, and marked
+        logger.warning("graph capture failed (%s); timing eagerly", exc)
+        torch.cuda.synchronize()
+        run, used_graph = (lambda: [f() for f in fns]), False
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    run()
+    start.record()
+    run()
+    end.record()
+    torch.cuda.synchronize()
+    reps = max(1, min(200, math.ceil(2.0 / max(start.elapsed_time(end), 1e-3))))
+    samples = []
+    for _ in range(7):
+        start.record()
+        for _ in range(reps):
+            run()
+        end.record()
+        torch.cuda.synchronize()
+        samples.append(start.elapsed_time(end) / 1e3 / reps / len(fns))
+    return statistics.median(samples), used_graph
+
+
+def _copy_bandwidth(device: torch.device) -> float:
+    """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written."""
+    n = (1 << 30) if device.type == "cuda" else (64 << 20)
+    src = torch.empty(n, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    secs, _ = _time_calls([lambda: dst.copy_(src)], device)
+    return 2 * n / secs / 1e9
+
+
+class _Point:
+    """One benchmark configuration with its pool (rotated copies), batch infos, x and out."""
+
+    def __init__(self, proj: str, in_f: int, widths: tuple[int, ...], rank: int, phase: str, T: int,
+                 popularity: str, dtype: torch.dtype, device: torch.device, req_len: int, seed: int) -> None:  # fmt: skip
+        from mmlora.lora.batch_info import LoRABatchInfo
+
+        self.meta = dict(proj=proj, in_features=in_f, out_features=sum(widths), n_slices=len(widths), rank=rank,
+                         phase=phase, tokens=T, popularity=popularity)  # fmt: skip
+        rng = random.Random(seed)
+        lens, slots = _layout(phase, T, popularity, req_len, rng)
+        n_distinct = max(slots) + 1
+        n, out_f, es = len(widths), sum(widths), torch.finfo(dtype).bits // 8
+        per_call = n_distinct * (n * rank * in_f + out_f * rank) * es
+        n_rot = 1 if device.type != "cuda" else max(1, min(MAX_ROTATIONS, math.ceil(ROTATE_BYTES / per_call)))
+        S = n_rot * n_distinct
+        g = torch.Generator(device=device).manual_seed(seed)
+        self.A = (torch.randn(S, n * rank, in_f, generator=g, device=device) / in_f**0.5).to(dtype)
+        self.B = (torch.randn(S, out_f, rank, generator=g, device=device) / rank**0.5).to(dtype)
+        self.scalings = torch.full((S, n), 2.0, device=device)
+        self.offsets = tuple([0] + [sum(widths[: i + 1]) for i in range(n)])
+        self.infos = []
+        for k in range(n_rot):
+            info = LoRABatchInfo(T, S, device)
+            info.ranks.fill_(rank)  # every slot holds a rank-`rank` adapter (one fill, not S launches)
+            info.ranks_host = [rank] * S
+            info.fill(lens, [k * n_distinct + s for s in slots])
+            self.infos.append(info)
+        self.x = torch.randn(T, in_f, generator=g, device=device).to(dtype)
+        self.out = torch.randn(T, out_f, generator=g, device=device).to(dtype)
+        self.bytes = per_call + T * in_f * es + 2 * T * out_f * es
+        self.meta.update(n_adapters=n_distinct, rotations=n_rot, bytes=self.bytes)
+
+    def call(self, backend: object, out: torch.Tensor, k: int) -> None:
+        backend.add_lora(out, self.x, self.A, self.B, self.scalings, self.infos[k], self.offsets)
+
+
+def _gemm_time(in_f: int, out_f: int, T: int, dtype: torch.dtype, device: torch.device) -> float:
+    n_w = 1 if device.type != "cuda" else max(1, min(4, math.ceil(ROTATE_BYTES / (in_f * out_f * 2))))
+    ws = [torch.randn(out_f, in_f, device=device).to(dtype) for _ in range(n_w)]
+    x = torch.randn(T, in_f, device=device).to(dtype)
+    secs, _ = _time_calls([lambda w=w: torch.nn.functional.linear(x, w) for w in ws], device)
+    return secs
+
+
+def run(args: argparse.Namespace, device: torch.device) -> dict:
+    from mmlora.backends import get_backend
+
+    smoke = args.smoke
+    dtype = torch.float32 if device.type != "cuda" else getattr(torch, args.dtype)
+    projections = SMOKE_PROJECTIONS if smoke else {p: PROJECTIONS[p] for p in args.projections}
+    ranks = (8,) if smoke else tuple(args.ranks)
+    if smoke:
+        decode_t, prefill_t, req_len, pops = (1, 5), (24,), 8, ("distinct", "identical")
+    elif args.quick:
+        decode_t, prefill_t, req_len, pops = (1, 32, 256), (512, 4096), 512, POPULARITY
+    else:
+        decode_t, prefill_t, req_len, pops = (
+            (1, 8, 32, 64, 128, 256),
+            (512, 1024, 2048, 4096, 8192),
+            512,
+            POPULARITY,
+        )
+    backends = {name: get_backend(name) for name in args.backends}
+    copy_gbps = _copy_bandwidth(device)
+    logger.info("device-to-device copy: %.0f GB/s", copy_gbps)
+    results, gemm_cache = [], {}
+    for proj, (in_f, widths) in projections.items():
+        for phase, points in (("decode", decode_t), ("prefill", prefill_t)):
+            for T in points:
+                key = (proj, T)
+                if key not in gemm_cache:
+                    gemm_cache[key] = _gemm_time(in_f, sum(widths), T, dtype, device)
+                for rank in ranks:
+                    for pop in pops:
+                        pt = _Point(
+                            proj, in_f, widths, rank, phase, T, pop, dtype, device, req_len, args.seed
+                        )
+                        results.extend(_bench_point(pt, backends, gemm_cache[key], copy_gbps, device))
+                        del pt
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                logger.info("done %s %s T=%d", proj, phase, T)
+    return {
+        "meta": {
+            "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "command": "python -m mmlora.bench kernels " + " ".join(args.argv),
+            "device": torch.cuda.get_device_name(device)
+            if device.type == "cuda"
+            else "cpu (Triton interpreter)",
+            "torch": torch.__version__,
+            "triton": _triton_version(),
+            "dtype": str(dtype).removeprefix("torch."),
+            "copy_GBps": copy_gbps,
+            "prefill_request_tokens": req_len,
+            "uniform_pool": UNIFORM_POOL,
+        },
+        "results": results,
+        "summary": _summary(results),
+    }
+
+
+def _bench_point(
+    pt: _Point, backends: dict, gemm_s: float, copy_gbps: float, device: torch.device
+) -> list[dict]:
+    out0 = pt.out.clone()
+    ref = None
+    rows = []
+    for name, be in backends.items():
+        check = out0.clone()
+        pt.call(be, check, 0)
+        delta = (check.double() - out0.double()).norm().item()
+        if ref is None:
+            ref = check
+            rel_err = 0.0
+        else:
+            rel_err = (check.double() - ref.double()).norm().item() / max(delta, 1e-30)
+        buf = out0.clone()
+        calls = [lambda k=k, be=be, buf=buf: pt.call(be, buf, k) for k in range(len(pt.infos))]
+        secs, graph = _time_calls(calls, device)
+        gbps = pt.bytes / secs / 1e9
+        rows.append({**pt.meta, "backend": name, "time_us": secs * 1e6, "GBps": gbps,
+                     "bw_frac": gbps / copy_gbps, "gemm_us": gemm_s * 1e6, "lora_over_gemm": secs / gemm_s,
+                     "rel_err_vs_first": rel_err, "graph": graph})  # fmt: skip
+    return rows
+
+
+def _summary(results: list[dict]) -> dict:
+    """The issue's targets, read off the results."""
+    by = {}
+    for r in results:
+        by.setdefault((r["proj"], r["rank"], r["phase"], r["tokens"], r["popularity"]), {})[r["backend"]] = r
+    bgmv = [r for r in results if r["backend"] == "triton-bgmv" and r["phase"] == "decode"
+            and r["popularity"] == "distinct" and r["tokens"] >= 32]  # fmt: skip
+    sgmv = [
+        r for r in results if r["backend"] == "triton-sgmv" and r["phase"] == "prefill" and r["rank"] == 16
+    ]
+    losses = {b: [] for b in ("triton-sgmv", "triton-bgmv")}
+    wins = {"decode": {}, "prefill": {}}
+    for key, row in by.items():
+        tg = row.get("torch-gather")
+        for b in losses:
+            if b in row and tg and row[b]["time_us"] >= tg["time_us"]:
+                losses[b].append("/".join(map(str, key)))
+        tri = {b: row[b]["time_us"] for b in losses if b in row}
+        if tri:
+            best = min(tri, key=tri.get)
+            wins[key[2]][best] = wins[key[2]].get(best, 0) + 1
+    return {
+        "bgmv_decode_distinct_T>=32_min_bw_frac": min((r["bw_frac"] for r in bgmv), default=None),
+        "bgmv_decode_distinct_T>=32_target": 0.60,
+        "sgmv_prefill_rank16_max_lora_over_gemm": max((r["lora_over_gemm"] for r in sgmv), default=None),
+        "sgmv_prefill_rank16_target": 0.15,
+        "points_not_faster_than_torch_gather": losses,
+        "fastest_triton_backend_count": wins,
+    }
+
+
+def _triton_version() -> str:
+    import triton
+
+    return triton.__version__
+
+
+def _plot(data: dict, path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    res = data["results"]
+    projs = list(dict.fromkeys(r["proj"] for r in res))
+    rank = 16 if any(r["rank"] == 16 for r in res) else res[0]["rank"]
+    fig, axes = plt.subplots(3, len(projs), figsize=(4.2 * len(projs), 10), squeeze=False)
+    rows = (
+        ("decode", "distinct", "time_us"),
+        ("prefill", "uniform", "time_us"),
+        ("decode", "distinct", "bw_frac"),
+    )
+    for j, proj in enumerate(projs):
+        for i, (phase, pop, metric) in enumerate(rows):
+            ax = axes[i][j]
+            sel = [
+                r
+                for r in res
+                if (r["proj"], r["phase"], r["popularity"], r["rank"]) == (proj, phase, pop, rank)
+            ]
+            for be in dict.fromkeys(r["backend"] for r in sel):
+                pts = sorted((r["tokens"], r[metric]) for r in sel if r["backend"] == be)
+                ax.plot(*zip(*pts), marker="o", label=be)
+            if metric == "time_us":
+                gemm = sorted({(r["tokens"], r["gemm_us"]) for r in sel})
+                if gemm:
+                    ax.plot(*zip(*gemm), "k--", label="base GEMM")
+                ax.set_yscale("log")
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{proj} {phase} {pop} r{rank}: {metric}", fontsize=9)
+            ax.set_xlabel("tokens")
+            ax.grid(alpha=0.3)
+            if sel:
+                ax.legend(fontsize=7)
+    fig.suptitle(f"LoRA shrink+expand, {data['meta']['device']}, copy {data['meta']['copy_GBps']:.0f} GB/s")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    p = argparse.ArgumentParser(prog="python -m mmlora.bench kernels", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument(
+        "--out", type=Path, default=Path("artifacts/bench-kernels"), help="folder for JSON and PNG"
+    )
+    p.add_argument("--quick", action="store_true", help="fewer token counts (one H200 run in a few minutes)")
+    p.add_argument(
+        "--smoke", action="store_true", help="tiny shapes; the only mode without CUDA (interpreter)"
+    )
+    p.add_argument("--backends", nargs="+", default=list(BACKENDS))
+    p.add_argument("--projections", nargs="+", default=list(PROJECTIONS), choices=list(PROJECTIONS))
+    p.add_argument("--ranks", nargs="+", type=int, default=[8, 16, 64])
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    args.argv = argv
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    if torch.cuda.is_available():
+        device = torch.device("cuda")
+    elif args.smoke and os.environ.get("TRITON_INTERPRET") == "1":
+        device = torch.device("cpu")
+    else:
+        raise SystemExit(
+            "mmlora.bench kernels needs a CUDA device; for a tiny CPU check run "
+            "`TRITON_INTERPRET=1 python -m mmlora.bench kernels --smoke --out DIR`"
+        )
+    data = run(args, device)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "kernels.json").write_text(json.dumps(data, indent=1))
+    plotted = _plot(data, args.out / "kernels.png")
+    sys.stdout.write(
+        _table(data) + f"\nwrote {args.out / 'kernels.json'}" + (" and kernels.png\n" if plotted else "\n")
+    )
+    return data
+
+
+def _table(data: dict) -> str:
+    lines = [f"copy bandwidth {data['meta']['copy_GBps']:.0f} GB/s; times in us (GEMM = base projection)"]
+    lines.append(f"{'proj':8}{'phase':8}{'T':>6}{'r':>4} {'pop':10}{'gemm':>9}" + "".join(f"{b:>15}" for b in BACKENDS)
+                 + f"{'bgmv bw%':>10}")  # fmt: skip
+    rows: dict = {}
+    for r in data["results"]:
+        rows.setdefault((r["proj"], r["phase"], r["tokens"], r["rank"], r["popularity"]), {})[
+            r["backend"]
+        ] = r
+    for (proj, phase, T, rank, pop), row in rows.items():
+        any_r = next(iter(row.values()))
+        cells = "".join(f"{row[b]['time_us']:15.1f}" if b in row else f"{'-':>15}" for b in BACKENDS)
+        bw = f"{100 * row['triton-bgmv']['bw_frac']:9.0f}%" if "triton-bgmv" in row else f"{'-':>10}"
+        lines.append(f"{proj:8}{phase:8}{T:6d}{rank:4d} {pop:10}{any_r['gemm_us']:9.1f}{cells}{bw}")
+    lines.append("summary: " + json.dumps(data["summary"]))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
