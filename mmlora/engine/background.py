@@ -63,8 +63,23 @@ class RequestHandle:
         self._items: collections.deque[RequestOutput] = collections.deque()
         self._final: RequestOutput | None = None
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
+        self._sent_ids = 0  # ids and text characters already delivered (engine thread only)
+        self._sent_text = 0
 
     # -- producer side (engine thread) --
+    def _fix_delta(self, out: RequestOutput) -> None:
+        """Make the deltas add up to the final state, whatever the engine reported as new.
+
+        Ids are append-only, so their delta is what was not yet sent. Text may be held back while
+        running (a partial character, a possible stop-string prefix): the engine's text delta is kept
+        then, and the final output carries everything not yet sent.
+        """
+        out.delta_ids = list(out.output_ids[self._sent_ids :])
+        self._sent_ids = len(out.output_ids)
+        if out.finished:
+            out.delta_text = out.text[self._sent_text :]
+        self._sent_text += len(out.delta_text)
+
     def _push(self, out: RequestOutput) -> None:
         with self._cond:
             if self._final is not None:
@@ -360,6 +375,7 @@ class BackgroundEngine:
             if handle is None:
                 continue  # aborted during a failed submit, or added by someone else
             snap = _snapshot(out)
+            handle._fix_delta(snap)
             for fn in self._listeners:
                 try:
                     fn(snap, now)

@@ -76,11 +76,27 @@ def make_checkpoint(folder: Path) -> None:
     model.save_pretrained(folder, safe_serialization=True)
 
 
-def make_adapter(base_folder: Path, out: Path, rank: int, alpha: int, targets: list[str], seed: int) -> None:
+def make_adapter(
+    base_folder: Path | None,
+    out: Path,
+    rank: int,
+    alpha: int,
+    targets: list[str],
+    seed: int,
+    *,
+    safe: bool = True,
+    hidden: int | None = None,
+) -> None:
+    """A PEFT adapter of ``base_folder`` (or, with ``hidden``, of a differently shaped random Llama)."""
     from peft import LoraConfig, get_peft_model
-    from transformers import LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    base = LlamaForCausalLM.from_pretrained(base_folder, dtype=torch.float32)
+    if hidden is not None:
+        cfg = LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, vocab_size=384)  # fmt: skip
+        base = LlamaForCausalLM(cfg)
+    else:
+        base = LlamaForCausalLM.from_pretrained(base_folder, dtype=torch.float32)
     torch.manual_seed(seed)
     cfg = LoraConfig(
         r=rank, lora_alpha=alpha, target_modules=targets, init_lora_weights=False, lora_dropout=0.0
@@ -90,7 +106,7 @@ def make_adapter(base_folder: Path, out: Path, rank: int, alpha: int, targets: l
         for name, p in model.named_parameters():
             if "lora_" in name:
                 p.normal_(0.0, 0.15)
-    model.save_pretrained(out, safe_serialization=True)
+    model.save_pretrained(out, safe_serialization=safe)
 
 
 @dataclass
