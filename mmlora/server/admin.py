@@ -22,6 +22,8 @@ from mmlora.server.state import ServerState
 
 router = APIRouter()
 
+_UNLOAD_WAIT_S = 30.0
+
 
 def _require_runtime_update(state: ServerState) -> None:
     if not state.config.enable_lora_runtime_update:
@@ -41,7 +43,7 @@ async def load_lora_adapter(body: LoadLoRARequest, request: Request) -> dict[str
     if name == state.served_name or name.startswith(state.served_name + ":"):
         raise APIError(400, f"lora_name: {name!r} clashes with the served model name", param="lora_name")
     real = confine_adapter_path(body.lora_path, state.config.lora_root)
-    await state.adapters.refresh()
+    await _wait_unloaded(state, name)
     if name in state.adapters.names():
         raise APIError(400, f"lora_name: an adapter named {name!r} is already loaded", param="lora_name")
     try:
@@ -51,6 +53,24 @@ async def load_lora_adapter(body: LoadLoRARequest, request: Request) -> dict[str
     finally:
         await state.adapters.refresh()
     return {"success": True, "message": f"loaded adapter {name!r}", "lora_name": name}
+
+
+async def _wait_unloaded(state: ServerState, name: str) -> None:
+    """A name being unloaded is free again once its in-flight requests end: wait for that (bounded)."""
+    deadline = asyncio.get_running_loop().time() + _UNLOAD_WAIT_S
+    while True:
+        loras = await state.adapters.refresh()
+        busy = [info for info in loras if info["name"] == name and info.get("unloading")]
+        if not busy:
+            return
+        if asyncio.get_running_loop().time() > deadline:
+            raise APIError(
+                409,
+                f"lora_name: {name!r} is still being unloaded ({busy[0]['active_requests']} requests in flight); "
+                "retry later",
+                param="lora_name",
+            )
+        await asyncio.sleep(0.05)
 
 
 @router.post("/unload_lora_adapter")
