@@ -34,9 +34,15 @@ class ModelConfig:
     )
     dtype: str = _f("auto", 'Weight and activation dtype: "auto", "float32", "float16" or "bfloat16".')
     device: str = _f("auto", 'Torch device: "auto" (cuda if available, else cpu), "cpu", "cuda", "cuda:1".')
-    seed: int = _f(0, "Seed for random (dummy) weights and the default sampling generator.", aliases=["--random-seed"])
-    served_model_name: str | None = _f(None, "Name of the base model in the OpenAI API; defaults to the model path.")
-    max_model_len: int | None = _f(None, "Longest prompt + output in tokens; defaults to the model's context length.")
+    seed: int = _f(
+        0, "Seed for random (dummy) weights and the default sampling generator.", aliases=["--random-seed"]
+    )
+    served_model_name: str | None = _f(
+        None, "Name of the base model in the OpenAI API; defaults to the model path."
+    )
+    max_model_len: int | None = _f(
+        None, "Longest prompt + output in tokens; defaults to the model's context length."
+    )
 
 
 @dataclass(frozen=True)
@@ -45,7 +51,9 @@ class CacheConfig:
     mem_fraction_static: float = _f(
         0.85, "On GPU: fraction of device memory for weights, adapter slots and KV pages together."
     )
-    max_kv_tokens: int | None = _f(None, "Cap on KV-cache tokens (pages x block size); on CPU the default is 65536.")
+    max_kv_tokens: int | None = _f(
+        None, "Cap on KV-cache tokens (pages x block size); on CPU the default is 65536."
+    )
     disable_radix: bool = _f(True, "Accepted for SGLang compatibility; prefix caching is not enabled yet.")
 
 
@@ -71,7 +79,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = _f(2048, "Token budget of one forward (prefill chunks + decode tokens).")
     max_queued_requests: int = _f(4096, "Waiting requests beyond which new ones are refused.")
     disable_cuda_graph: bool = _f(False, "Run decode steps eagerly instead of replaying CUDA graphs.")
-    attention_backend: str = _f("auto", 'Attention kernels: "auto" (triton on CUDA, torch otherwise), "torch", "triton".')
+    attention_backend: str = _f(
+        "auto", 'Attention kernels: "auto" (triton on CUDA, torch otherwise), "torch", "triton".'
+    )
 
 
 @dataclass(frozen=True)
@@ -94,7 +104,11 @@ class EngineConfig:
         _check(0.0 < cache.mem_fraction_static <= 1.0, "mem_fraction_static", "must be in (0, 1]")
         _check(sched.max_running_requests >= 1, "max_running_requests", "must be >= 1")
         _check(sched.max_num_batched_tokens >= 16, "max_num_batched_tokens", "must be >= 16")
-        _check(self.model.dtype in ("auto", "float32", "float16", "bfloat16"), "dtype", f"unknown {self.model.dtype!r}")
+        _check(
+            self.model.dtype in ("auto", "float32", "float16", "bfloat16"),
+            "dtype",
+            f"unknown {self.model.dtype!r}",
+        )
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -103,14 +117,20 @@ class EngineConfig:
         for key, value in kwargs.items():
             section = _FIELD_SECTION.get(key)
             if section is None:
-                raise TypeError(f"unknown engine option {key!r}; known options: {', '.join(sorted(_FIELD_SECTION))}")
+                raise TypeError(
+                    f"unknown engine option {key!r}; known options: {', '.join(sorted(_FIELD_SECTION))}"
+                )
             parts[section][key] = value
         if "lora_paths" in parts["lora"]:
             parts["lora"]["lora_paths"] = normalize_lora_paths(parts["lora"]["lora_paths"])
         return cls(**{name: _SECTIONS[name](**values) for name, values in parts.items()})
 
     def replace(self, **kwargs: Any) -> EngineConfig:
-        flat = {f.name: getattr(getattr(self, s), f.name) for s, c in _SECTIONS.items() for f in dataclasses.fields(c)}
+        flat = {
+            f.name: getattr(getattr(self, s), f.name)
+            for s, c in _SECTIONS.items()
+            for f in dataclasses.fields(c)
+        }
         flat.update(kwargs)
         return EngineConfig.from_kwargs(**flat)
 

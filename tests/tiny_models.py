@@ -94,7 +94,9 @@ def make_checkpoint(folder: Path, arch: str = "llama", seed: int = 0, **override
     return folder
 
 
-def make_adapter(base_folder: Path, out: Path, seed: int = 0, scale: float = 0.15, **lora_kwargs: Any) -> Path:
+def make_adapter(
+    base_folder: Path, out: Path, seed: int = 0, scale: float = 0.15, **lora_kwargs: Any
+) -> Path:
     """A PEFT LoRA adapter with random (non-zero) A and B, saved as safetensors."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -112,7 +114,11 @@ def make_adapter(base_folder: Path, out: Path, seed: int = 0, scale: float = 0.1
 
 
 def hf_peft_greedy(
-    base_folder: Path, adapters: dict[str, Path], prompt_ids: list[list[int]], names: list[str | None], max_new: int
+    base_folder: Path,
+    adapters: dict[str, Path],
+    prompt_ids: list[list[int]],
+    names: list[str | None],
+    max_new: int,
 ) -> list[tuple[list[int], list[float]]]:
     """Oracle: HF transformers + PEFT, one prompt at a time, greedy; (tokens, chosen-token logprobs)."""
     from peft import PeftModel
@@ -127,7 +133,9 @@ def hf_peft_greedy(
     results = []
     for ids, name in zip(prompt_ids, names):
         x = torch.tensor([ids])
-        kwargs = dict(max_new_tokens=max_new, do_sample=False, output_logits=True, return_dict_in_generate=True)
+        kwargs = dict(
+            max_new_tokens=max_new, do_sample=False, output_logits=True, return_dict_in_generate=True
+        )
         # ignore_eos: no EOS at all (min_new_tokens would instead forbid EOS from being chosen)
         kwargs.update(eos_token_id=None, pad_token_id=0)
         with torch.no_grad():
@@ -138,6 +146,6 @@ def hf_peft_greedy(
                 model.set_adapter(name)
                 out = model.generate(input_ids=x, **kwargs)
         tokens = out.sequences[0, len(ids) :].tolist()
-        logprobs = [torch.log_softmax(l[0].float(), -1)[t].item() for l, t in zip(out.logits, tokens)]
+        logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, tokens)]
         results.append((tokens, logprobs))
     return results

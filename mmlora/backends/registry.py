@@ -26,5 +26,7 @@ def available_backends() -> list[str]:
 
 def get_backend(name: str) -> LoRABackend:
     if name not in _REGISTRY:
-        raise ValueError(f"unknown lora_backend {name!r}; registered backends: {', '.join(available_backends())}")
+        raise ValueError(
+            f"unknown lora_backend {name!r}; registered backends: {', '.join(available_backends())}"
+        )
     return _REGISTRY[name]()

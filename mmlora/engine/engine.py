@@ -78,7 +78,9 @@ class Engine:
         if rid in self._requests:
             raise ValueError(f"request_id {rid!r} is already in use")
         if len(self.scheduler.waiting) >= self.config.scheduler.max_queued_requests:
-            raise OverflowError(f"the queue is full ({self.config.scheduler.max_queued_requests} waiting requests)")
+            raise OverflowError(
+                f"the queue is full ({self.config.scheduler.max_queued_requests} waiting requests)"
+            )
         ids, mm_inputs = self._prepare_prompt(prompt, input_ids, images)
         if len(ids) + 1 > self.max_model_len:
             raise ValueError(f"prompt: {len(ids)} tokens leave no room in max_model_len={self.max_model_len}")
@@ -95,7 +97,9 @@ class Engine:
         self.scheduler.add(req)
         return rid
 
-    def _prepare_prompt(self, prompt: str | None, input_ids: Sequence[int] | None, images: Any) -> tuple[list[int], Any]:
+    def _prepare_prompt(
+        self, prompt: str | None, input_ids: Sequence[int] | None, images: Any
+    ) -> tuple[list[int], Any]:
         if (prompt is None) == (input_ids is None):
             raise ValueError("give exactly one of text (prompt) and input_ids")
         if images and not self.is_multimodal:
@@ -128,10 +132,14 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """One scheduling step; the outputs of every request that progressed or finished."""
-        outputs = [self._finish(self._requests[rid], "abort") for rid in self._aborts if rid in self._requests]
+        ended = [self._requests[rid] for rid in self._aborts if rid in self._requests]
         self._aborts.clear()
+        for req in ended:
+            self._finish(req, "abort")
         batch, failed = self.scheduler.schedule()
-        outputs += [self._finish(req, "abort") for req in failed]
+        for req in failed:
+            self._finish(req, "abort")
+        outputs = [self._output(req) for req in ended + failed]
         if len(batch):
             logits, sampling = self.runner.forward(batch)
             for req, n in zip(batch.requests, batch.num_new):
@@ -160,9 +168,7 @@ class Engine:
         sp = req.sampling
         n_out = len(req.output_ids)
         if n_out >= sp.min_new_tokens:
-            if not sp.ignore_eos and token in self.eos_ids:
-                req.finish_reason, req.matched_stop = "stop", token
-            elif token in sp.stop_token_ids:
+            if (not sp.ignore_eos and token in self.eos_ids) or token in sp.stop_token_ids:
                 req.finish_reason, req.matched_stop = "stop", token
         if req.finish_reason is None and (n_out >= sp.max_new_tokens or req.num_tokens >= self.max_model_len):
             req.finish_reason = "length"
@@ -170,7 +176,7 @@ class Engine:
         if req.finish_reason is not None:
             self._finish(req, req.finish_reason)
 
-    def _finish(self, req: Request, reason: str) -> RequestOutput:
+    def _finish(self, req: Request, reason: str) -> None:
         if req.status is not Status.FINISHED:
             req.finish_reason = req.finish_reason or reason
             req.status = Status.FINISHED
@@ -180,7 +186,6 @@ class Engine:
                 self.lora.registry.release(req.lora)
             self._requests.pop(req.rid, None)
             self.counters["requests_finished_total"] += 1
-        return self._output(req)
 
     def _output(self, req: Request) -> RequestOutput:
         delta_ids = req.output_ids[req.sent_ids_len :]

@@ -25,7 +25,9 @@ def _filter(probs_logits: torch.Tensor, requests: list[Request]) -> torch.Tensor
     """Mask logits outside top-k, top-p and min-p (each row its own settings)."""
     logits = probs_logits
     B, V = logits.shape
-    top_k = torch.tensor([r.sampling.top_k if r.sampling.top_k > 0 else V for r in requests], device=logits.device)
+    top_k = torch.tensor(
+        [r.sampling.top_k if r.sampling.top_k > 0 else V for r in requests], device=logits.device
+    )
     top_p = torch.tensor([r.sampling.top_p for r in requests], device=logits.device, dtype=logits.dtype)
     min_p = torch.tensor([r.sampling.min_p for r in requests], device=logits.device, dtype=logits.dtype)
     sorted_logits, order = logits.sort(dim=-1, descending=True)

@@ -35,19 +35,45 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
-        _require(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 0, "max_new_tokens", "must be an integer >= 0")
+        _require(
+            isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 0,
+            "max_new_tokens",
+            "must be an integer >= 0",
+        )
         _require(_num(self.temperature) and self.temperature >= 0, "temperature", "must be >= 0")
         _require(_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
-        _require(isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1), "top_k", "must be -1 (off) or >= 1")
+        _require(
+            isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1),
+            "top_k",
+            "must be -1 (off) or >= 1",
+        )
         _require(_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
-        _require(_num(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty", "must be > 0")
-        _require(_num(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]")
-        _require(_num(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]")
+        _require(
+            _num(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty", "must be > 0"
+        )
+        _require(
+            _num(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+            "frequency_penalty",
+            "must be in [-2, 2]",
+        )
+        _require(
+            _num(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+            "presence_penalty",
+            "must be in [-2, 2]",
+        )
         _require(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
-        _require(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be token ids >= 0")
+        _require(
+            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            "must be token ids >= 0",
+        )
         _require(self.seed is None or isinstance(self.seed, int), "seed", "must be an integer")
         _require(isinstance(self.n, int) and 1 <= self.n <= 128, "n", "must be an integer in [1, 128]")
-        _require(isinstance(self.min_new_tokens, int) and self.min_new_tokens >= 0, "min_new_tokens", "must be >= 0")
+        _require(
+            isinstance(self.min_new_tokens, int) and self.min_new_tokens >= 0,
+            "min_new_tokens",
+            "must be >= 0",
+        )
 
     @property
     def greedy(self) -> bool:
@@ -61,11 +87,15 @@ class SamplingParams:
         if isinstance(value, cls):
             return value
         if not isinstance(value, dict):
-            raise ValueError(f"sampling_params: expected a dict or SamplingParams, got {type(value).__name__}")
+            raise ValueError(
+                f"sampling_params: expected a dict or SamplingParams, got {type(value).__name__}"
+            )
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:
-            raise ValueError(f"sampling_params: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+            raise ValueError(
+                f"sampling_params: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+            )
         kwargs = {k: v for k, v in value.items() if v is not None or k == "seed"}
         try:
             return cls(**kwargs)

@@ -93,13 +93,17 @@ class Scheduler:
                 continue
             n = min(req.num_tokens - req.num_computed, budget)
             if self.allocator.blocks_needed(req.num_computed + n, 0) > self.allocator.num_blocks:
-                req.error = f"request needs more KV cache than the engine has ({self.allocator.num_blocks} pages)"
+                req.error = (
+                    f"request needs more KV cache than the engine has ({self.allocator.num_blocks} pages)"
+                )
                 self.running.remove(req)
                 self.release(req)
                 failed.append(req)
                 continue
             while not self._grow(req, n):
-                victim = next((r for r in reversed(self.running) if r is not req and r not in batch.requests), None)
+                victim = next(
+                    (r for r in reversed(self.running) if r is not req and r not in batch.requests), None
+                )
                 self._preempt(victim or req)
                 if victim is None:
                     break

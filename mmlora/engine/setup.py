@@ -86,7 +86,13 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     per_token = KVCache.bytes_per_token(len(model.layers), attn0.num_kv_heads, attn0.head_dim, dtype)
     num_blocks = _plan_kv_blocks(config, device, per_token, max_tokens, text_cfg.vocab_size)
     kv_cache = KVCache(
-        len(model.layers), num_blocks, config.cache.block_size, attn0.num_kv_heads, attn0.head_dim, dtype, device
+        len(model.layers),
+        num_blocks,
+        config.cache.block_size,
+        attn0.num_kv_heads,
+        attn0.head_dim,
+        dtype,
+        device,
     )
     logger.info(
         "KV cache: %d tokens (%d pages of %d); adapter slots: %d x rank %d (%.1f MiB)",
@@ -113,7 +119,9 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     )
 
 
-def _plan_kv_blocks(config: EngineConfig, device: torch.device, per_token: int, max_tokens: int, vocab: int) -> int:
+def _plan_kv_blocks(
+    config: EngineConfig, device: torch.device, per_token: int, max_tokens: int, vocab: int
+) -> int:
     """Pages that fit: on GPU what ``mem_fraction_static`` leaves after weights and adapter slots."""
     block_size = config.cache.block_size
     if device.type == "cuda":

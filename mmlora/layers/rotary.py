@@ -63,11 +63,16 @@ class RotaryEmbedding(nn.Module):
             t = torch.arange(self.max_positions, device=positions.device, dtype=torch.float32)
             freqs = torch.outer(t, self.inv_freq.to(positions.device))
             emb = torch.cat((freqs, freqs), dim=-1)
-            self._cache = ((emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype))
+            self._cache = (
+                (emb.cos() * self.attention_scaling).to(dtype),
+                (emb.sin() * self.attention_scaling).to(dtype),
+            )
         cos, sin = self._cache
         return cos[positions], sin[positions]
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self.cos_sin(positions, q.dtype)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin

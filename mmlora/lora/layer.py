@@ -48,5 +48,7 @@ class LoRALinear(nn.Module):
         info = self.ctx.info
         if info is not None and info.has_lora:
             flat_x, flat_out = x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1])
-            self.ctx.backend.add_lora(flat_out, flat_x, self.A, self.B, self.scalings, info, self.slice_offsets)
+            self.ctx.backend.add_lora(
+                flat_out, flat_x, self.A, self.B, self.scalings, info, self.slice_offsets
+            )
         return out

@@ -96,7 +96,9 @@ class LoRAManager:
         if os.path.isdir(lora):
             return self.load(lora, lora)
         known = ", ".join(self.registry.names()) or "none"
-        raise ValueError(f"lora_path: unknown adapter {lora!r} (not a registered name nor a folder); registered: {known}")
+        raise ValueError(
+            f"lora_path: unknown adapter {lora!r} (not a registered name nor a folder); registered: {known}"
+        )
 
     def ensure_host(self, entry: AdapterEntry) -> None:
         """Bring an adapter back into the host cache if it was evicted (re-validated from disk)."""

@@ -158,6 +158,7 @@ def _pinned(adapter: LoadedAdapter) -> LoadedAdapter:
         return tuple(t.pin_memory() if t is not None else None for t in ts)
 
     weights = {
-        key: LoRAModuleWeights(A=pin(w.A), B=pin(w.B), scalings=w.scalings) for key, w in adapter.weights.items()
+        key: LoRAModuleWeights(A=pin(w.A), B=pin(w.B), scalings=w.scalings)
+        for key, w in adapter.weights.items()
     }
     return dataclasses.replace(adapter, weights=weights)

@@ -76,7 +76,9 @@ class AdapterRegistry:
     def mark_unloading(self, name: str) -> AdapterEntry:
         entry = self._by_name.get(name)
         if entry is None:
-            raise ValueError(f"lora {name!r} is not registered; registered: {', '.join(self._by_name) or 'none'}")
+            raise ValueError(
+                f"lora {name!r} is not registered; registered: {', '.join(self._by_name) or 'none'}"
+            )
         entry.unloading = True
         return entry
 

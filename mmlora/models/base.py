@@ -75,7 +75,9 @@ class CausalLM(nn.Module):
     # ---- weights ----------------------------------------------------------------------------------
 
     def _packed_lookup(self) -> dict[str, tuple[str, int]]:
-        return {hf: (ours, i) for ours, hfs in self.packed_modules_mapping.items() for i, hf in enumerate(hfs)}
+        return {
+            hf: (ours, i) for ours, hfs in self.packed_modules_mapping.items() for i, hf in enumerate(hfs)
+        }
 
     def map_weight_name(self, name: str) -> tuple[str, int | None]:
         """HF parameter name -> (our parameter name, packed slice index or None)."""
@@ -104,18 +106,24 @@ class CausalLM(nn.Module):
                 start = sum(sizes[:idx])
                 target = target.narrow(0, start, sizes[idx])
             if tuple(target.shape) != tuple(tensor.shape):
-                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
+                )
             target.copy_(tensor.to(target.dtype))
             loaded.add(f"{ours}#{idx}")
         expected = set()
         for pname, _ in self.named_parameters():
             module_name = pname.rsplit(".", 1)[0]
             packed = self.packed_modules_mapping.get(module_name.rsplit(".", 1)[-1])
-            expected.update(f"{pname}#{i}" for i in range(len(packed))) if packed else expected.add(f"{pname}#None")
+            expected.update(f"{pname}#{i}" for i in range(len(packed))) if packed else expected.add(
+                f"{pname}#None"
+            )
         missing = sorted(expected - loaded)
         if missing:
             shown = ", ".join(m.replace("#None", "") for m in missing[:8])
-            raise ValueError(f"checkpoint is missing {len(missing)} tensor(s) of {type(self).__name__}: {shown}")
+            raise ValueError(
+                f"checkpoint is missing {len(missing)} tensor(s) of {type(self).__name__}: {shown}"
+            )
 
     @torch.no_grad()
     def init_dummy_weights(self, seed: int) -> None:

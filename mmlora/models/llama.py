@@ -46,7 +46,14 @@ class LlamaAttention(nn.Module):
         v = v.view(T, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(batch.positions, q, k)
         o = self.backend.forward(
-            q, k, v, self.k_cache, self.v_cache, batch.attn, scale=self.scale, sliding_window=self.sliding_window
+            q,
+            k,
+            v,
+            self.k_cache,
+            self.v_cache,
+            batch.attn,
+            scale=self.scale,
+            sliding_window=self.sliding_window,
         )
         return self.o_proj(o.reshape(T, self.q_size))
 
@@ -68,7 +75,9 @@ class LlamaMLP(nn.Module):
     def __init__(self, cfg: Any) -> None:
         super().__init__()
         if getattr(cfg, "hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported for Llama-family models (silu only)")
+            raise ValueError(
+                f"hidden_act {cfg.hidden_act!r} is not supported for Llama-family models (silu only)"
+            )
         self.intermediate = cfg.intermediate_size
         bias = bool(getattr(cfg, "mlp_bias", False))
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias)
@@ -112,7 +121,10 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(CausalLM):
     hf_architectures = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
     hf_model_types = ("llama", "mistral", "qwen2")
-    packed_modules_mapping = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+    packed_modules_mapping = {
+        "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+        "gate_up_proj": ("gate_proj", "up_proj"),
+    }
     lora_module_parents = {
         "q_proj": "self_attn",
         "k_proj": "self_attn",

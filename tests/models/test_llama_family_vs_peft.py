@@ -35,7 +35,8 @@ def tiny_arch(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param)
     base = make_checkpoint(root / "base", request.param)
     adapters = {
-        name: make_adapter(base, root / name, seed=i + 1, **kw) for i, (name, kw) in enumerate(ADAPTERS.items())
+        name: make_adapter(base, root / name, seed=i + 1, **kw)
+        for i, (name, kw) in enumerate(ADAPTERS.items())
     }
     return request.param, base, adapters
 
@@ -63,6 +64,8 @@ def test_mixed_adapter_batch_matches_hf_peft(tiny_arch):
         assert out.output_ids == tokens, f"{arch} prompt {i} adapter {ORDER[i]}"
         assert out.logprobs == pytest.approx(logprobs, abs=1e-3), f"{arch} prompt {i} adapter {ORDER[i]}"
     # The adapters really change the answers (so the comparison above is not vacuous).
-    assert outs[0].output_ids != outs[1].output_ids or outs[0].logprobs != pytest.approx(outs[1].logprobs, abs=1e-3)
+    assert outs[0].output_ids != outs[1].output_ids or outs[0].logprobs != pytest.approx(
+        outs[1].logprobs, abs=1e-3
+    )
     assert engine.lora.pool.slots_used <= 2
     assert engine.stats()["num_running"] == 0 and engine.kv_cache.allocator.usage == 0.0

@@ -68,7 +68,16 @@ class TorchAttention(AttentionBackend):
             kk = _gather_pages(k_cache, meta.block_tables[:B], meta.max_seq_len)
             vv = _gather_pages(v_cache, meta.block_tables[:B], meta.max_seq_len)
             q_pos = (meta.seq_lens[:B] - 1).long().unsqueeze(1)
-            out = _attend(q[:B].unsqueeze(1), kk, vv, q_pos, meta.seq_lens[:B].long(), scale, sliding_window, logit_softcap)
+            out = _attend(
+                q[:B].unsqueeze(1),
+                kk,
+                vv,
+                q_pos,
+                meta.seq_lens[:B].long(),
+                scale,
+                sliding_window,
+                logit_softcap,
+            )
             return out.squeeze(1)
         out = torch.empty_like(q)
         start = 0
@@ -80,7 +89,9 @@ class TorchAttention(AttentionBackend):
             vv = _gather_pages(v_cache, meta.block_tables[b : b + 1], L)
             q_pos = torch.arange(L - n, L, device=q.device).unsqueeze(0)
             kv_len = torch.tensor([L], device=q.device)
-            o = _attend(q[start : start + n].unsqueeze(0), kk, vv, q_pos, kv_len, scale, sliding_window, logit_softcap)
+            o = _attend(
+                q[start : start + n].unsqueeze(0), kk, vv, q_pos, kv_len, scale, sliding_window, logit_softcap
+            )
             out[start : start + n] = o[0]
             start += n
         return out

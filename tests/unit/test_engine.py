@@ -1,0 +1,181 @@
+"""Engine behaviour on a tiny model: LoRA-aware admission, sampling, streaming, abort, validation errors."""
+
+from __future__ import annotations
+
+import pytest
+from tiny_models import ALL_SEVEN, make_adapter, make_checkpoint
+
+import mmlora
+from mmlora.engine.request import Status
+
+GREEDY = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("engine")
+    base = make_checkpoint(root / "base", "llama")
+    adapters = {
+        f"a{i}": make_adapter(base, root / f"a{i}", seed=i, r=4, lora_alpha=8, target_modules=ALL_SEVEN)
+        for i in range(4)
+    }
+    return base, adapters
+
+
+def engine(tiny, **kw):
+    base, adapters = tiny
+    opts = dict(
+        model=str(base), lora_paths={n: str(p) for n, p in adapters.items()}, device="cpu", dtype="float32"
+    )
+    opts.update(kw)
+    return mmlora.Engine(**opts)
+
+
+def test_batch_never_holds_more_adapters_than_slots_and_fifo(tiny):
+    eng = engine(tiny, max_loras_per_batch=2)
+    order = ["a0", "a1", "a2", None, "a3", "a0", None]
+    rids = [eng.add_request("Hello world", sampling_params=GREEDY, lora=name) for name in order]
+    first_scheduled: dict[str, int] = {}
+    step = 0
+    while eng.has_unfinished():
+        running = [r for r in eng.scheduler.running if r.lora is not None]
+        assert len({r.lora.uid for r in running}) <= 2
+        for out in eng.step():
+            first_scheduled.setdefault(out.request_id, step)
+        for r in eng.scheduler.running:
+            first_scheduled.setdefault(r.rid, step)
+            if r.lora is not None:
+                assert eng.lora.pool.slot_of(r.lora.uid) == r.slot  # its slot really holds its adapter
+        step += 1
+    adapter_rids = [rid for rid, name in zip(rids, order) if name is not None]
+    starts = [first_scheduled[rid] for rid in adapter_rids]
+    assert starts == sorted(starts)  # adapters are served in arrival order
+    base_rids = [rid for rid, name in zip(rids, order) if name is None]
+    assert first_scheduled[base_rids[0]] == 0  # base-only requests need no slot and do not wait
+    assert eng.lora.registry.get("a0").refcount == 0 and eng.kv_cache.allocator.usage == 0.0
+
+
+def test_results_do_not_depend_on_slots_or_batching(tiny):
+    prompts = ["Hello world", "The quick brown fox", "Paris is", "0123"]
+    loras = ["a0", "a1", None, "a2"]
+    wide = engine(tiny, max_loras_per_batch=4).generate(prompts, loras, sampling_params=GREEDY)
+    narrow = engine(tiny, max_loras_per_batch=1, max_num_batched_tokens=16).generate(
+        prompts, loras, sampling_params=GREEDY
+    )
+    assert [o.output_ids for o in wide] == [o.output_ids for o in narrow]
+    assert len({tuple(o.output_ids) for o in wide}) > 1
+
+
+def test_seeded_sampling_is_reproducible_and_params_matter(tiny):
+    eng = engine(tiny)
+    sp = {"max_new_tokens": 8, "temperature": 1.3, "top_p": 0.9, "top_k": 50, "seed": 11, "ignore_eos": True}
+    a = eng.generate(["Hello world"] * 2, sampling_params=sp)
+    b = eng.generate(["Hello world"], sampling_params=sp)
+    assert a[0].output_ids == a[1].output_ids == b[0].output_ids
+    c = eng.generate(["Hello world"], sampling_params={**sp, "seed": 12})
+    assert c[0].output_ids != a[0].output_ids
+    greedy = eng.generate(["Hello world"], sampling_params={**GREEDY, "max_new_tokens": 8})[0].output_ids
+    assert eng.generate(["Hello world"], sampling_params={**sp, "top_k": 1})[0].output_ids == greedy
+    n = eng.generate(["Hello world"], sampling_params={**sp, "n": 3})
+    assert len(n) == 3 and len({tuple(o.output_ids) for o in n}) > 1
+
+
+def test_penalties_stop_strings_and_stop_tokens(tiny):
+    eng = engine(tiny)
+    base = eng.generate(
+        ["Hello world"], sampling_params={**GREEDY, "max_new_tokens": 10}, return_logprob=True
+    )[0]
+    assert len(base.logprobs) == 10 and all(lp <= 0 for lp in base.logprobs)
+    rep = eng.generate(
+        ["Hello world"], sampling_params={**GREEDY, "max_new_tokens": 10, "repetition_penalty": 5.0}
+    )[0]
+    assert len(set(rep.output_ids)) >= len(set(base.output_ids))
+    stop_tok = base.output_ids[3]
+    out = eng.generate(
+        ["Hello world"], sampling_params={**GREEDY, "max_new_tokens": 10, "stop_token_ids": [stop_tok]}
+    )[0]
+    assert out.finish_reason == "stop" and out.matched_stop == stop_tok and out.output_ids[-1] == stop_tok
+    if len(base.text) > 4:
+        stop = base.text[2:4]
+        out = eng.generate(["Hello world"], sampling_params={**GREEDY, "max_new_tokens": 10, "stop": [stop]})[
+            0
+        ]
+        assert out.finish_reason == "stop" and out.matched_stop == stop and stop not in out.text
+        assert base.text.startswith(out.text)
+
+
+def test_streaming_increments_add_up_and_abort(tiny):
+    eng = engine(tiny)
+    pieces = list(eng.stream("Hello world", sampling_params={**GREEDY, "max_new_tokens": 8}, lora="a1"))
+    final = pieces[-1]
+    assert final.finish_reason == "length"
+    assert "".join(p.delta_text for p in pieces) == final.text
+    assert sum((p.delta_ids for p in pieces), []) == final.output_ids
+    rid = eng.add_request("Hello world", sampling_params={**GREEDY, "max_new_tokens": 50}, lora="a2")
+    eng.step()
+    eng.abort(rid)
+    outs = eng.step()
+    assert any(o.request_id == rid and o.finish_reason == "abort" for o in outs)
+    assert not eng.has_unfinished() and eng.lora.registry.get("a2").refcount == 0
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(texts=["a", "b"], lora_paths=["a0"]), "lora_paths: has 1 entries for 2 prompts"),
+        (dict(texts=["a"], lora_paths=["nope"]), "unknown adapter 'nope'"),
+        (dict(texts=["a"], sampling_params={"temperature": -1}), "temperature"),
+        (dict(texts=["a"], sampling_params={"top_p": 0}), "top_p"),
+        (dict(texts=["a"], sampling_params={"max_new_tokens": -3}), "max_new_tokens"),
+        (dict(texts=["a"], sampling_params={"bogus": 1}), "unknown field"),
+        (dict(texts=["a"], sampling_params=[{}, {}]), "sampling_params: has 2 entries"),
+        (dict(texts=["a"], images=["x.png"]), "text-only"),
+        (dict(texts=[""]), "empty"),
+    ],
+)
+def test_bad_input_is_a_value_error_naming_the_field(tiny, kwargs, match):
+    eng = engine(tiny)
+    with pytest.raises(ValueError, match=match):
+        eng.generate(**kwargs)
+    assert not eng.has_unfinished()
+    assert eng.generate(["Hello"], sampling_params=GREEDY)[0].finish_reason == "length"  # still serving
+
+
+def test_config_errors_name_the_option(tiny):
+    with pytest.raises(TypeError, match="unknown engine option 'max_lora'"):
+        engine(tiny, max_lora=3)
+    with pytest.raises(ValueError, match="unknown lora_backend 'fast'.*torch-gather"):
+        engine(tiny, lora_backend="fast")
+    with pytest.raises(ValueError, match="max_loras_per_batch"):
+        engine(tiny, max_loras_per_batch=0)
+    with pytest.raises(ValueError, match="rank 4 above max_lora_rank|above"):
+        engine(tiny, max_lora_rank=2)
+
+
+def test_load_unload_and_reused_name(tiny):
+    base, adapters = tiny
+    eng = engine(tiny, lora_paths=[], max_loras_per_batch=2)
+    eng.load_lora("x", str(adapters["a0"]))
+    with pytest.raises(ValueError, match="already registered"):
+        eng.load_lora("x", str(adapters["a1"]))
+    x0 = eng.generate(["Hello world"], ["x"], sampling_params=GREEDY)[0].output_ids
+    rid = eng.add_request("Hello world", sampling_params={**GREEDY, "max_new_tokens": 20}, lora="x")
+    eng.step()
+    eng.unload_lora("x")  # waits for the request in flight
+    with pytest.raises(ValueError, match="being unloaded"):
+        eng.add_request("Hello", sampling_params=GREEDY, lora="x")
+    assert "x" in [e["name"] for e in eng.list_loras()]
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.list_loras() == [] and eng.lora.pool.slots_used == 0 and not eng.lora.pool.host
+    eng.load_lora("x", str(adapters["a1"]))  # the name again, another adapter: no stale state
+    x1 = eng.generate(["Hello world"], ["x"], sampling_params=GREEDY)[0].output_ids
+    y1 = (
+        engine(tiny, max_loras_per_batch=2)
+        .generate(["Hello world"], ["a1"], sampling_params=GREEDY)[0]
+        .output_ids
+    )
+    assert x1 == y1 and x0 != x1
+    by_path = eng.generate(["Hello world"], [str(adapters["a0"])], sampling_params=GREEDY)[0].output_ids
+    assert by_path == x0
+    assert rid not in eng._requests and Status.FINISHED
