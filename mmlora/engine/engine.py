@@ -167,9 +167,9 @@ class Engine:
                 req.top_logprobs.append(list(zip(idx.tolist(), vals.tolist())))
         sp = req.sampling
         n_out = len(req.output_ids)
-        if n_out >= sp.min_new_tokens:
-            if (not sp.ignore_eos and token in self.eos_ids) or token in sp.stop_token_ids:
-                req.finish_reason, req.matched_stop = "stop", token
+        is_stop = (not sp.ignore_eos and token in self.eos_ids) or token in sp.stop_token_ids
+        if is_stop and n_out >= sp.min_new_tokens:
+            req.finish_reason, req.matched_stop = "stop", token
         if req.finish_reason is None and (n_out >= sp.max_new_tokens or req.num_tokens >= self.max_model_len):
             req.finish_reason = "length"
         update_text(req, self.tokenizer)
