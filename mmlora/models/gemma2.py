@@ -1,0 +1,156 @@
+"""Gemma 2 decoder, computed as HF's ``Gemma2ForCausalLM``.
+
+Differences from Llama: embeddings scaled by sqrt(hidden) (the scale rounded to the model dtype first,
+as HF does), RMSNorm with (1 + weight) in fp32, norms before *and after* attention and the MLP, GeGLU
+with tanh GELU, attention scale ``query_pre_attn_scalar ** -0.5``, attention logit soft-capping,
+final logit soft-capping, sliding-window attention on the layers ``config.layer_types`` marks, and
+tied embeddings. LoRA targets and packing are Llama's (q/k/v -> qkv_proj, gate/up -> gate_up_proj).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from mmlora.engine.forward_batch import ForwardBatch
+from mmlora.layers.attention import AttentionBackend
+from mmlora.layers.norms import RMSNorm
+from mmlora.layers.rotary import RotaryEmbedding, rope_parameters
+from mmlora.models.base import CausalLM
+from mmlora.models.llama import LlamaForCausalLM
+
+_TANH_GELUS = ("gelu_pytorch_tanh", "gelu_tanh", "gelu_new", "gelu_fast")
+
+
+def _layer_types(cfg: Any) -> list[str]:
+    types = getattr(cfg, "layer_types", None)
+    if types is None:  # HF's default: even layers slide, odd layers attend globally
+        types = [
+            "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(cfg.num_hidden_layers)
+        ]
+    if len(types) != cfg.num_hidden_layers:
+        raise ValueError(f"layer_types: {len(types)} entries for {cfg.num_hidden_layers} layers")
+    unknown = set(types) - {"sliding_attention", "full_attention"}
+    if unknown:
+        raise ValueError(f"layer_types: unsupported layer type(s) {sorted(unknown)}")
+    return list(types)
+
+
+class Gemma2Attention(nn.Module):
+    def __init__(self, cfg: Any, layer_idx: int) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        bias = bool(getattr(cfg, "attention_bias", False))
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.qkv_proj.output_sizes = (self.q_size, self.kv_size, self.kv_size)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=bias)
+        self.rotary = RotaryEmbedding(self.head_dim, cfg.max_position_embeddings, rope_parameters(cfg))
+        self.scale = float(cfg.query_pre_attn_scalar) ** -0.5
+        self.logit_softcap = getattr(cfg, "attn_logit_softcapping", None) or None
+        sliding = _layer_types(cfg)[layer_idx] == "sliding_attention"
+        self.sliding_window = int(cfg.sliding_window) if sliding and cfg.sliding_window else None
+        self.layer_idx = layer_idx
+        self.backend: AttentionBackend | None = None
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        T = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(batch.positions, q, k)
+        o = self.backend.forward(
+            q,
+            k,
+            v,
+            self.k_cache,
+            self.v_cache,
+            batch.attn,
+            scale=self.scale,
+            sliding_window=self.sliding_window,
+            logit_softcap=self.logit_softcap,
+        )
+        return self.o_proj(o.reshape(T, self.q_size))
+
+
+class Gemma2MLP(nn.Module):
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", "gelu_pytorch_tanh")
+        if act not in _TANH_GELUS:
+            raise ValueError(f"hidden_activation {act!r} is not supported for Gemma2 (tanh GELU only)")
+        self.intermediate = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.gate_up_proj.output_sizes = (cfg.intermediate_size, cfg.intermediate_size)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(nn.functional.gelu(gate, approximate="tanh") * up)
+
+
+class Gemma2DecoderLayer(nn.Module):
+    def __init__(self, cfg: Any, layer_idx: int) -> None:
+        super().__init__()
+        eps = cfg.rms_norm_eps
+        self.self_attn = Gemma2Attention(cfg, layer_idx)
+        self.mlp = Gemma2MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, offset=1.0)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, offset=1.0)
+        self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, offset=1.0)
+        self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, offset=1.0)
+
+    def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        hidden = hidden + self.post_attention_layernorm(self.self_attn(self.input_layernorm(hidden), batch))
+        return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
+
+
+class Gemma2Model(nn.Module):
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Gemma2DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset=1.0)
+        # HF keeps sqrt(hidden) as an fp32 scalar and rounds it to the weight dtype before multiplying.
+        self.register_buffer("embed_scale", torch.tensor(cfg.hidden_size**0.5), persistent=False)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        hidden = self.embed_tokens(batch.input_ids)
+        hidden = hidden * self.embed_scale.to(hidden.dtype)
+        if batch.input_embeds is not None:
+            hidden = hidden.index_copy(0, batch.embed_rows, batch.input_embeds.to(hidden.dtype))
+        for layer in self.layers:
+            hidden = layer(hidden, batch)
+        return self.norm(hidden)
+
+
+class Gemma2ForCausalLM(CausalLM):
+    hf_architectures = ("Gemma2ForCausalLM",)
+    hf_model_types = ("gemma2",)
+    packed_modules_mapping = LlamaForCausalLM.packed_modules_mapping
+    lora_module_parents = LlamaForCausalLM.lora_module_parents
+    lora_target_paths = LlamaForCausalLM.lora_target_paths
+    lora_layers_prefix = "model.layers"
+
+    def __init__(self, hf_config: Any) -> None:
+        super().__init__(hf_config)
+        self.model = Gemma2Model(hf_config)
+        self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
+        if getattr(hf_config, "tie_word_embeddings", True):
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.final_logit_softcap = getattr(hf_config, "final_logit_softcapping", None) or None
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        return self.model(batch)
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.model.layers

@@ -1,0 +1,125 @@
+"""Gemma2 against HF ``Gemma2ForCausalLM`` + PEFT (fp32, CPU): greedy tokens identical, logprobs within 1e-3.
+
+The tiny config makes every Gemma2 feature matter: norm weights away from 0 (Gemma stores w - 1),
+``query_pre_attn_scalar`` different from head_dim, attention and final logit soft-capping small enough to
+bite, alternating sliding-window layers with a window shorter than the prompts, tied embeddings.
+One batch mixes adapters (all seven targets, a subset, rank patterns) with base-only rows.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_models import ALL_SEVEN, PROMPTS, hf_peft_greedy, make_adapter, make_tokenizer
+
+import mmlora
+
+MAX_NEW = 10
+WINDOW = 5
+ADAPTERS = {
+    "all7": dict(r=8, lora_alpha=16, target_modules=ALL_SEVEN),
+    "attn": dict(r=4, lora_alpha=8, use_rslora=True, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+    "mlp": dict(
+        r=6, lora_alpha=12, target_modules=["gate_proj", "up_proj", "down_proj"], rank_pattern={"up_proj": 2}
+    ),
+}
+ORDER = ["all7", None, "attn", "mlp", None, "all7"]
+
+
+def make_gemma2(folder: Path, seed: int = 0) -> Path:
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    tok = make_tokenizer(folder)
+    cfg = Gemma2Config(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, query_pre_attn_scalar=24, vocab_size=len(tok), max_position_embeddings=256,
+        sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        attn_logit_softcapping=2.0, final_logit_softcapping=4.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = Gemma2ForCausalLM(cfg).to(torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(-0.5, 0.5)  # (1 + w) in [0.5, 1.5]
+            elif p.dim() == 2:
+                p.normal_(0.0, 0.08)
+            else:
+                p.normal_(0.0, 0.05)
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma2(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gemma2")
+    base = make_gemma2(root / "base")
+    adapters = {
+        n: make_adapter(base, root / n, seed=i + 1, **kw) for i, (n, kw) in enumerate(ADAPTERS.items())
+    }
+    return base, adapters
+
+
+def test_gemma2_mixed_adapter_batch_matches_hf_peft(tiny_gemma2):
+    base, adapters = tiny_gemma2
+    prompts = (PROMPTS * 2)[: len(ORDER)]
+    engine = mmlora.Engine(
+        model=str(base),
+        lora_paths={n: str(p) for n, p in adapters.items()},
+        max_loras_per_batch=2,
+        max_lora_rank=8,
+        device="cpu",
+        dtype="float32",
+    )
+    attn = [layer.self_attn for layer in engine.model.layers]
+    assert [a.sliding_window for a in attn] == [WINDOW, None, WINDOW]
+    assert all(a.logit_softcap == 2.0 for a in attn) and engine.model.final_logit_softcap == 4.0
+    ids = [engine.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    assert max(len(i) for i in ids) > WINDOW  # the window really cuts the context
+    outs = engine.generate(
+        prompts,
+        lora_paths=ORDER,
+        sampling_params={"max_new_tokens": MAX_NEW, "temperature": 0.0, "ignore_eos": True},
+        return_logprob=True,
+    )
+    expected = hf_peft_greedy(base, adapters, ids, ORDER, MAX_NEW)
+    for i, (out, (tokens, logprobs)) in enumerate(zip(outs, expected)):
+        assert out.output_ids == tokens, f"prompt {i} adapter {ORDER[i]}"
+        assert out.logprobs == pytest.approx(logprobs, abs=1e-3), f"prompt {i} adapter {ORDER[i]}"
+    # Adapters really change the answers, so the comparison is not vacuous.
+    assert outs[0].output_ids != outs[4].output_ids or outs[0].logprobs != pytest.approx(
+        outs[4].logprobs, abs=1e-3
+    )
+    assert engine.kv_cache.allocator.usage == 0.0
+
+
+def test_gemma2_generate_api_and_chunked_prefill(tiny_gemma2):
+    """``mmlora.generate`` on the folder, with prompts prefilled in 16-token chunks, equals HF + PEFT."""
+    base, adapters = tiny_gemma2
+    prompt = " ".join(PROMPTS)
+    outs = mmlora.generate(
+        images=None,
+        texts=[prompt, prompt],
+        lora_paths=[str(adapters["all7"]), None],
+        model=str(base),
+        device="cpu",
+        dtype="float32",
+        max_num_batched_tokens=16,
+        sampling_params={"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True},
+        return_logprob=True,
+    )
+    tok = make_tokenizer_ids(base, prompt)
+    assert len(tok) > 16
+    expected = hf_peft_greedy(base, {"all7": adapters["all7"]}, [tok, tok], ["all7", None], 6)
+    for out, (tokens, logprobs) in zip(outs, expected):
+        assert out.output_ids == tokens
+        assert out.logprobs == pytest.approx(logprobs, abs=1e-3)
+
+
+def make_tokenizer_ids(folder: Path, prompt: str) -> list[int]:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)(prompt, add_special_tokens=False)["input_ids"]
