@@ -3,8 +3,9 @@
 ``python -m mmlora.bench.attention --out attn.json`` times one decode attention call (store of the
 new token's K/V, split kernel, reduce) at Mistral-7B's head layout (32 query heads, 8 KV heads,
 head_dim 128, bf16, pages of 16 tokens on randomly permuted blocks) for each batch size and context
-length, replayed from a CUDA graph so launch overhead is not counted. KV bandwidth is the K and V
-bytes the step must read (batch x context x Hkv x D x 2 tensors x dtype size) over the time.
+length, with 20 calls captured in one CUDA graph so launch and replay overheads are not counted. KV
+bandwidth is the K and V bytes the step must read (batch x context x Hkv x D x 2 x dtype size) over
+the time.
 ``--prefill`` also times the prefill kernel (from scratch and on a cached prefix) in TFLOP/s.
 """
 
@@ -14,6 +15,7 @@ import argparse
 import json
 import logging
 import platform
+import sys
 from datetime import datetime, timezone
 
 import torch
@@ -53,14 +55,16 @@ def _decode_inputs(batch: int, context: int, hq: int, hkv: int, d: int, page: in
     return q, k, v, k_cache, v_cache, meta
 
 
-def _time_graph(fn, iters: int) -> float:
-    """Median milliseconds of one ``fn`` call, replayed from a CUDA graph."""
-    fn()  # compile / autotune outside the capture
+def _time_graph(fn, iters: int, repeat: int = 20) -> float:
+    """Median milliseconds of one ``fn`` call: ``repeat`` calls captured in one CUDA graph, replayed
+    ``iters`` times, so neither launch nor graph-replay overhead is counted."""
+    fn()  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
-    for _ in range(5):
+        for _ in range(repeat):
+            fn()
+    for _ in range(3):
         graph.replay()
     times = []
     for _ in range(iters):
@@ -69,7 +73,7 @@ def _time_graph(fn, iters: int) -> float:
         graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) / repeat)
     return sorted(times)[len(times) // 2]
 
 
@@ -175,6 +179,9 @@ def main(argv: list[str] | None = None) -> dict:
     prefill = bench_prefill([(8, 0, 512), (4, 0, 2048), (8, 2048, 256)]) if args.prefill else []
     report = {
         "benchmark": "triton paged decode attention (Mistral-7B heads: Hq 32, Hkv 8, D 128, bf16, page 16)",
+        "command": " ".join(
+            ["python -m mmlora.bench.attention", *(argv if argv is not None else sys.argv[1:])]
+        ),
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "host": platform.node(),
