@@ -56,6 +56,9 @@ def _make_server(app: Any, server_config: ServerConfig, bg: Any) -> Any:
                 logger.info("signal %s: refusing new requests, draining %d in flight", sig, bg.num_in_flight)
                 bg.stop_intake()
             super().handle_exit(sig, frame)
+            # uvicorn re-raises captured signals after its shutdown, which would kill the process
+            # before the engine is stopped: a completed drain is a clean exit (status 0) instead.
+            self._captured_signals.clear()
 
     config = uvicorn.Config(
         app,
