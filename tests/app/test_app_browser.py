@@ -1,0 +1,155 @@
+"""The app in a real browser: headless Chromium (Debian's ``chromium``) driven by Playwright's Python package.
+
+Compare mode with two adapters of a tiny random model: both answers must stream in (partial text seen
+before the end), differ, and carry their tokens/s; a screenshot is saved as an artifact
+(``$MMLORA_ARTIFACTS`` or ``artifacts/`` at the repository root).
+
+Setup (done here when missing and possible): ``apt-get install -y chromium``; ``pip install playwright
+gradio``. No browser is downloaded: Playwright launches ``/usr/bin/chromium``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("gradio", reason="the app needs gradio: pip install gradio")
+sync_api = pytest.importorskip("playwright.sync_api", reason="the browser test needs: pip install playwright")
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+REPO = Path(__file__).resolve().parents[2]
+STEP_DELAY_S = 0.04  # slows the tiny model so that the stream is observable in the page
+MAX_NEW_TOKENS = 40
+
+
+def ensure_chromium() -> str:
+    """Debian's chromium, installed with apt when missing; skip (with the reason) only without apt/root."""
+    if os.path.exists(CHROMIUM):
+        return CHROMIUM
+    if shutil.which("apt-get") is None:
+        pytest.skip(f"{CHROMIUM} is missing and apt-get is unavailable to install Debian's chromium")
+    if os.geteuid() != 0:
+        pytest.skip(
+            f"{CHROMIUM} is missing; install it as root: apt-get update && apt-get install -y chromium"
+        )
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    subprocess.run(["apt-get", "update"], check=True, env=env, capture_output=True)
+    subprocess.run(["apt-get", "install", "-y", "chromium"], check=True, env=env, capture_output=True)
+    assert os.path.exists(CHROMIUM), "apt-get installed chromium but /usr/bin/chromium is missing"
+    return CHROMIUM
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def app_url(tiny_app: Any) -> Iterator[str]:
+    from conftest import tiny_engine
+
+    from mmlora.app import AppController
+    from mmlora.app.ui import build_ui
+    from mmlora.engine.background import BackgroundEngine
+
+    engine = tiny_engine(tiny_app)
+    fast_step = engine.step
+
+    def slow_step() -> Any:
+        time.sleep(STEP_DELAY_S)
+        return fast_step()
+
+    engine.step = slow_step  # the BackgroundEngine calls engine.step(): an instance attribute wins
+    bg = BackgroundEngine(engine)
+    demo = build_ui(AppController(bg, lora_root=str(tiny_app.root)), stats_interval_s=0.5)
+    demo.queue(default_concurrency_limit=None)
+    port = free_port()
+    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        demo.close()
+        bg.shutdown(drain=False, timeout=10)
+
+
+@pytest.fixture(scope="module")
+def page(app_url: str) -> Iterator[Any]:
+    executable = ensure_chromium()
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS, headless=True)
+        try:
+            pg = browser.new_page(viewport={"width": 1400, "height": 1100})
+            pg.set_default_timeout(30_000)
+            pg.goto(app_url)
+            yield pg
+        finally:
+            browser.close()
+
+
+def artifacts_dir() -> Path:
+    folder = Path(os.environ.get("MMLORA_ARTIFACTS", REPO / "artifacts"))
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def _set_number(page: Any, elem_id: str, value: int) -> None:
+    box = page.locator(f"#{elem_id} input[type=number]")
+    box.fill(str(value))
+    box.press("Enter")
+
+
+def test_compare_two_adapters_stream_side_by_side(page: Any) -> None:
+    page.get_by_role("tab", name="Compare").click()
+    group = page.locator("#compare-adapters")
+    group.get_by_label("base model").uncheck()
+    group.get_by_label("alpha").check()
+    group.get_by_label("beta").check()
+    _set_number(page, "max-new-tokens", MAX_NEW_TOKENS)
+    page.locator("#compare-prompt textarea").fill("Hello world! How are")
+
+    out0, out1 = page.locator("#compare-out-0 textarea"), page.locator("#compare-out-1 textarea")
+    sync_api.expect(page.locator("#compare-out-0")).to_contain_text("alpha")  # column labels follow the picks
+    sync_api.expect(page.locator("#compare-out-1")).to_contain_text("beta")
+    page.locator("#compare-run").click()
+
+    seen: list[tuple[str, str]] = []
+    info0, info1 = page.locator("#compare-info-0"), page.locator("#compare-info-1")
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        seen.append((out0.input_value(), out1.input_value()))
+        if all(" length" in i.inner_text() or " stop" in i.inner_text() for i in (info0, info1)):
+            break
+        page.wait_for_timeout(30)
+    else:
+        pytest.fail(f"the answers did not finish within 90 s; last: {seen[-1] if seen else None}")
+    final = (out0.input_value(), out1.input_value())
+    shot = artifacts_dir() / "app_compare.png"
+    page.screenshot(path=str(shot), full_page=True)
+    print(f"screenshot: {shot}")
+
+    assert final[0] and final[1], f"an answer is empty: {final}"
+    assert final[0] != final[1], "two different adapters gave the same answer"
+    for col, text in enumerate(final):
+        partial = {s[col] for s in seen if s[col] and s[col] != text}
+        assert partial, f"column {col} never showed a partial answer: it did not stream"
+        assert all(text.startswith(p) for p in partial), f"column {col}: a partial answer is not a prefix"
+    for info, name in ((info0, "alpha"), (info1, "beta")):
+        line = info.inner_text()
+        assert name in line and f"{MAX_NEW_TOKENS} tokens" in line and "tok/s" in line, line
