@@ -131,3 +131,15 @@ def test_unknown_model_is_404_with_openai_envelope(client):
         client.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "x"}], temperature=-1
         )
+
+
+def test_echo_and_model_given_as_an_adapter_path(client, tiny, tok):
+    path = str(tiny.adapters["a1"])
+    res = client.completions.create(
+        model=path, prompt="Hello world", max_tokens=4, temperature=0, echo=True, extra_body=GREEDY_EXTRA
+    )
+    text = res.choices[0].text
+    assert text == "Hello world" + expected_text(tiny, tok, tiny.adapters["a1"], "Hello world", 4)
+    res = client.completions.create(model=f"tiny:{path}", prompt="Hello world", max_tokens=4, temperature=0,
+                                    extra_body=GREEDY_EXTRA)  # fmt: skip
+    assert "Hello world" + res.choices[0].text == text
