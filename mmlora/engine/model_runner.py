@@ -68,12 +68,21 @@ class ModelRunner:
             query_lens_host=list(sched.num_new),
             seq_lens_host=seq_lens,
         )
+        input_embeds = embed_rows = None
+        if self.model.is_multimodal:
+            # The model gives M-RoPE positions [3, T] and the image features of the rows this step covers.
+            chunks = [(r.mm_inputs, r.num_computed, n) for r, n in zip(sched.requests, sched.num_new)]
+            pos, input_embeds, embed_rows = self.model.multimodal_inputs(chunks, self.device)
+        else:
+            pos = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
         batch = ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True),
-            positions=torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True),
+            positions=pos,
             attn=attn,
             lora=self.lora.info,
             logits_rows=torch.tensor(logits_rows, dtype=torch.long).to(self.device, non_blocking=True),
+            input_embeds=input_embeds,
+            embed_rows=embed_rows,
         )
         return batch, sampling
 

@@ -7,8 +7,13 @@ from typing import Any
 from mmlora.models.base import CausalLM
 from mmlora.models.gemma2 import Gemma2ForCausalLM
 from mmlora.models.llama import LlamaForCausalLM
+from mmlora.models.qwen2_vl import Qwen2VLForConditionalGeneration
 
-_MODEL_CLASSES: tuple[type[CausalLM], ...] = (LlamaForCausalLM, Gemma2ForCausalLM)
+_MODEL_CLASSES: tuple[type[CausalLM], ...] = (
+    LlamaForCausalLM,
+    Gemma2ForCausalLM,
+    Qwen2VLForConditionalGeneration,
+)
 
 
 def register_model_class(cls: type[CausalLM]) -> type[CausalLM]:

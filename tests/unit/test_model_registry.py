@@ -18,6 +18,7 @@ from mmlora.models.registry import model_class_for, supported_architectures
         "MistralForCausalLM",
         "Qwen2ForCausalLM",
         "Gemma2ForCausalLM",
+        "Qwen2VLForConditionalGeneration",
     ],
 )
 def test_supported_architectures_resolve(arch):

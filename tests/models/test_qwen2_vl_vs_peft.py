@@ -1,0 +1,266 @@
+"""Qwen2-VL against HF ``Qwen2VLForConditionalGeneration`` + PEFT (fp32, CPU).
+
+Greedy tokens identical and chosen-token logprobs within 1e-3, in one batch that mixes: images of
+different sizes (28x28 .. 112x112), a placeholder mid-text, an image with no placeholder (goes first),
+two images in one request, text-only requests, three adapters and base-only rows. Then the same batch
+through ``mmlora.generate`` with 16-token prefill chunks that cut image placeholder runs, images given
+as PIL, path, bytes and data URL. The oracle expands placeholders the way HF's Qwen2VLProcessor does
+(``<|image_pad|>`` -> merged-patch count copies) and gets M-RoPE positions from HF itself.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from tiny_models import ALL_SEVEN, CORPUS
+
+import mmlora
+from mmlora.models.qwen2_vl import Qwen2VLForConditionalGeneration as VL
+
+MAX_NEW = 8
+SLOT = "<|vision_start|><|image_pad|><|vision_end|>"
+SPECIALS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+]
+ADAPTERS = {
+    "all7": dict(r=8, lora_alpha=16, target_modules=ALL_SEVEN),
+    "attn": dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+    "mlp": dict(
+        r=6, lora_alpha=12, target_modules=["gate_proj", "up_proj", "down_proj"], rank_pattern={"up_proj": 2}
+    ),
+}
+SIZES = {"a": (28, 28), "b": (56, 84), "c": (84, 56), "d": (112, 112)}  # (height, width)
+# (text, image keys, adapter)
+ROWS = [
+    (f"Hello {SLOT} what is this?", ["b"], "all7"),
+    ("The quick brown fox", [], None),
+    ("Describe the picture.", ["a"], "attn"),
+    (f"{SLOT} and {SLOT} differ in", ["d", "c"], "mlp"),
+    ("Paris is the capital of", [], "all7"),
+    (f"Look: {SLOT}", ["a"], None),
+]
+
+
+def _image(key: str):
+    from PIL import Image
+
+    h, w = SIZES[key]
+    rng = np.random.default_rng(sum(map(ord, key)))
+    return Image.fromarray((rng.random((h, w, 3)) * 255).astype("uint8"))
+
+
+def make_qwen2_vl(folder: Path, seed: int = 0) -> Path:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import (
+        PreTrainedTokenizerFast,
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
+        Qwen2VLImageProcessorPil,
+    )
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=384, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(CORPUS * 4, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    fast.save_pretrained(folder)
+    Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=64 * 28 * 28).save_pretrained(folder)
+    tid = fast.convert_tokens_to_ids
+    text = dict(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=len(fast), max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=None,
+        eos_token_id=tid("<|endoftext|>"), pad_token_id=tid("<|endoftext|>"),
+        rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0},
+    )  # fmt: skip
+    vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2, spatial_merge_size=2)
+    cfg = Qwen2VLConfig(
+        text_config=text, vision_config=vision, tie_word_embeddings=False,
+        image_token_id=tid("<|image_pad|>"), vision_start_token_id=tid("<|vision_start|>"),
+        vision_end_token_id=tid("<|vision_end|>"), video_token_id=len(fast) - 1,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = Qwen2VLForConditionalGeneration(cfg).to(torch.float32)
+    with torch.no_grad():  # larger than the default init so that images, adapters and norms visibly matter
+        for name, p in model.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                p.uniform_(0.5, 1.5)
+            elif p.dim() >= 2:
+                p.normal_(0.0, 0.08)
+            else:
+                p.normal_(0.0, 0.05)
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def make_vl_adapter(base: Path, out: Path, seed: int, **lora_kwargs) -> Path:
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen2VLForConditionalGeneration
+
+    model = Qwen2VLForConditionalGeneration.from_pretrained(base, dtype=torch.float32)
+    model = get_peft_model(model, LoraConfig(init_lora_weights=False, lora_dropout=0.0, **lora_kwargs))
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0.0, 0.15)
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def hf_oracle(base: Path, adapters: dict[str, Path]) -> list[tuple[list[int], list[int], list[float]]]:
+    """(expanded prompt ids, greedy tokens, chosen-token logprobs) per row, from HF + PEFT one row at a time."""
+    from peft import PeftModel
+    from transformers import AutoImageProcessor, AutoTokenizer, Qwen2VLForConditionalGeneration
+
+    tok = AutoTokenizer.from_pretrained(base)
+    proc = AutoImageProcessor.from_pretrained(base)
+    hf = Qwen2VLForConditionalGeneration.from_pretrained(
+        base, dtype=torch.float32, attn_implementation="eager"
+    )
+    first, *rest = list(adapters)
+    model = PeftModel.from_pretrained(hf, adapters[first], adapter_name=first)
+    for name in rest:
+        model.load_adapter(adapters[name], adapter_name=name)
+    model.eval()
+    pad_id = hf.config.image_token_id
+    results = []
+    for text, keys, adapter in ROWS:
+        kwargs: dict = {}
+        if keys:
+            if SLOT not in text:
+                text = SLOT * len(keys) + text
+            pix = proc(images=[_image(k) for k in keys], return_tensors="pt")
+            for grid in pix["image_grid_thw"]:  # Qwen2VLProcessor.replace_image_token, one image at a time
+                text = text.replace("<|image_pad|>", "<|placeholder|>" * (int(grid.prod()) // 4), 1)
+            text = text.replace("<|placeholder|>", "<|image_pad|>")
+            kwargs = dict(pixel_values=pix["pixel_values"], image_grid_thw=pix["image_grid_thw"])
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        x = torch.tensor([ids])
+        kwargs.update(mm_token_type_ids=(x == pad_id).int(), attention_mask=torch.ones_like(x))
+        gen = dict(max_new_tokens=MAX_NEW, do_sample=False, output_logits=True, return_dict_in_generate=True)
+        gen.update(eos_token_id=None, pad_token_id=0)
+        with torch.no_grad():
+            if adapter is None:
+                with model.disable_adapter():
+                    out = model.generate(input_ids=x, **kwargs, **gen)
+            else:
+                model.set_adapter(adapter)
+                out = model.generate(input_ids=x, **kwargs, **gen)
+        tokens = out.sequences[0, len(ids) :].tolist()
+        logprobs = [torch.log_softmax(lg[0].float(), -1)[t].item() for lg, t in zip(out.logits, tokens)]
+        results.append((ids, tokens, logprobs))
+    return results
+
+
+@pytest.fixture(scope="module")
+def tiny_vl(tmp_path_factory):
+    root = tmp_path_factory.mktemp("qwen2vl")
+    base = make_qwen2_vl(root / "base")
+    adapters = {n: make_vl_adapter(base, root / n, i + 1, **kw) for i, (n, kw) in enumerate(ADAPTERS.items())}
+    return root, base, adapters, hf_oracle(base, adapters)
+
+
+def _check(outs, expected) -> None:
+    for i, (out, (_, tokens, logprobs)) in enumerate(zip(outs, expected)):
+        assert out.output_ids == tokens, f"row {i} {ROWS[i]}"
+        assert out.logprobs == pytest.approx(logprobs, abs=1e-3), f"row {i} {ROWS[i]}"
+
+
+def test_qwen2_vl_mixed_batch_matches_hf_peft(tiny_vl):
+    _, base, adapters, expected = tiny_vl
+    engine = mmlora.Engine(
+        model=str(base), lora_paths={n: str(p) for n, p in adapters.items()}, max_loras_per_batch=2,
+        max_lora_rank=8, device="cpu", dtype="float32",
+    )  # fmt: skip
+    for (text, keys, _), (ids, _, _) in zip(ROWS, expected):  # placeholder expansion equals the processor's
+        assert engine.model.prepare_prompt(engine.tokenizer, text, None, [_image(k) for k in keys])[0] == ids
+    outs = engine.generate(
+        [r[0] for r in ROWS], [r[2] for r in ROWS], [[_image(k) for k in r[1]] or None for r in ROWS],
+        {"max_new_tokens": MAX_NEW, "temperature": 0.0, "ignore_eos": True}, return_logprob=True,
+    )  # fmt: skip
+    _check(outs, expected)
+    # Images really matter: the same text with a different image answers differently.
+    other = engine.generate(
+        ROWS[5][0], None, [[_image("b")]], {"max_new_tokens": MAX_NEW, "temperature": 0.0}
+    )
+    assert other[0].output_ids != outs[5].output_ids
+    assert engine.kv_cache.allocator.usage == 0.0
+
+
+def test_qwen2_vl_generate_api_chunked_prefill_and_image_forms(tiny_vl, tmp_path):
+    """16-token chunks cut image runs; images as PIL, path, PNG bytes and data URL give the same answers."""
+    _, base, adapters, expected = tiny_vl
+    png = {}
+    for k in SIZES:
+        buf = io.BytesIO()
+        _image(k).save(buf, format="PNG")
+        png[k] = buf.getvalue()
+        (tmp_path / f"{k}.png").write_bytes(png[k])
+    forms = [
+        lambda k: _image(k),
+        lambda k: str(tmp_path / f"{k}.png"),
+        lambda k: png[k],
+        lambda k: "data:image/png;base64," + base64.b64encode(png[k]).decode(),
+    ]
+    images = [[forms[(i + j) % 4](k) for j, k in enumerate(r[1])] or None for i, r in enumerate(ROWS)]
+    split = []
+    real = VL.multimodal_inputs
+
+    def spy(self, chunks, device):  # record chunks that cut an image's placeholder run
+        for mm, start, n in chunks:
+            for s, count in mm.spans if mm is not None else []:
+                if s < start < s + count or s < start + n < s + count:
+                    split.append((s, count, start, n))
+        return real(self, chunks, device)
+
+    VL.multimodal_inputs = spy
+    try:
+        outs = mmlora.generate(
+            images=images, texts=[r[0] for r in ROWS],
+            lora_paths=[str(adapters[r[2]]) if r[2] else None for r in ROWS],
+            model=str(base), device="cpu", dtype="float32", max_num_batched_tokens=16,
+            sampling_params={"max_new_tokens": MAX_NEW, "temperature": 0.0, "ignore_eos": True},
+            return_logprob=True,
+        )  # fmt: skip
+    finally:
+        VL.multimodal_inputs = real
+    assert split, "no prefill chunk cut an image placeholder run"
+    _check(outs, expected)
+
+
+def test_qwen2_vl_refusals(tiny_vl):
+    root, base, _, _ = tiny_vl
+    engine = mmlora.Engine(model=str(base), device="cpu", dtype="float32")
+    vision = make_vl_adapter(base, root / "vision", 9, r=4, lora_alpha=8, target_modules=["qkv", "q_proj"])
+    with pytest.raises(ValueError, match="vision tower"):
+        engine.load_lora("vision", str(vision))
+    img = _image("a")
+    with pytest.raises(ValueError, match="placeholder"):
+        engine.add_request(f"{SLOT}{SLOT} two slots", images=[img])
+    with pytest.raises(ValueError, match="placeholder"):
+        engine.add_request(f"{SLOT} no image")
+    with pytest.raises(ValueError, match="not a recognised image"):
+        engine.add_request("corrupt", images=[b"\x89PNG not really an image"])
+    with pytest.raises(ValueError, match="invalid base64"):
+        engine.add_request("bad b64", images=["data:image/png;base64,@@@@"])
+    with pytest.raises(ValueError, match="unsupported type"):
+        engine.add_request("bad type", images=[12345])
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    with pytest.raises(ValueError, match="corrupt image data"):
+        engine.add_request("truncated", images=[buf.getvalue()[:-40]])
+    assert not engine.has_unfinished()
