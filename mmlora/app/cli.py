@@ -21,8 +21,12 @@ DEMO_ADAPTERS = Path(__file__).resolve().parent.parent / "assets" / "adapters"
 DEFAULT_MODEL = "smollm2"
 
 
-def demo_adapter_specs(folder: Path = DEMO_ADAPTERS) -> list[str]:
-    """``["name=path", ...]`` for every PEFT adapter folder directly inside ``folder`` (sorted by name)."""
+def demo_adapter_specs(folder: Path | None = None) -> list[str]:
+    """``["name=path", ...]`` for every PEFT adapter folder directly inside ``folder`` (sorted by name).
+
+    ``folder`` defaults to ``DEMO_ADAPTERS``, the adapters shipped with the package.
+    """
+    folder = DEMO_ADAPTERS if folder is None else folder
     if not folder.is_dir():
         return []
     return [

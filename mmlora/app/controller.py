@@ -12,7 +12,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from mmlora.engine.background import BackgroundEngine, RequestHandle
@@ -31,7 +31,7 @@ class StreamView:
 
     adapter: str
     text: str = ""
-    tokens: int = 0
+    output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
     arrival_time: float | None = None
@@ -42,9 +42,14 @@ class StreamView:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def tokens(self) -> int:
+        return len(self.output_ids)
+
     def update(self, out: RequestOutput) -> None:
-        self.text = out.text
-        self.tokens = len(out.output_ids)
+        """Apply one increment; the shown text grows by the deltas (never a half-decoded character)."""
+        self.text = out.text if out.finished else self.text + out.delta_text
+        self.output_ids = list(out.output_ids)
         self.finish_reason = out.finish_reason
         self.error = out.error
         self.arrival_time = out.arrival_time
