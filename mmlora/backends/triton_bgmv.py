@@ -35,7 +35,17 @@ from mmlora.backends.triton_common import (
 )
 from mmlora.lora.batch_info import LoRABatchInfo
 
-_MAX_SPLIT_K = 16
+#: Launch heuristics (read at every launch, so a benchmark can sweep them): elements per register
+#: tile of shrink and expand, warps per program, the most splits of in_features, and how many
+#: programs per SM shrink aims for.
+TUNING = {
+    "shrink_tile": 8192,
+    "shrink_warps": 4,
+    "expand_tile": 4096,
+    "expand_warps": 4,
+    "max_split_k": 16,
+    "waves": 4,
+}
 
 
 @triton.jit
@@ -154,12 +164,12 @@ class _ShrinkPlan:
         self.ns_p2 = next_pow2(n)
         self.block_r = min(next_pow2(top_rank), max(1, 256 // self.ns_p2))
         rows = self.ns_p2 * self.block_r
-        self.block_k = min(256, max(32, 8192 // rows))
+        self.block_k = min(256, max(32, TUNING["shrink_tile"] // rows))
         self.r_tiles = triton.cdiv(R, self.block_r)  # cover R, not this batch's max rank: graph-safe
         active = T * triton.cdiv(top_rank, self.block_r)
         k_blocks = triton.cdiv(in_features, self.block_k)
-        want = split_k or triton.cdiv(4 * sm_count(device), active)
-        split = max(1, min(want, _MAX_SPLIT_K, k_blocks))
+        want = split_k or triton.cdiv(TUNING["waves"] * sm_count(device), active)
+        split = max(1, min(want, TUNING["max_split_k"], k_blocks))
         self.k_per_split = triton.cdiv(k_blocks, split) * self.block_k
         self.split_k = triton.cdiv(in_features, self.k_per_split)
 
@@ -184,6 +194,7 @@ def _shrink_partials(
         x.shape[1], R, plan.k_per_split, x.stride(0), A.stride(0), A.stride(1), p.stride(0), p.stride(1),
         plan.split_k, plan.r_tiles,
         N_SLICES=n, NS_P2=plan.ns_p2, SKIP_PAD=skip_pad, BLOCK_R=plan.block_r, BLOCK_K=plan.block_k,
+        num_warps=TUNING["shrink_warps"],
     )  # fmt: skip
     return p
 
@@ -201,7 +212,7 @@ def _expand(
     n = len(slice_offsets) - 1
     n_out = B.shape[1]
     block_r = min(64, max(16, next_pow2(info.max_rank)))
-    block_n = min(256, max(32, 4096 // block_r))
+    block_n = min(512, max(32, TUNING["expand_tile"] // block_r))
     n_tiles = triton.cdiv(n_out, block_n)
     grid = (info.num_tokens * n_tiles,)
     _bgmv_expand_kernel[grid](
@@ -209,7 +220,7 @@ def _expand(
         R, n_out, p.stride(0), p.stride(1), B.stride(0), B.stride(1), out.stride(0), scalings.stride(0),
         *offset_args(slice_offsets), n_tiles,
         SPLIT_K=p.shape[0], SPLIT_P2=next_pow2(p.shape[0]), N_SLICES=n, BLOCK_N=block_n, BLOCK_R=block_r,
-        H_DTYPE=_tl_dtype(h_dtype),
+        H_DTYPE=_tl_dtype(h_dtype), num_warps=TUNING["expand_warps"],
     )  # fmt: skip
 
 

@@ -22,33 +22,43 @@ from mmlora.backends.base import LoRABackend
 from mmlora.backends.registry import register_backend
 from mmlora.backends.triton_common import (
     check_expand_args,
+    check_expand_weights,
     check_shrink_args,
     dot_upcast,
     next_pow2,
     offset_args,
     select_bound,
+    sm_count,
 )
 from mmlora.lora.batch_info import LoRABatchInfo
+
+#: Launch heuristics (read at every launch, so a benchmark can sweep them): the largest token tile,
+#: expand's column tile, warps per program, the most splits of in_features, programs per SM aimed at.
+TUNING = {"block_m": 64, "block_n": 128, "shrink_warps": 4, "expand_warps": 4, "max_split_k": 16, "waves": 4}
 
 
 @triton.jit
 def _sgmv_shrink_kernel(
     x_ptr, a_ptr, h_ptr, seg_indptr_ptr, weight_indices_ptr, ranks_ptr,
-    in_features, R, stride_xm, stride_as, stride_ar, stride_hm, M_TILES, R_TILES,
+    in_features, R, K_PER_SPLIT, stride_xm, stride_as, stride_ar, stride_hs, stride_hm,
+    M_TILES, R_TILES, SPLIT_K,
     N_SLICES: tl.constexpr, NS_P2: tl.constexpr, SKIP_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
-    """Shrink: for segment i with slot w[i] >= 0: ``h[s[i]:s[i+1]] = x[s[i]:s[i+1]] @ A[w[i]].T``.
+    """Shrink, split over in_features: for segment i with slot w[i] >= 0 and split k:
+    ``h[k, s[i]:s[i+1]] = x[s[i]:s[i+1], Kk] @ A[w[i], :, Kk].T`` (sum over k gives the shrink).
 
-    x [T, in] (fp32/fp16/bf16), A [S, N_SLICES * R, in] (x.dtype), h [T, N_SLICES * R] (x.dtype).
-    A program covers BLOCK_M tokens x (all slices, BLOCK_R ranks). Rows of base-only segments and
-    columns past the adapter's rank are written as zeros; fp32 accumulation.
+    x [T, in] (fp32/fp16/bf16), A [S, N_SLICES * R, in] (x.dtype), h [SPLIT_K, T, N_SLICES * R]
+    (x.dtype when SPLIT_K = 1, else fp32 partials). A program covers BLOCK_M tokens x (all slices,
+    BLOCK_R ranks) x one split; every element of h is written: rows of base-only segments and columns
+    past the adapter's rank as zeros. fp32 accumulation.
     """
     pid = tl.program_id(0)
     pid_r = pid % R_TILES
-    pid_m = (pid // R_TILES) % M_TILES
-    seg = pid // (R_TILES * M_TILES)
+    sp = (pid // R_TILES) % SPLIT_K
+    pid_m = (pid // (R_TILES * SPLIT_K)) % M_TILES
+    seg = pid // (R_TILES * SPLIT_K * M_TILES)
     seg_end = tl.load(seg_indptr_ptr + seg + 1)
     m0 = tl.load(seg_indptr_ptr + seg) + pid_m * BLOCK_M
     if m0 >= seg_end:
@@ -64,7 +74,7 @@ def _sgmv_shrink_kernel(
     r = pid_r * BLOCK_R + j % BLOCK_R
     col = (j // BLOCK_R) * R + r
     col_ok = (j // BLOCK_R < N_SLICES) & (r < R)
-    h_ptrs = h_ptr + offs_m[:, None] * stride_hm + col[None, :]
+    h_ptrs = h_ptr + sp * stride_hs + offs_m[:, None] * stride_hm + col[None, :]
     h_mask = m_ok[:, None] & col_ok[None, :]
     if (slot < 0) | (pid_r * BLOCK_R >= rank):
         tl.store(h_ptrs, tl.zeros((BLOCK_M, NS_P2 * BLOCK_R), dtype=h_ptr.dtype.element_ty), mask=h_mask)
@@ -72,9 +82,11 @@ def _sgmv_shrink_kernel(
     w_ok = col_ok & (r < rank)
     a_base = a_ptr + slot.to(tl.int64) * stride_as + col * stride_ar
     acc = tl.zeros((BLOCK_M, NS_P2 * BLOCK_R), dtype=tl.float32)
-    for k0 in range(0, in_features, BLOCK_K):
+    k_lo = sp * K_PER_SPLIT
+    k_hi = tl.minimum(k_lo + K_PER_SPLIT, in_features)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
-        k_ok = kk < in_features
+        k_ok = kk < k_hi
         xt = tl.load(
             x_ptr + offs_m[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0
         )
@@ -89,16 +101,18 @@ def _sgmv_shrink_kernel(
 @triton.jit
 def _sgmv_expand_kernel(
     h_ptr, b_ptr, out_ptr, scal_ptr, seg_indptr_ptr, weight_indices_ptr, ranks_ptr,
-    R, stride_hm, stride_bs, stride_bn, stride_om, stride_ss, o0, o1, o2, o3, o4, M_TILES, N_TILES,
+    R, SPLIT_K, stride_hs, stride_hm, stride_bs, stride_bn, stride_om, stride_ss, o0, o1, o2, o3, o4,
+    M_TILES, N_TILES,
     N_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
     """Expand, all slices in one launch: for segment i with slot w[i] >= 0 and slice j:
     ``y[s[i]:s[i+1], o[j]:o[j+1]] += h[s[i]:s[i+1], j*R:j*R+r] @ B[w[i], o[j]:o[j+1], :r].T * sc[w[i], j]``.
 
-    h [T, N_SLICES * R], B [S, out, R] (h.dtype), scalings [S, N_SLICES] fp32, out [T, out] (any float
-    dtype, updated in place), r = ranks[w[i]]. A program covers BLOCK_M tokens x BLOCK_N columns of one
-    slice and loops over the rank only up to r; fp32 accumulation.
+    h [SPLIT_K, T, N_SLICES * R]: shrink's split-K planes, summed here and rounded to B's dtype (x.dtype,
+    as PEFT keeps h), B [S, out, R], scalings [S, N_SLICES] fp32, out [T, out] (any float dtype, updated
+    in place), r = ranks[w[i]]. A program covers BLOCK_M tokens x BLOCK_N columns of one slice and
+    loops over the rank only up to r; fp32 accumulation.
     """
     pid = tl.program_id(0)
     pid_n = pid % (N_SLICES * N_TILES)
@@ -123,11 +137,12 @@ def _sgmv_expand_kernel(
     for k0 in range(0, rank, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
         k_ok = kk < rank
-        ht = tl.load(
-            h_ptr + offs_m[:, None] * stride_hm + (s * R + kk)[None, :],
-            mask=m_ok[:, None] & k_ok[None, :],
-            other=0.0,
-        )
+        h_ptrs = h_ptr + offs_m[:, None] * stride_hm + (s * R + kk)[None, :]
+        h_mask = m_ok[:, None] & k_ok[None, :]
+        hsum = tl.load(h_ptrs, mask=h_mask, other=0.0).to(tl.float32)
+        for sp in range(1, SPLIT_K):
+            hsum += tl.load(h_ptrs + sp * stride_hs, mask=h_mask, other=0.0).to(tl.float32)
+        ht = hsum.to(b_ptr.dtype.element_ty)  # exact when SPLIT_K == 1 (h is already in x.dtype)
         bt = tl.load(b_base[None, :] + kk[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
         if UPCAST:
             ht = ht.to(tl.float32)
@@ -141,39 +156,90 @@ def _sgmv_expand_kernel(
 
 
 def _block_m(max_seg_len: int) -> int:
-    return min(64, max(16, next_pow2(max_seg_len)))
+    return min(TUNING["block_m"], max(16, next_pow2(max_seg_len)))
+
+
+def _shrink_planes(
+    x: torch.Tensor, A: torch.Tensor, info: LoRABatchInfo, n: int, R: int, skip_pad: bool, split_k: int | None
+) -> torch.Tensor:
+    """Launch shrink; returns h as [SPLIT_K, T, n*R] planes (x.dtype if one plane, else fp32)."""
+    T, in_f = info.num_tokens, x.shape[1]
+    ns_p2 = next_pow2(n)
+    top_rank = info.max_rank if skip_pad else R
+    block_r = min(max(16, next_pow2(top_rank)), max(16, 128 // ns_p2))
+    max_seg = max(info.seg_lens_host)
+    block_m = _block_m(max_seg)
+    block_k = 64 if block_m >= 64 else 128
+    if split_k:  # a forced split (tests, benchmarks) gets blocks small enough to honour it
+        block_k = min(block_k, max(16, next_pow2(triton.cdiv(in_f, split_k))))
+    m_tiles = triton.cdiv(max_seg, block_m)
+    r_tiles = triton.cdiv(R, block_r)  # cover R (zeros past the rank), not just this batch's ranks
+    # Split in_features until the launch has a few waves of programs: a long segment alone would
+    # otherwise leave most of the GPU idle (the rank dimension gives almost no parallelism).
+    busy = sum(triton.cdiv(n_tok, block_m) for n_tok in info.seg_lens_host) * triton.cdiv(top_rank, block_r)
+    k_blocks = triton.cdiv(in_f, block_k)
+    want = split_k or triton.cdiv(TUNING["waves"] * sm_count(x.device), busy)
+    split = max(1, min(want, TUNING["max_split_k"], k_blocks))
+    k_per_split = triton.cdiv(k_blocks, split) * block_k
+    split = triton.cdiv(in_f, k_per_split)
+    h = torch.empty((split, T, A.shape[1]), dtype=x.dtype if split == 1 else torch.float32, device=x.device)
+    grid = (info.num_segments * m_tiles * split * r_tiles,)
+    _sgmv_shrink_kernel[grid](
+        x, A, h, info.seg_indptr, info.weight_indices, info.ranks,
+        in_f, R, k_per_split, x.stride(0), A.stride(0), A.stride(1), h.stride(0), h.stride(1),
+        m_tiles, r_tiles, split,
+        N_SLICES=n, NS_P2=ns_p2, SKIP_PAD=skip_pad, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k,
+        UPCAST=dot_upcast(x.dtype), PREC="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=TUNING["shrink_warps"],
+    )  # fmt: skip
+    return h
+
+
+def _expand_planes(
+    h: torch.Tensor,
+    B: torch.Tensor,
+    scalings: torch.Tensor,
+    info: LoRABatchInfo,
+    out: torch.Tensor,
+    slice_offsets: tuple[int, ...],
+    R: int,
+) -> None:
+    n = len(slice_offsets) - 1
+    widths = [b - a for a, b in zip(slice_offsets, slice_offsets[1:])]
+    max_seg = max(info.seg_lens_host)
+    block_m = _block_m(max_seg)
+    block_n = TUNING["block_n"]
+    block_k = min(64, max(16, next_pow2(info.max_rank)))
+    m_tiles = triton.cdiv(max_seg, block_m)
+    n_tiles = triton.cdiv(max(widths), block_n)
+    grid = (info.num_segments * m_tiles * n * n_tiles,)
+    _sgmv_expand_kernel[grid](
+        h, B, out, scalings, info.seg_indptr, info.weight_indices, info.ranks,
+        R, h.shape[0], h.stride(0), h.stride(1), B.stride(0), B.stride(1), out.stride(0), scalings.stride(0),
+        *offset_args(slice_offsets), m_tiles, n_tiles,
+        N_SLICES=n, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=dot_upcast(B.dtype),
+        PREC="ieee" if B.dtype == torch.float32 else "tf32", num_warps=TUNING["expand_warps"],
+    )  # fmt: skip
 
 
 def sgmv_shrink(
-    x: torch.Tensor, A: torch.Tensor, info: LoRABatchInfo, n_slices: int | None = None
+    x: torch.Tensor,
+    A: torch.Tensor,
+    info: LoRABatchInfo,
+    n_slices: int | None = None,
+    split_k: int | None = None,
 ) -> torch.Tensor:
     """``h [T, n*R] = per-segment x @ A[slot].T`` (zeros for base-only rows), in x.dtype.
 
     ``n_slices`` (the number of slices packed in A) lets the kernel skip rank padding per slice; when
     None, A's rows are one slice of width n*R and every row is computed (same result, more work).
+    ``split_k`` overrides the split-K heuristic (tests, benchmarks).
     """
     n, R = check_shrink_args(x, A, info, n_slices)
-    T = info.num_tokens
-    h = torch.empty(T, A.shape[1], dtype=x.dtype, device=x.device)
-    if not info.has_lora or T == 0:
-        h.zero_()
-        return h
-    skip_pad = n_slices is not None
-    ns_p2 = next_pow2(n)
-    top_rank = info.max_rank if skip_pad else R
-    block_r = min(max(16, next_pow2(top_rank)), max(16, 128 // ns_p2))
-    block_m = _block_m(max(info.seg_lens_host))
-    m_tiles = triton.cdiv(max(info.seg_lens_host), block_m)
-    r_tiles = triton.cdiv(R, block_r)
-    grid = (info.num_segments * m_tiles * r_tiles,)
-    _sgmv_shrink_kernel[grid](
-        x, A, h, info.seg_indptr, info.weight_indices, info.ranks,
-        x.shape[1], R, x.stride(0), A.stride(0), A.stride(1), h.stride(0), m_tiles, r_tiles,
-        N_SLICES=n, NS_P2=ns_p2, SKIP_PAD=skip_pad, BLOCK_M=block_m, BLOCK_R=block_r,
-        BLOCK_K=64 if block_m >= 64 else 128, UPCAST=dot_upcast(x.dtype),
-        PREC="ieee" if x.dtype == torch.float32 else "tf32",
-    )  # fmt: skip
-    return h
+    if not info.has_lora or info.num_tokens == 0:
+        return x.new_zeros(info.num_tokens, A.shape[1])
+    h = _shrink_planes(x, A, info, n, R, n_slices is not None, split_k)
+    return h[0] if h.shape[0] == 1 else h.sum(0).to(x.dtype)
 
 
 def sgmv_expand(
@@ -185,34 +251,25 @@ def sgmv_expand(
     slice_offsets: tuple[int, ...],
 ) -> None:
     """``out[seg, slice] += h[seg, slice] @ B[slot, slice].T * scalings[slot, slice]`` in one launch."""
-    n, R = check_expand_args(h, B, scalings, info, out, slice_offsets)
+    _, R = check_expand_args(h, B, scalings, info, out, slice_offsets)
     if not info.has_lora or info.num_tokens == 0:
         return
-    widths = [b - a for a, b in zip(slice_offsets, slice_offsets[1:])]
-    max_seg = max(info.seg_lens_host)
-    block_m = _block_m(max_seg)
-    block_n = 128 if block_m <= 32 else 64
-    block_k = min(64, max(16, next_pow2(info.max_rank)))
-    m_tiles = triton.cdiv(max_seg, block_m)
-    n_tiles = triton.cdiv(max(widths), block_n)
-    grid = (info.num_segments * m_tiles * n * n_tiles,)
-    _sgmv_expand_kernel[grid](
-        h, B, out, scalings, info.seg_indptr, info.weight_indices, info.ranks,
-        R, h.stride(0), B.stride(0), B.stride(1), out.stride(0), scalings.stride(0),
-        *offset_args(slice_offsets), m_tiles, n_tiles,
-        N_SLICES=n, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=dot_upcast(h.dtype),
-        PREC="ieee" if h.dtype == torch.float32 else "tf32",
-    )  # fmt: skip
+    _expand_planes(h.unsqueeze(0), B, scalings, info, out, slice_offsets, R)
 
 
 @register_backend("triton-sgmv")
 class TritonSGMVBackend(LoRABackend):
-    """Segment-tiled Triton kernels; best for prefill and chunked prefill (long runs on one adapter)."""
+    """Segment-tiled Triton kernels; best for prefill and chunked prefill (long runs on one adapter).
+
+    ``split_k`` (None: heuristic) fixes shrink's split of in_features.
+    """
+
+    split_k: int | None = None
 
     def shrink(
         self, x: torch.Tensor, A: torch.Tensor, info: LoRABatchInfo, n_slices: int | None = None
     ) -> torch.Tensor:
-        return sgmv_shrink(x, A, info, n_slices)
+        return sgmv_shrink(x, A, info, n_slices, self.split_k)
 
     def expand(
         self,
@@ -235,8 +292,14 @@ class TritonSGMVBackend(LoRABackend):
         info: LoRABatchInfo,
         slice_offsets: tuple[int, ...],
     ) -> None:
-        """As the base class, but shrink knows the slice count, so it skips rank padding per slice."""
+        """Fused path: shrink knows the slice count (skips rank padding per slice) and its split-K
+        partial planes go straight to expand (2 launches, no reduction pass)."""
         if not info.has_lora:
             return
-        h = sgmv_shrink(x, A, info, n_slices=len(slice_offsets) - 1)
-        sgmv_expand(h, B, scalings, info, out, slice_offsets)
+        n = len(slice_offsets) - 1
+        _, R = check_shrink_args(x, A, info, n)
+        check_expand_weights(A.shape[1], x.dtype, B, scalings, info, out, slice_offsets)
+        if info.num_tokens == 0:
+            return
+        h = _shrink_planes(x, A, info, n, R, True, self.split_k)
+        _expand_planes(h, B, scalings, info, out, slice_offsets, R)

@@ -22,7 +22,6 @@ from dataclasses import dataclass  # noqa: E402
 import pytest  # noqa: E402
 
 from mmlora.backends import get_backend  # noqa: E402
-from mmlora.backends.triton_bgmv import TritonBGMVBackend  # noqa: E402
 from mmlora.lora.batch_info import LoRABatchInfo  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
@@ -229,15 +228,20 @@ def test_no_lora_batch_leaves_out_unchanged(backend: str) -> None:
     assert torch.equal(c.out, out0)
 
 
+@pytest.mark.parametrize("backend", TRITON)
 @pytest.mark.parametrize("split_k", [1, 2, 3])
-def test_bgmv_split_k_values_agree(split_k: int) -> None:
-    c = make_case(*CPU_CASES["decode-distinct-qkv"], dtype=torch.float32, seed=11)
-    _, want = reference(c)
+@pytest.mark.parametrize("name", ["decode-distinct-qkv", "prefill-basemix-gateup"])
+def test_split_k_values_agree(backend: str, split_k: int, name: str) -> None:
+    """Shrink's split of in_features (fp32 partial planes summed by expand) changes nothing."""
+    c = make_case(*CPU_CASES[name], dtype=torch.bfloat16, seed=11)
+    want_h, want = reference(c)
     out0 = c.out.clone()
-    be = TritonBGMVBackend()
+    be = get_backend(backend)
     be.split_k = split_k
     be.add_lora(c.out, c.x, c.A, c.B, c.scalings, c.info, c.offsets)
     assert_out(c, c.out, want, out0)
+    h = be.shrink(c.x, c.A, c.info)
+    torch.testing.assert_close(h.double().cpu(), want_h, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("backend", TRITON)
