@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from tiny_models import ALL_SEVEN, PROMPTS, hf_peft_greedy, make_adapter, make_tokenizer
+from transformers import AutoTokenizer
 
 import mmlora
 
@@ -26,6 +27,7 @@ ADAPTERS = {
     ),
 }
 ORDER = ["all7", None, "attn", "mlp", None, "all7"]
+PROMPTS_USED = (PROMPTS * 2)[: len(ORDER)]
 
 
 def make_gemma2(folder: Path, seed: int = 0) -> Path:
@@ -60,35 +62,43 @@ def tiny_gemma2(tmp_path_factory):
     adapters = {
         n: make_adapter(base, root / n, seed=i + 1, **kw) for i, (n, kw) in enumerate(ADAPTERS.items())
     }
-    return base, adapters
+    tok = AutoTokenizer.from_pretrained(base)
+    ids = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS_USED]
+    assert max(len(i) for i in ids) > WINDOW  # the window really cuts the context
+    return base, adapters, hf_peft_greedy(base, adapters, ids, ORDER, MAX_NEW)
 
 
-def test_gemma2_mixed_adapter_batch_matches_hf_peft(tiny_gemma2):
-    base, adapters = tiny_gemma2
-    prompts = (PROMPTS * 2)[: len(ORDER)]
+def _run_batch(base: Path, adapters: dict, **engine_kwargs) -> tuple[mmlora.Engine, list]:
     engine = mmlora.Engine(
         model=str(base),
         lora_paths={n: str(p) for n, p in adapters.items()},
         max_loras_per_batch=2,
         max_lora_rank=8,
-        device="cpu",
         dtype="float32",
+        **engine_kwargs,
     )
-    attn = [layer.self_attn for layer in engine.model.layers]
-    assert [a.sliding_window for a in attn] == [WINDOW, None, WINDOW]
-    assert all(a.logit_softcap == 2.0 for a in attn) and engine.model.final_logit_softcap == 4.0
-    ids = [engine.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
-    assert max(len(i) for i in ids) > WINDOW  # the window really cuts the context
     outs = engine.generate(
-        prompts,
+        PROMPTS_USED,
         lora_paths=ORDER,
         sampling_params={"max_new_tokens": MAX_NEW, "temperature": 0.0, "ignore_eos": True},
         return_logprob=True,
     )
-    expected = hf_peft_greedy(base, adapters, ids, ORDER, MAX_NEW)
+    return engine, outs
+
+
+def _check(outs, expected) -> None:
     for i, (out, (tokens, logprobs)) in enumerate(zip(outs, expected)):
         assert out.output_ids == tokens, f"prompt {i} adapter {ORDER[i]}"
         assert out.logprobs == pytest.approx(logprobs, abs=1e-3), f"prompt {i} adapter {ORDER[i]}"
+
+
+def test_gemma2_mixed_adapter_batch_matches_hf_peft(tiny_gemma2):
+    base, adapters, expected = tiny_gemma2
+    engine, outs = _run_batch(base, adapters, device="cpu")
+    attn = [layer.self_attn for layer in engine.model.layers]
+    assert [a.sliding_window for a in attn] == [WINDOW, None, WINDOW]
+    assert all(a.logit_softcap == 2.0 for a in attn) and engine.model.final_logit_softcap == 4.0
+    _check(outs, expected)
     # Adapters really change the answers, so the comparison is not vacuous.
     assert outs[0].output_ids != outs[4].output_ids or outs[0].logprobs != pytest.approx(
         outs[4].logprobs, abs=1e-3
@@ -96,9 +106,18 @@ def test_gemma2_mixed_adapter_batch_matches_hf_peft(tiny_gemma2):
     assert engine.kv_cache.allocator.usage == 0.0
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("lora_backend", ["torch-gather", "triton-sgmv", "triton-bgmv"])
+def test_gemma2_cuda_triton_matches_hf_peft(tiny_gemma2, lora_backend):
+    """On the GPU: Triton attention (soft-capping, sliding window) with every LoRA backend, fp32."""
+    base, adapters, expected = tiny_gemma2
+    _, outs = _run_batch(base, adapters, device="cuda", attention_backend="triton", lora_backend=lora_backend)
+    _check(outs, expected)
+
+
 def test_gemma2_generate_api_and_chunked_prefill(tiny_gemma2):
     """``mmlora.generate`` on the folder, with prompts prefilled in 16-token chunks, equals HF + PEFT."""
-    base, adapters = tiny_gemma2
+    base, adapters, _ = tiny_gemma2
     prompt = " ".join(PROMPTS)
     outs = mmlora.generate(
         images=None,
@@ -111,15 +130,9 @@ def test_gemma2_generate_api_and_chunked_prefill(tiny_gemma2):
         sampling_params={"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True},
         return_logprob=True,
     )
-    tok = make_tokenizer_ids(base, prompt)
+    tok = AutoTokenizer.from_pretrained(base)(prompt, add_special_tokens=False)["input_ids"]
     assert len(tok) > 16
     expected = hf_peft_greedy(base, {"all7": adapters["all7"]}, [tok, tok], ["all7", None], 6)
     for out, (tokens, logprobs) in zip(outs, expected):
         assert out.output_ids == tokens
         assert out.logprobs == pytest.approx(logprobs, abs=1e-3)
-
-
-def make_tokenizer_ids(folder: Path, prompt: str) -> list[int]:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(folder)(prompt, add_special_tokens=False)["input_ids"]

@@ -180,25 +180,46 @@ def _check(outs, expected) -> None:
         assert out.logprobs == pytest.approx(logprobs, abs=1e-3), f"row {i} {ROWS[i]}"
 
 
-def test_qwen2_vl_mixed_batch_matches_hf_peft(tiny_vl):
-    _, base, adapters, expected = tiny_vl
+def _run_batch(base: Path, adapters: dict, **engine_kwargs) -> tuple[mmlora.Engine, list]:
     engine = mmlora.Engine(
         model=str(base), lora_paths={n: str(p) for n, p in adapters.items()}, max_loras_per_batch=2,
-        max_lora_rank=8, device="cpu", dtype="float32",
+        max_lora_rank=8, dtype="float32", **engine_kwargs,
     )  # fmt: skip
-    for (text, keys, _), (ids, _, _) in zip(ROWS, expected):  # placeholder expansion equals the processor's
-        assert engine.model.prepare_prompt(engine.tokenizer, text, None, [_image(k) for k in keys])[0] == ids
     outs = engine.generate(
         [r[0] for r in ROWS], [r[2] for r in ROWS], [[_image(k) for k in r[1]] or None for r in ROWS],
         {"max_new_tokens": MAX_NEW, "temperature": 0.0, "ignore_eos": True}, return_logprob=True,
     )  # fmt: skip
+    return engine, outs
+
+
+def test_qwen2_vl_mixed_batch_matches_hf_peft(tiny_vl):
+    _, base, adapters, expected = tiny_vl
+    engine, outs = _run_batch(base, adapters, device="cpu")
     _check(outs, expected)
+    model, tok = engine.model, engine.tokenizer
+    for (text, keys, _), (ids, _, _) in zip(ROWS, expected):  # placeholder expansion equals the processor's
+        assert model.prepare_prompt(tok, text, None, [_image(k) for k in keys])[0] == ids
+    # input_ids with one <|image_pad|> id per image expand the same way as text.
+    slot_ids = tok(ROWS[3][0], add_special_tokens=False)["input_ids"]
+    assert model.prepare_prompt(tok, None, slot_ids, [_image("d"), _image("c")])[0] == expected[3][0]
     # Images really matter: the same text with a different image answers differently.
     other = engine.generate(
         ROWS[5][0], None, [[_image("b")]], {"max_new_tokens": MAX_NEW, "temperature": 0.0}
     )
     assert other[0].output_ids != outs[5].output_ids
     assert engine.kv_cache.allocator.usage == 0.0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("lora_backend", ["torch-gather", "triton-sgmv", "triton-bgmv"])
+def test_qwen2_vl_cuda_triton_matches_hf_peft(tiny_vl, lora_backend):
+    """On the GPU: Triton attention with every LoRA backend, fp32, prefill chunks cutting image runs."""
+    _, base, adapters, expected = tiny_vl
+    _, outs = _run_batch(
+        base, adapters, device="cuda", attention_backend="triton", lora_backend=lora_backend,
+        max_num_batched_tokens=16,
+    )  # fmt: skip
+    _check(outs, expected)
 
 
 def test_qwen2_vl_generate_api_chunked_prefill_and_image_forms(tiny_vl, tmp_path):
