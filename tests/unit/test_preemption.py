@@ -21,7 +21,9 @@ def tiny(tmp_path_factory):
     base = make_checkpoint(root / "base", "llama")
     adapters = {
         "a": make_adapter(base, root / "a", seed=1, r=4, lora_alpha=8, target_modules=ALL_SEVEN),
-        "b": make_adapter(base, root / "b", seed=2, r=2, lora_alpha=4, target_modules=["q_proj", "down_proj"]),
+        "b": make_adapter(
+            base, root / "b", seed=2, r=2, lora_alpha=4, target_modules=["q_proj", "down_proj"]
+        ),
     }
     return base, adapters
 
