@@ -68,11 +68,11 @@ class RequestHandle:
 
     # -- producer side (engine thread) --
     def _fix_delta(self, out: RequestOutput) -> None:
-        """Make the deltas add up to the final state, whatever the engine reported as new.
+        """Guarantee that the deltas a consumer reads add up exactly to the final state.
 
-        Ids are append-only, so their delta is what was not yet sent. Text may be held back while
-        running (a partial character, a possible stop-string prefix): the engine's text delta is kept
-        then, and the final output carries everything not yet sent.
+        Ids are append-only, so their delta is what was not yet delivered. Text may be held back while
+        running (a partial character, a possible stop-string prefix): the engine's text delta is used
+        then, and the final output carries whatever was not yet delivered.
         """
         out.delta_ids = list(out.output_ids[self._sent_ids :])
         self._sent_ids = len(out.output_ids)

@@ -7,8 +7,8 @@ import threading
 import time
 
 import pytest
-from conftest import tiny_engine
 from hf_oracle import hf_greedy, tokenize
+from server_fixtures import tiny_engine
 
 from mmlora.engine.background import BackgroundEngine, EngineUnavailableError, QueueFullError
 

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import requests
-from conftest import make_adapter, serve, tiny_engine
+from server_fixtures import make_adapter, serve, tiny_engine
 
 OK_BODY = {"text": "Hello", "sampling_params": {"max_new_tokens": 2}}
 

