@@ -64,7 +64,7 @@ def _make_server(app: Any, server_config: ServerConfig, bg: Any) -> Any:
         app,
         host=server_config.host,
         port=server_config.port,
-        log_level=server_config.log_level,
+        log_level=server_config.log_level.lower(),
         timeout_graceful_shutdown=int(server_config.drain_timeout),
         lifespan="off",
     )
@@ -74,7 +74,10 @@ def _make_server(app: Any, server_config: ServerConfig, bg: Any) -> Any:
 def main(argv: Sequence[str] | None = None) -> int:
     engine_config, server_config = parse_args(argv)
     logging.basicConfig(
-        level=server_config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=logging.DEBUG
+        if server_config.log_level.lower() == "trace"
+        else server_config.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     from mmlora import Engine
     from mmlora.engine.background import BackgroundEngine

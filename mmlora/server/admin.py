@@ -90,9 +90,17 @@ async def unload_lora_adapter(body: UnloadLoRARequest, request: Request) -> dict
         await state.bg.run_async(lambda eng: eng.unload_lora(name))
     except Exception as e:
         raise to_api_error(e) from None
-    finally:
-        await state.adapters.refresh()
-    return {"success": True, "message": f"unloaded adapter {name!r}", "lora_name": name}
+    # New requests for it are refused from now on; answer once its in-flight requests have finished
+    # and its slot and host copy are freed (bounded: a long request must not hold the caller forever).
+    try:
+        await _wait_unloaded(state, name)
+        freed = True
+    except APIError:
+        freed = False
+    message = (
+        f"unloaded adapter {name!r}" if freed else f"adapter {name!r} is unloading; requests still in flight"
+    )
+    return {"success": True, "message": message, "lora_name": name, "freed": freed}
 
 
 async def _health(request: Request) -> Response:

@@ -51,5 +51,7 @@ class ServerConfig:
             raise ValueError("max_in_flight_requests: must be >= 1")
         if self.health_timeout <= 0:
             raise ValueError("health_timeout: must be > 0")
+        if self.log_level.lower() not in ("critical", "error", "warning", "info", "debug", "trace"):
+            raise ValueError(f"log_level: unknown level {self.log_level!r}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key: must not be empty")

@@ -27,7 +27,9 @@ def parse_sampling(value: dict[str, Any] | None, *, param: str = "sampling_param
     try:
         return SamplingParams.from_any(value)
     except ValueError as e:
-        raise APIError(400, str(e), param=param) from None
+        message = str(e)
+        field = message.partition(":")[0]  # "sampling_params.top_p: must be ..." names the field
+        raise APIError(400, message, param=field if field.startswith(param + ".") else param) from None
 
 
 def expand_n(sp: SamplingParams) -> list[SamplingParams]:

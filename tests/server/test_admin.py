@@ -68,6 +68,24 @@ def test_load_use_unload_reload(server, tiny):
     assert_no_leak(server, set(tiny.adapters))
 
 
+def test_unload_waits_for_in_flight_requests_which_complete(server, tiny):
+    url = server.url
+    assert load(url, "busy", "a3").status_code == 200
+    body = {"text": "Hello", "lora_path": "busy", "stream": True,
+            "sampling_params": {**GREEDY, "max_new_tokens": 60}}  # fmt: skip
+    with requests.post(url + "/generate", json=body, stream=True, timeout=60) as stream:
+        lines = stream.iter_lines(decode_unicode=True)
+        next(lines)  # running now
+        r = unload(url, "busy")  # returns once the request above has finished and the adapter is freed
+        assert r.status_code == 200 and r.json()["freed"] is True, r.text
+        assert requests.post(url + "/generate", json={**body, "stream": False}, timeout=30).status_code == 404
+        rest = [line for line in lines if line]
+    assert rest[-1] == "data: [DONE]"
+    final = json.loads(rest[-2][len("data: ") :])
+    assert final["meta_info"]["finish_reason"]["type"] == "length" and len(final["output_ids"]) == 60
+    assert_no_leak(server, set(tiny.adapters))
+
+
 def _stream_one(url: str, name: str | None, seed: int) -> tuple[str, str]:
     """One streaming request -> ("ok", "") | ("refused", message); anything else fails the test."""
     body = {"text": "The quick brown fox", "sampling_params": {**GREEDY, "max_new_tokens": 3 + seed % 4},
