@@ -374,37 +374,48 @@ class BackgroundEngine:
             handle = self._handles.get(out.request_id)
             if handle is None:
                 continue  # aborted during a failed submit, or added by someone else
-            snap = _snapshot(out)
-            handle._fix_delta(snap)
-            for fn in self._listeners:
-                try:
-                    fn(snap, now)
-                except Exception:
-                    logger.exception("output listener failed")
-            handle._push(snap)
-            if snap.finished:
-                del self._handles[out.request_id]
-                self._release(1)
+            try:
+                self._deliver(handle, out, now)
+            except Exception as e:  # a bad output fails its own request, never the loop
+                logger.exception("delivering an output of %s failed", out.request_id)
+                self._fail(handle, f"internal error: {type(e).__name__}: {e}")
+
+    def _deliver(self, handle: RequestHandle, out: RequestOutput, now: float) -> None:
+        snap = _snapshot(out)
+        handle._fix_delta(snap)
+        for fn in self._listeners:
+            try:
+                fn(snap, now)
+            except Exception:
+                logger.exception("output listener failed")
+        handle._push(snap)
+        if snap.finished:
+            del self._handles[handle.request_id]
+            self._release(1)
+
+    def _fail(self, handle: RequestHandle, message: str) -> None:
+        """Finish ``handle`` with an abort carrying ``message`` and stop its request in the engine."""
+        self._engine_abort(handle.request_id)
+        handle._push(
+            RequestOutput(
+                request_id=handle.request_id,
+                prompt_tokens=0,
+                lora_name=None,
+                finish_reason="abort",
+                error=message,
+                arrival_time=handle.submit_time,
+                finish_time=time.monotonic(),
+            )
+        )
+        if self._handles.pop(handle.request_id, None) is not None:
+            self._release(1)
 
     def _step_failed(self, error: Exception) -> None:
         """A step raised: fail the requests it was running (we cannot tell which one is to blame)."""
         logger.exception("engine step failed; aborting %d in-flight request(s)", len(self._handles))
         self._consecutive_step_failures += 1
-        for rid, handle in list(self._handles.items()):
-            self._engine_abort(rid)
-            handle._push(
-                RequestOutput(
-                    request_id=rid,
-                    prompt_tokens=0,
-                    lora_name=None,
-                    finish_reason="abort",
-                    error=f"internal error: {type(error).__name__}: {error}",
-                    arrival_time=handle.submit_time,
-                    finish_time=time.monotonic(),
-                )
-            )
-            del self._handles[rid]
-            self._release(1)
+        for handle in list(self._handles.values()):
+            self._fail(handle, f"internal error: {type(error).__name__}: {error}")
         if self._consecutive_step_failures > 1:
             # The engine keeps failing with nothing of ours left: back off instead of spinning.
             time.sleep(min(1.0, 0.01 * 2**self._consecutive_step_failures))

@@ -126,3 +126,18 @@ def test_shutdown_drains_then_refuses(tiny):
     assert handle.result(timeout=1).finish_reason == "length"
     with pytest.raises(EngineUnavailableError):
         bg.run(lambda eng: None)
+
+
+def test_a_failing_listener_or_output_fails_at_most_its_own_request(bg):
+    bg.add_listener(lambda out, now: 1 / 0)  # swallowed and logged
+    assert bg.submit("Hello", sampling_params=GREEDY).result(timeout=30).finish_reason == "length"
+    bad = bg.submit("Hello", sampling_params={**GREEDY, "max_new_tokens": 30})
+    good = bg.submit("The quick", sampling_params={**GREEDY, "max_new_tokens": 30})
+
+    def broken(out):
+        raise RuntimeError("cannot deliver")
+
+    bad._fix_delta = broken  # the engine thread reads it on the next output
+    assert bad.result(timeout=30).error.endswith("cannot deliver")
+    assert good.result(timeout=30).finish_reason == "length"
+    assert bg.wait_idle(10) and not bg.run(lambda eng: eng.has_unfinished())
