@@ -107,6 +107,18 @@ def test_gemma2_mixed_adapter_batch_matches_hf_peft(tiny_gemma2):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("lora_backend", ["triton-sgmv", "triton-bgmv"])
+def test_gemma2_9b_dummy_bf16_cuda_smoke(tmp_path, lora_backend):
+    """The real Gemma2-9B shapes in bf16: a prompt longer than the 4096 window, 512-token prefill chunks."""
+    from dummy_smoke import smoke_batch
+
+    smoke_batch(
+        "gemma2-9b", tmp_path, lengths=(37, 300, 5, 4500, 64, 900, 17, 250), device="cuda", dtype="bfloat16",
+        lora_backend=lora_backend, max_loras_per_batch=4, max_lora_rank=32, max_num_batched_tokens=512,
+    )  # fmt: skip
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("lora_backend", ["torch-gather", "triton-sgmv", "triton-bgmv"])
 def test_gemma2_cuda_triton_matches_hf_peft(tiny_gemma2, lora_backend):
     """On the GPU: Triton attention (soft-capping, sliding window) with every LoRA backend, fp32."""

@@ -39,6 +39,7 @@ ADAPTERS = {
         r=6, lora_alpha=12, target_modules=["gate_proj", "up_proj", "down_proj"], rank_pattern={"up_proj": 2}
     ),
 }
+SMOKE_SIZES = [(448, 448), (224, 336), (56, 56)]
 SIZES = {"a": (28, 28), "b": (56, 84), "c": (84, 56), "d": (112, 112)}  # (height, width)
 # (text, image keys, adapter)
 ROWS = [
@@ -220,6 +221,22 @@ def test_qwen2_vl_cuda_triton_matches_hf_peft(tiny_vl, lora_backend):
         max_num_batched_tokens=16,
     )  # fmt: skip
     _check(outs, expected)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("lora_backend", ["triton-sgmv", "triton-bgmv"])
+def test_qwen2_vl_7b_dummy_bf16_cuda_smoke(tmp_path, lora_backend):
+    """The real Qwen2-VL-7B shapes in bf16: images of 256, 96 and 4 tokens, 512-token chunks cutting them."""
+    from dummy_smoke import smoke_batch
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    images = [Image.fromarray((rng.random((h, w, 3)) * 255).astype("uint8")) for h, w in SMOKE_SIZES]
+    outs = smoke_batch(
+        "qwen2-vl-7b", tmp_path, images=images, device="cuda", dtype="bfloat16", lora_backend=lora_backend,
+        max_loras_per_batch=4, max_lora_rank=32, max_num_batched_tokens=512,
+    )  # fmt: skip
+    assert outs[0].prompt_tokens == 37 + 256 + 2  # 448x448 -> 32x32 patches -> 256 merged tokens
 
 
 def test_qwen2_vl_generate_api_chunked_prefill_and_image_forms(tiny_vl, tmp_path):
