@@ -54,7 +54,8 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_positions: int, params: dict[str, Any]) -> None:
         super().__init__()
         inv_freq, self.attention_scaling = _inv_freq(head_dim, params)
-        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        # A plain attribute, not a buffer: model.to(bfloat16) must not round the frequencies (HF keeps fp32).
+        self.inv_freq = inv_freq.float()
         self.max_positions = max_positions
         self._cache: tuple[torch.Tensor, torch.Tensor] | None = None
 

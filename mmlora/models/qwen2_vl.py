@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from mmlora.engine.forward_batch import ForwardBatch
-from mmlora.layers.rotary import rope_parameters
+from mmlora.layers.rotary import rope_parameters, rotate_half
 from mmlora.models.base import CausalLM
 from mmlora.models.llama import LlamaForCausalLM, LlamaModel
 from mmlora.models.qwen2_vl_vision import Qwen2VLVisionTower
@@ -69,14 +69,19 @@ class MRotaryEmbedding(nn.Module):
             )
         base = float(params["rope_theta"])
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.inv_freq = inv_freq  # plain fp32 attribute: model.to(bfloat16) must not round it
         self.section = [int(s) for s in params.get("mrope_section", [16, 24, 24])]
         if sum(self.section) != head_dim // 2:
             raise ValueError(f"mrope_section {self.section} must sum to head_dim / 2 = {head_dim // 2}")
         self.max_positions = max_positions
         self._cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        # One instance serves every layer: the cos/sin of the forward's positions are gathered once.
+        self._last: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        last = self._last
+        if last is not None and last[0] is positions and last[1] == dtype:
+            return last[2], last[3]
         if self._cache is None or self._cache[0].device != positions.device:
             t = torch.arange(self.max_positions, device=positions.device, dtype=torch.float32)
             freqs = torch.outer(t, self.inv_freq.to(positions.device))
@@ -87,13 +92,12 @@ class MRotaryEmbedding(nn.Module):
             parts = [per_axis[i % 3, :, lo:hi] for i, (lo, hi) in enumerate(_bounds(self.section))]
             half = torch.cat(parts, dim=-1)
             out.append(torch.cat((half, half), dim=-1).to(dtype))
+        self._last = (positions, dtype, out[0], out[1])
         return out[0], out[1]
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        from mmlora.layers.rotary import rotate_half
-
         if positions.dim() == 1:  # text-only batches may carry 1-D positions: all three axes equal
             positions = positions.unsqueeze(0).expand(3, -1)
         cos, sin = self.cos_sin(positions, q.dtype)
@@ -133,10 +137,9 @@ class Qwen2VLForConditionalGeneration(CausalLM):
             )
         self.model = LlamaModel(text, qkv_bias=True)
         head_dim = text.hidden_size // text.num_attention_heads
+        rotary = MRotaryEmbedding(head_dim, text.max_position_embeddings, rope_parameters(text))
         for layer in self.model.layers:
-            layer.self_attn.rotary = MRotaryEmbedding(
-                head_dim, text.max_position_embeddings, rope_parameters(text)
-            )
+            layer.self_attn.rotary = rotary
         self.visual = Qwen2VLVisionTower(vision)
         self.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
         if getattr(hf_config, "tie_word_embeddings", False):

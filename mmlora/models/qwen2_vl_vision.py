@@ -122,7 +122,7 @@ class Qwen2VLVisionTower(nn.Module):
         # Axial 2D RoPE: a quarter of the head dim rotates with the row, a quarter with the column.
         spatial = head_dim // 2
         inv_freq = 1.0 / (theta ** (torch.arange(0, spatial, 2, dtype=torch.float) / spatial))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.inv_freq = inv_freq  # plain fp32 attribute: model.to(bfloat16) must not round it
 
     def _rotary(
         self, grid_thw: list[tuple[int, int, int]], device: torch.device

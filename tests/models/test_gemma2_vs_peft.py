@@ -148,3 +148,17 @@ def test_gemma2_generate_api_and_chunked_prefill(tiny_gemma2):
     for out, (tokens, logprobs) in zip(outs, expected):
         assert out.output_ids == tokens
         assert out.logprobs == pytest.approx(logprobs, abs=1e-3)
+
+
+def test_gemma2_bf16_rotary_matches_hf(tiny_gemma2):
+    """In bf16 the RoPE frequencies stay fp32 (as in HF): cos/sin at far positions equal HF's bf16 values."""
+    from transformers import AutoConfig
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2RotaryEmbedding
+
+    base, _, _ = tiny_gemma2
+    engine = mmlora.Engine(model=str(base), device="cpu", dtype="bfloat16")
+    positions = torch.tensor([0, 7, 100, 255])
+    cos, sin = engine.model.layers[0].self_attn.rotary.cos_sin(positions, torch.bfloat16)
+    x = torch.zeros(1, dtype=torch.bfloat16)
+    hf_cos, hf_sin = Gemma2RotaryEmbedding(AutoConfig.from_pretrained(base))(x, positions[None])
+    assert torch.equal(cos, hf_cos[0]) and torch.equal(sin, hf_sin[0])
