@@ -21,6 +21,7 @@ from tiny_models import ALL_SEVEN, CORPUS
 
 import mmlora
 from mmlora.models.qwen2_vl import Qwen2VLForConditionalGeneration as VL
+from mmlora.multimodal import images as mm_images
 
 MAX_NEW = 8
 SLOT = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -280,7 +281,7 @@ def test_qwen2_vl_generate_api_chunked_prefill_and_image_forms(tiny_vl, tmp_path
     _check(outs, expected)
 
 
-def test_qwen2_vl_refusals(tiny_vl):
+def test_qwen2_vl_refusals(tiny_vl, tmp_path, monkeypatch):
     root, base, _, _ = tiny_vl
     engine = mmlora.Engine(model=str(base), device="cpu", dtype="float32")
     vision = make_vl_adapter(base, root / "vision", 9, r=4, lora_alpha=8, target_modules=["qkv", "q_proj"])
@@ -301,4 +302,13 @@ def test_qwen2_vl_refusals(tiny_vl):
     img.save(buf, format="PNG")
     with pytest.raises(ValueError, match="corrupt image data"):
         engine.add_request("truncated", images=[buf.getvalue()[:-40]])
+    ppm = io.BytesIO()
+    img.save(ppm, format="PPM")
+    with pytest.raises(ValueError, match="format PPM is not supported"):
+        engine.add_request("ppm", images=[ppm.getvalue()])
+    with pytest.raises(ValueError, match="neither an existing file"):
+        engine.add_request("missing", images=[str(tmp_path / "missing.png")])
+    monkeypatch.setattr(mm_images, "MAX_IMAGE_PIXELS", 28 * 27)
+    with pytest.raises(ValueError, match="more than the limit"):
+        engine.add_request("too big", images=[buf.getvalue()])
     assert not engine.has_unfinished()
