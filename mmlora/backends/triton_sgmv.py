@@ -33,8 +33,10 @@ from mmlora.backends.triton_common import (
 from mmlora.lora.batch_info import LoRABatchInfo
 
 #: Launch heuristics (read at every launch, so a benchmark can sweep them): the largest token tile,
-#: expand's column tile, warps per program, the most splits of in_features, programs per SM aimed at.
-TUNING = {"block_m": 64, "block_n": 128, "shrink_warps": 4, "expand_warps": 4, "max_split_k": 16, "waves": 4}
+#: expand's column tile, warps per program, the most splits of in_features, and how many programs per
+#: SM shrink aims for. Chosen on an H200 (bf16, rank 16, Mistral-7B shapes, 2026-11-30): token tile 32
+#: and column tile 256 gave the fastest expand at 512 and 4096 tokens among 32/64 x 128/256.
+TUNING = {"block_m": 32, "block_n": 256, "shrink_warps": 4, "expand_warps": 4, "max_split_k": 16, "waves": 4}
 
 
 @triton.jit
@@ -127,11 +129,11 @@ def _sgmv_expand_kernel(
     slot = tl.load(weight_indices_ptr + seg)
     if (n0 >= hi) | (m0 >= seg_end) | (slot < 0):
         return
-    rank = tl.load(ranks_ptr + slot)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     m_ok = offs_m < seg_end
     n_ok = offs_n < hi
+    rank = tl.load(ranks_ptr + slot)
     b_base = b_ptr + slot.to(tl.int64) * stride_bs + offs_n * stride_bn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, rank, BLOCK_K):
@@ -149,6 +151,8 @@ def _sgmv_expand_kernel(
             bt = bt.to(tl.float32)
         acc = tl.dot(ht, bt, acc, input_precision=PREC)
     scale = tl.load(scal_ptr + slot * stride_ss + s)
+    # The out tile is loaded last: loading it before the loop (to overlap latencies) measured slower
+    # on an H200 (register pressure), 2026-11-30.
     o_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     o_mask = m_ok[:, None] & n_ok[None, :]
     prev = tl.load(o_ptrs, mask=o_mask)

@@ -214,6 +214,19 @@ def test_rank_padding_is_never_read(backend: str, name: str) -> None:
     assert_out(c, c.out, want, out0)
 
 
+@pytest.mark.parametrize(
+    "name,picked", [("decode-basemix-qkv", "triton-bgmv"), ("prefill-uniform-qkv", "triton-sgmv")]
+)
+def test_auto_picks_bgmv_for_decode_and_sgmv_otherwise(name: str, picked: str) -> None:
+    c = make_case(*CPU_CASES[name], dtype=torch.float32, seed=5)
+    _, want = reference(c)
+    out0 = c.out.clone()
+    be = get_backend("triton-auto")
+    assert be.pick(c.info).name == picked
+    be.add_lora(c.out, c.x, c.A, c.B, c.scalings, c.info, c.offsets)
+    assert_out(c, c.out, want, out0)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_no_lora_batch_leaves_out_unchanged(backend: str) -> None:
     c = make_case(*CPU_CASES["decode-basemix-qkv"][:5], "all_base", "decode", dtype=torch.float32)
