@@ -201,7 +201,10 @@ class Qwen2VLForConditionalGeneration(CausalLM):
             raise ValueError("prompt: empty")
         if not pil:
             return ids, None
-        out = self._processor()(images=pil, return_tensors="pt")
+        try:
+            out = self._processor()(images=pil, return_tensors="pt")
+        except ValueError as e:  # e.g. an aspect ratio beyond what the processor resizes
+            raise ValueError(f"images: cannot preprocess: {e}") from None
         grid = [tuple(int(v) for v in row) for row in out["image_grid_thw"].tolist()]
         counts = [t * h * w // self.merge**2 for t, h, w in grid]
         expanded, spans = [], []
