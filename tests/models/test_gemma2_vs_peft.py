@@ -115,6 +115,7 @@ def test_gemma2_9b_dummy_bf16_cuda_smoke(tmp_path, lora_backend):
     smoke_batch(
         "gemma2-9b", tmp_path, lengths=(37, 300, 5, 4500, 64, 900, 17, 250), device="cuda", dtype="bfloat16",
         lora_backend=lora_backend, max_loras_per_batch=4, max_lora_rank=32, max_num_batched_tokens=512,
+        max_kv_tokens=65536,
     )  # fmt: skip
 
 
@@ -123,7 +124,14 @@ def test_gemma2_9b_dummy_bf16_cuda_smoke(tmp_path, lora_backend):
 def test_gemma2_cuda_triton_matches_hf_peft(tiny_gemma2, lora_backend):
     """On the GPU: Triton attention (soft-capping, sliding window) with every LoRA backend, fp32."""
     base, adapters, expected = tiny_gemma2
-    _, outs = _run_batch(base, adapters, device="cuda", attention_backend="triton", lora_backend=lora_backend)
+    _, outs = _run_batch(
+        base,
+        adapters,
+        device="cuda",
+        attention_backend="triton",
+        lora_backend=lora_backend,
+        max_kv_tokens=8192,
+    )
     _check(outs, expected)
 
 
