@@ -6,11 +6,11 @@ one token per request; prefill: requests of 512 tokens) and adapter popularity (
 GEMM, and reports achieved bandwidth: bytes of the distinct adapters' weights plus x read and out
 read + written, over the time, against a device-to-device copy measured in the same run.
 
-On CUDA each timing replays a CUDA graph of several calls that rotate over disjoint copies of the
-adapters (>= 256 MB touched per replay where the batch allows), so weights stream from HBM as they
-would in a model step rather than from L2. Writes ``kernels.json`` (and ``kernels.png`` when matplotlib
-is installed) under ``--out``. Without CUDA only ``--smoke`` runs: tiny shapes under the Triton
-interpreter, to check the CLI end to end.
+On CUDA each timing replays a CUDA graph of several calls that rotate over up to 16 disjoint copies
+of the adapters (aiming at >= 256 MB touched per replay), so weights stream from HBM as they would in
+a model step rather than from L2; a time is the median of 5 samples of >= 2 ms of replays. Writes
+``kernels.json`` (and ``kernels.png`` when matplotlib is installed) under ``--out``. Without CUDA
+only ``--smoke`` runs (with ``TRITON_INTERPRET=1``): tiny shapes, to check the CLI end to end.
 
     python -m mmlora.bench kernels --out benchmarks/results/kernels [--quick]
 """
@@ -45,7 +45,7 @@ BACKENDS = ("torch-gather", "triton-sgmv", "triton-bgmv")
 POPULARITY = ("distinct", "uniform", "identical")
 UNIFORM_POOL = 16
 ROTATE_BYTES = 256 << 20
-MAX_ROTATIONS = 64
+MAX_ROTATIONS = 16
 
 
 def _layout(
@@ -79,10 +79,9 @@ def _time_calls(fns: list[Callable[[], object]], device: torch.device) -> tuple[
         return statistics.median(runs), False
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            for f in fns:
-                f()
+    with torch.cuda.stream(stream):  # warm-up (and Triton compiles) outside the capture
+        for f in fns:
+            f()
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     try:
@@ -104,7 +103,7 @@ def _time_calls(fns: list[Callable[[], object]], device: torch.device) -> tuple[
     torch.cuda.synchronize()
     reps = max(1, min(200, math.ceil(2.0 / max(start.elapsed_time(end), 1e-3))))
     samples = []
-    for _ in range(7):
+    for _ in range(5):
         start.record()
         for _ in range(reps):
             run()
