@@ -32,11 +32,20 @@ from mmlora.backends.triton_common import (
 )
 from mmlora.lora.batch_info import LoRABatchInfo
 
-#: Launch heuristics (read at every launch, so a benchmark can sweep them): the largest token tile,
-#: expand's column tile, warps per program, the most splits of in_features, and how many programs per
-#: SM shrink aims for. Chosen on an H200 (bf16, rank 16, Mistral-7B shapes, 2026-11-30): token tile 32
-#: and column tile 256 gave the fastest expand at 512 and 4096 tokens among 32/64 x 128/256.
-TUNING = {"block_m": 32, "block_n": 256, "shrink_warps": 4, "expand_warps": 4, "max_split_k": 16, "waves": 4}
+#: Launch heuristics (read at every launch, so a benchmark can sweep them): the largest token tile of
+#: shrink and of expand, expand's column tile, warps per program, the most splits of in_features, and
+#: how many programs per SM shrink aims for. Chosen on an H200 (bf16, rank 16, Mistral-7B shapes,
+#: 2026-11-30): among token tiles 32/64/128 and column tiles 128/256, expand was fastest at 32 x 256
+#: and shrink at 64 tokens (qkv, 4096 tokens: shrink 10.5 us at 64 against 18.9 at 32).
+TUNING = {
+    "shrink_block_m": 64,
+    "block_m": 32,
+    "block_n": 256,
+    "shrink_warps": 4,
+    "expand_warps": 4,
+    "max_split_k": 16,
+    "waves": 4,
+}
 
 
 @triton.jit
@@ -159,8 +168,8 @@ def _sgmv_expand_kernel(
     tl.store(o_ptrs, (prev.to(tl.float32) + acc * scale).to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
-def _block_m(max_seg_len: int) -> int:
-    return min(TUNING["block_m"], max(16, next_pow2(max_seg_len)))
+def _block_m(max_seg_len: int, cap: int) -> int:
+    return min(cap, max(16, next_pow2(max_seg_len)))
 
 
 def _shrink_planes(
@@ -172,7 +181,7 @@ def _shrink_planes(
     top_rank = info.max_rank if skip_pad else R
     block_r = min(max(16, next_pow2(top_rank)), max(16, 128 // ns_p2))
     max_seg = max(info.seg_lens_host)
-    block_m = _block_m(max_seg)
+    block_m = _block_m(max_seg, TUNING["shrink_block_m"])
     block_k = 64 if block_m >= 64 else 128
     if split_k:  # a forced split (tests, benchmarks) gets blocks small enough to honour it
         block_k = min(block_k, max(16, next_pow2(triton.cdiv(in_f, split_k))))
@@ -211,7 +220,7 @@ def _expand_planes(
     n = len(slice_offsets) - 1
     widths = [b - a for a, b in zip(slice_offsets, slice_offsets[1:])]
     max_seg = max(info.seg_lens_host)
-    block_m = _block_m(max_seg)
+    block_m = _block_m(max_seg, TUNING["block_m"])
     block_n = TUNING["block_n"]
     block_k = min(64, max(16, next_pow2(info.max_rank)))
     m_tiles = triton.cdiv(max_seg, block_m)
