@@ -294,6 +294,10 @@ def _summary(results: list[dict]) -> dict:
         "bgmv_decode_distinct_T>=32_target": 0.60,
         "sgmv_prefill_rank16_max_lora_over_gemm": max((r["lora_over_gemm"] for r in sgmv), default=None),
         "sgmv_prefill_rank16_target": 0.15,
+        "max_rel_err_vs_first_backend": {
+            b: max(r["rel_err_vs_first"] for r in results if r["backend"] == b)
+            for b in dict.fromkeys(r["backend"] for r in results)
+        },
         "points_not_faster_than_torch_gather": losses,
         "fastest_triton_backend_count": wins,
     }
