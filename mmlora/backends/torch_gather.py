@@ -3,6 +3,11 @@
 Decode-like batches (one token per segment) gather each token's A/B by slot and use one batched
 matmul; prefill-like batches loop over the (few) segments with one dense matmul each, which avoids
 materialising a [tokens, R, in] gather. Runs on CPU and GPU.
+
+On CPU, decode-like batches instead group tokens by slot (from the host mirrors, no sync to pay) and
+run one dense matmul per distinct adapter: the per-token gather copies every token's A and B, which on
+CPU costs more than the matmuls themselves. On GPU the gather path stays, as it reads only device
+tensors and so is capturable in CUDA graphs.
 """
 
 from __future__ import annotations
@@ -18,6 +23,11 @@ from mmlora.lora.batch_info import LoRABatchInfo
 class TorchGatherBackend(LoRABackend):
     def shrink(self, x: torch.Tensor, A: torch.Tensor, info: LoRABatchInfo) -> torch.Tensor:
         T = info.num_tokens
+        if self._per_token(info) and x.device.type == "cpu":
+            h = x.new_zeros(T, A.shape[1])
+            for slot, idx in _slot_groups(info):
+                h.index_copy_(0, idx, x.index_select(0, idx) @ A[slot].T)
+            return h
         if self._per_token(info):
             slots = info.token_slots[:T].long()
             mask = slots >= 0
@@ -44,6 +54,17 @@ class TorchGatherBackend(LoRABackend):
         T = info.num_tokens
         R = B.shape[2]
         n_slices = len(slice_offsets) - 1
+        if self._per_token(info) and h.device.type == "cpu":
+            for slot, idx in _slot_groups(info):
+                hs = h.index_select(0, idx)
+                parts = [
+                    (hs[:, i * R : (i + 1) * R] @ B[slot, slice_offsets[i] : slice_offsets[i + 1]].T)
+                    * scalings[slot, i].to(h.dtype)
+                    for i in range(n_slices)
+                ]
+                delta = parts[0] if n_slices == 1 else torch.cat(parts, dim=1)
+                out[:, slice_offsets[0] : slice_offsets[-1]].index_add_(0, idx, delta.to(out.dtype))
+            return
         if self._per_token(info):
             slots = info.token_slots[:T].long()
             mask = (slots >= 0).unsqueeze(-1)
@@ -69,3 +90,21 @@ class TorchGatherBackend(LoRABackend):
     @staticmethod
     def _per_token(info: LoRABatchInfo) -> bool:
         return info.num_segments == info.num_tokens
+
+
+# (info.seg_slots_host list, groups): the host lists are new objects at every fill, and holding a
+# reference keeps the identity check sound; every LoRA layer of one forward reuses the groups.
+_groups_cache: tuple[list[int] | None, list[tuple[int, torch.Tensor]]] = (None, [])
+
+
+def _slot_groups(info: LoRABatchInfo) -> list[tuple[int, torch.Tensor]]:
+    """(slot, int64 row indices) for every adapter slot of a one-token-per-segment batch."""
+    global _groups_cache
+    if _groups_cache[0] is not info.seg_slots_host:
+        rows: dict[int, list[int]] = {}
+        for t, slot in enumerate(info.seg_slots_host):
+            if slot >= 0:
+                rows.setdefault(slot, []).append(t)
+        groups = [(slot, torch.tensor(r, dtype=torch.long, device=info.device)) for slot, r in rows.items()]
+        _groups_cache = (info.seg_slots_host, groups)
+    return _groups_cache[1]

@@ -13,6 +13,9 @@ import sys
 SUBCOMMANDS: dict[str, str] = {
     "kernels": "mmlora.bench.kernels",
     "attention": "mmlora.bench.attention",
+    "cpu": "mmlora.bench.cpu",
+    "serving": "mmlora.bench.serving",
+    "adapters": "mmlora.bench.adapters",
 }
 
 

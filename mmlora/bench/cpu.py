@@ -1,0 +1,248 @@
+"""``python -m mmlora.bench cpu``: SmolLM2 fp32 on CPU, mmlora's mixed-adapter batch against HF + PEFT.
+
+Issue 2, deliverable 11. One batch of 16 prompts (64 new tokens each, greedy, ignore_eos) where the rows
+cycle over four rank-8 adapters on all seven projections and the base model. Measured in one run:
+
+- mmlora, mixed adapters (``Engine.generate`` with ``lora_paths`` per prompt),
+- HF transformers + PEFT, the same mixed batch (``generate(..., adapter_names=[...])``, left padding),
+- mmlora, the same prompts on the base model only.
+
+The adapters are made on the spot with PEFT from the same GGUF-loaded HF model (A as PEFT initialises
+it, B random and non-zero) and saved as ordinary PEFT folders that mmlora loads through its normal path.
+Prints output tokens/s of each and the two ratios the issue targets (mmlora >= 1.5x HF + PEFT; mixed
+>= 0.85x base-only), plus how many of the greedy rows mmlora and HF + PEFT agree on; ``--out`` writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ALL_SEVEN = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+PROMPTS = [
+    "The capital of France is",
+    "Write a short poem about the sea.",
+    "What is the boiling point of water?",
+    "Name three colours of the rainbow.",
+    "Explain what a neural network is in one sentence.",
+    "Give me a recipe for pancakes.",
+    "Who wrote Romeo and Juliet?",
+    "What is 12 times 7?",
+    "Describe a cat to someone who has never seen one.",
+    "Why is the sky blue?",
+    "List the planets of the solar system.",
+    "Translate 'good morning' into Spanish.",
+    "What is the tallest mountain on Earth?",
+    "Tell me a fun fact about octopuses.",
+    "How do I make a cup of tea?",
+    "What does a bee make?",
+]
+MIXED_TARGET = 0.85
+HF_TARGET = 1.5
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m mmlora.bench cpu", description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--model", default="smollm2", help='"smollm2" (default), a HF checkpoint folder or a .gguf file'
+    )
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--num-adapters", type=int, default=4)
+    p.add_argument("--rank", type=int, default=8)
+    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads; 0 keeps torch's choice")
+    p.add_argument(
+        "--repeats", type=int, default=2, help="rounds (systems interleaved); the best of each counts"
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    args = p.parse_args(argv)
+    if args.threads < 0:
+        raise ValueError("--threads: must be >= 0")
+    for name in ("num_prompts", "max_new_tokens", "num_adapters", "rank", "repeats"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}: must be >= 1")
+    return args
+
+
+def load_hf_model(model: str) -> tuple[Any, Any]:
+    """The HF model (fp32) and tokenizer from the same source mmlora loads (GGUF dequantized, or a folder)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from mmlora.models.loader import resolve_model
+
+    source = resolve_model(model)
+    if source.kind == "dummy":
+        raise ValueError(
+            "model: the CPU benchmark compares against HF and needs real weights, not a dummy preset"
+        )
+    kwargs: dict[str, Any] = {"gguf_file": Path(source.path).name} if source.kind == "gguf" else {}
+    tok = AutoTokenizer.from_pretrained(source.folder, **kwargs)
+    hf = AutoModelForCausalLM.from_pretrained(source.folder, dtype=torch.float32, **kwargs).eval()
+    return hf, tok
+
+
+def make_peft_adapters(hf: Any, folder: Path, n: int, rank: int, seed: int) -> tuple[Any, dict[str, str]]:
+    """``n`` rank-``rank`` adapters on all seven projections, saved as PEFT folders; returns the PeftModel too."""
+    from peft import LoraConfig, get_peft_model
+
+    names = [f"lora{i}" for i in range(n)]
+    cfg = LoraConfig(
+        r=rank, lora_alpha=2 * rank, target_modules=ALL_SEVEN, lora_dropout=0.0, task_type="CAUSAL_LM"
+    )
+    torch.manual_seed(seed)
+    peft_model = get_peft_model(hf, cfg, adapter_name=names[0])
+    for name in names[1:]:
+        peft_model.add_adapter(name, cfg)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for pname, param in peft_model.named_parameters():
+            if ".lora_B." in pname:  # PEFT starts B at zero: give each adapter a visible effect
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.02)
+    peft_model.save_pretrained(str(folder), selected_adapters=names)
+    paths = {name: str(folder / name) for name in names}
+    for path in paths.values():
+        if not (Path(path) / "adapter_model.safetensors").is_file():
+            raise RuntimeError(f"PEFT did not write {path}/adapter_model.safetensors")
+    return peft_model.eval(), paths
+
+
+def _timed_rounds(systems: dict[str, Any], repeats: int) -> tuple[dict[str, float], dict[str, float], dict]:
+    """Run the systems in turn for ``repeats`` rounds; the best wall and process-CPU seconds of each.
+
+    Process CPU time (``time.process_time``: all threads of this process) is what a system costs; on a
+    shared, oversubscribed host it is far steadier than wall time, which also counts waiting for others.
+    """
+    wall = {k: float("inf") for k in systems}
+    cpu = {k: float("inf") for k in systems}
+    results: dict[str, Any] = {}
+    for _ in range(repeats):
+        for name, fn in systems.items():
+            w0, c0 = time.perf_counter(), time.process_time()
+            results[name] = fn()
+            wall[name] = min(wall[name], time.perf_counter() - w0)
+            cpu[name] = min(cpu[name], time.process_time() - c0)
+    return wall, cpu, results
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import mmlora
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    prompts = (PROMPTS * (args.num_prompts // len(PROMPTS) + 1))[: args.num_prompts]
+    hf, tok = load_hf_model(args.model)
+    with tempfile.TemporaryDirectory() as tmp:
+        peft_model, paths = make_peft_adapters(hf, Path(tmp), args.num_adapters, args.rank, args.seed)
+        names: list[str | None] = [*paths, None]
+        per_row = [names[i % len(names)] for i in range(len(prompts))]
+        engine = mmlora.Engine(
+            model=args.model,
+            lora_paths=paths,
+            max_loras_per_batch=args.num_adapters,
+            max_lora_rank=args.rank,
+            max_running_requests=max(64, len(prompts)),
+            device="cpu",
+            dtype="float32",
+        )
+        texts = [engine.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+        sp = {"max_new_tokens": args.max_new_tokens, "temperature": 0.0, "ignore_eos": True}
+        warm = {**sp, "max_new_tokens": 4}
+        engine.generate(texts[:2], lora_paths=per_row[:2], sampling_params=warm)
+
+        tok.padding_side = "left"
+        if tok.pad_token is None:
+            tok.pad_token = tok.eos_token
+        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        adapter_names = [n if n is not None else "__base__" for n in per_row]
+
+        def hf_generate() -> torch.Tensor:
+            with torch.inference_mode():
+                return peft_model.generate(
+                    **enc,
+                    adapter_names=adapter_names,
+                    max_new_tokens=args.max_new_tokens,
+                    min_new_tokens=args.max_new_tokens,  # HF's ignore_eos
+                    do_sample=False,
+                    pad_token_id=tok.pad_token_id,
+                )
+
+        systems = {
+            "mmlora_mixed": lambda: engine.generate(texts, lora_paths=per_row, sampling_params=sp),
+            "mmlora_base": lambda: engine.generate(texts, lora_paths=None, sampling_params=sp),
+            "hf_peft_mixed": hf_generate,
+        }
+        wall, cpu, results = _timed_rounds(systems, args.repeats)
+    hf_ids = results["hf_peft_mixed"][:, enc["input_ids"].shape[1] :].tolist()
+    same = sum(o.output_ids == h for o, h in zip(results["mmlora_mixed"], hf_ids))
+    n_tokens = len(prompts) * args.max_new_tokens
+    result = {
+        "benchmark": "cpu",
+        "model": args.model,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "host": platform.node(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "load_average": list(os.getloadavg()),
+        "num_prompts": len(prompts),
+        "max_new_tokens": args.max_new_tokens,
+        "adapters": {"count": args.num_adapters, "rank": args.rank, "targets": ALL_SEVEN},
+        "rows": per_row,
+        "repeats": args.repeats,
+        "wall_seconds": wall,
+        "cpu_seconds": cpu,
+        "output_tokens_per_s": {k: n_tokens / v for k, v in wall.items()},
+        "output_tokens_per_cpu_s": {k: n_tokens / v for k, v in cpu.items()},
+        "ratio_basis": "process CPU time (wall-clock ratios alongside)",
+        "ratio_mmlora_vs_hf_peft": cpu["hf_peft_mixed"] / cpu["mmlora_mixed"],
+        "ratio_mixed_vs_base": cpu["mmlora_base"] / cpu["mmlora_mixed"],
+        "wall_ratio_mmlora_vs_hf_peft": wall["hf_peft_mixed"] / wall["mmlora_mixed"],
+        "wall_ratio_mixed_vs_base": wall["mmlora_base"] / wall["mmlora_mixed"],
+        "targets": {"mmlora_vs_hf_peft": HF_TARGET, "mixed_vs_base": MIXED_TARGET},
+        "greedy_rows_equal_to_hf_peft": f"{same}/{len(prompts)}",
+    }
+    result["meets_targets"] = (
+        result["ratio_mmlora_vs_hf_peft"] >= HF_TARGET and result["ratio_mixed_vs_base"] >= MIXED_TARGET
+    )
+    return result
+
+
+def report(result: dict[str, Any]) -> str:
+    tps, cps = result["output_tokens_per_s"], result["output_tokens_per_cpu_s"]
+    rows = [
+        ("mmlora mixed adapters", "mmlora_mixed"),
+        ("mmlora base only", "mmlora_base"),
+        ("HF + PEFT mixed batch", "hf_peft_mixed"),
+    ]
+    lines = [
+        f"CPU benchmark: {result['model']} fp32, {result['num_prompts']} prompts x {result['max_new_tokens']} new "
+        f"tokens, {result['adapters']['count']} rank-{result['adapters']['rank']} adapters + base rows, "
+        f"{result['threads']} torch threads, load average {result['load_average'][0]:.1f}",
+        f"  {'':22s}  {'wall tok/s':>10s}  {'tok/CPU-s':>10s}",
+        *(f"  {label:22s}  {tps[key]:10.1f}  {cps[key]:10.1f}" for label, key in rows),
+        f"  mmlora / HF + PEFT    : {result['ratio_mmlora_vs_hf_peft']:.2f}x CPU time, "
+        f"{result['wall_ratio_mmlora_vs_hf_peft']:.2f}x wall (target >= {HF_TARGET}x)",
+        f"  mixed / base-only     : {result['ratio_mixed_vs_base']:.2f}x CPU time, "
+        f"{result['wall_ratio_mixed_vs_base']:.2f}x wall (target >= {MIXED_TARGET}x)",
+        f"  greedy rows equal to HF + PEFT: {result['greedy_rows_equal_to_hf_peft']}",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = _parse(argv)
+    result = run(args)
+    print(report(result))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2))
+        print(f"wrote {args.out}")
+    return result
