@@ -86,9 +86,10 @@ def _check_dtype(name: str, t: torch.Tensor) -> None:
 
 
 def _check_device(info: LoRABatchInfo, **tensors: torch.Tensor) -> None:
+    where = info.seg_indptr.device  # the resolved device ("cuda:0"), unlike info.device ("cuda")
     for name, t in tensors.items():
-        if t.device != info.device:
-            raise ValueError(f"{name} is on {t.device} but the LoRABatchInfo is on {info.device}")
+        if t.device != where:
+            raise ValueError(f"{name} is on {t.device} but the LoRABatchInfo is on {where}")
 
 
 def check_shrink_args(
