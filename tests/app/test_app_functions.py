@@ -291,3 +291,56 @@ def test_demo_adapter_specs_lists_adapter_folders(tmp_path: Path) -> None:
     (tmp_path / "readme.txt").write_text("x")
     assert demo_adapter_specs(tmp_path) == [f"caps={tmp_path / 'caps'}", f"pirate={tmp_path / 'pirate'}"]
     assert demo_adapter_specs(tmp_path / "absent") == []
+
+
+# ---- a vision-language model -----------------------------------------------------------------------
+
+
+def test_images_reach_a_vision_language_model(tiny_vl: Path) -> None:
+    import numpy as np
+    from PIL import Image
+
+    from mmlora import Engine
+    from mmlora.engine.background import BackgroundEngine
+
+    def picture(seed: int) -> Image.Image:  # different sizes, so different numbers of image tokens too
+        size = (56, 84) if seed == 1 else (84, 56)
+        return Image.fromarray((np.random.default_rng(seed).random((*size, 3)) * 255).astype("uint8"))
+
+    engine = Engine(model=str(tiny_vl), device="cpu", dtype="float32", max_kv_tokens=2048)
+    expected = [
+        o.output_ids
+        for o in engine.generate(["Describe it."] * 2, None, [[picture(1)], [picture(2)]], GREEDY)
+    ]
+    assert expected[0] != expected[1]
+    bg = BackgroundEngine(engine)
+    try:
+        ctl = AppController(bg)
+        assert ctl.is_multimodal and not ctl.has_chat_template
+        msgs = [{"role": "user", "content": "Describe it."}]
+        got = [
+            list(ctl.chat_stream(msgs, BASE, GREEDY, image=picture(s), use_template=False))[-1]
+            for s in (1, 2)
+        ]
+        assert [v.output_ids for v in got] == expected
+        cols = list(ctl.compare_stream("Describe it.", [BASE], GREEDY, image=picture(2), use_template=False))[
+            -1
+        ]
+        assert cols[0].output_ids == expected[1]
+        with pytest.raises(ValueError, match="no chat template"):
+            list(ctl.chat_stream(msgs, BASE, GREEDY, image=picture(1), use_template=True))
+        assert _image_inputs_visible(ctl) == [True, True]  # chat and compare both take an image
+    finally:
+        bg.shutdown(drain=False, timeout=10)
+
+
+def _image_inputs_visible(ctl: AppController) -> list[bool]:
+    gr = pytest.importorskip("gradio")
+    from mmlora.app.ui import build_ui
+
+    demo = build_ui(ctl)
+    return [bool(b.visible) for b in demo.blocks.values() if isinstance(b, gr.Image)]
+
+
+def test_text_model_page_has_no_image_input(ctl: AppController) -> None:
+    assert _image_inputs_visible(ctl) == [False, False]
