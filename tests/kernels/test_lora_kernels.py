@@ -283,6 +283,7 @@ GPU_SHAPES = {"qkv": (4096, (4096, 1024, 1024)), "gate_up": (4096, (14336, 14336
 
 
 @gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", TRITON)
 @pytest.mark.parametrize("proj", list(GPU_SHAPES))
 @pytest.mark.parametrize("T,mode,pattern", [(1, "decode", "distinct"), (32, "decode", "distinct"),
