@@ -7,6 +7,12 @@ A model class declares its facts as data:
   lora_target_paths       our LoRA target -> its path inside a decoder layer
   lora_layers_prefix      HF path of the decoder layers
 Packed linears carry ``output_sizes`` (one entry per packed HF module) set by the layer that builds them.
+
+A multimodal class sets ``is_multimodal = True`` and implements two hooks the engine calls:
+  ``prepare_prompt(tokenizer, prompt, input_ids, images) -> (token ids, mm_inputs)``  at add_request:
+      expands image placeholders and keeps what the request needs (pixels, grids, rope offsets)
+  ``multimodal_inputs(chunks, device) -> (positions [3, T], input_embeds | None, embed_rows | None)``
+      per forward, for ``chunks = [(mm_inputs, num_computed, num_new), ...]`` in batch order
 """
 
 from __future__ import annotations
