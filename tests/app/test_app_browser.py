@@ -16,6 +16,7 @@ import socket
 import subprocess
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -61,8 +62,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@dataclass
+class LiveApp:
+    url: str
+    running_per_step: list[set[str]]  # the requests running at each engine step (their ids)
+
+
 @pytest.fixture(scope="module")
-def app_url(tiny_app: Any) -> Iterator[str]:
+def app(tiny_app: Any) -> Iterator[LiveApp]:
     from conftest import tiny_engine
 
     from mmlora.app import AppController
@@ -71,8 +78,10 @@ def app_url(tiny_app: Any) -> Iterator[str]:
 
     engine = tiny_engine(tiny_app)
     fast_step = engine.step
+    running: list[set[str]] = []
 
     def slow_step() -> Any:
+        running.append({r.rid for r in engine.scheduler.running})
         time.sleep(STEP_DELAY_S)
         return fast_step()
 
@@ -83,24 +92,29 @@ def app_url(tiny_app: Any) -> Iterator[str]:
     port = free_port()
     demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield LiveApp(f"http://127.0.0.1:{port}", running)
     finally:
         demo.close()
         bg.shutdown(drain=False, timeout=10)
 
 
 @pytest.fixture(scope="module")
-def page(app_url: str) -> Iterator[Any]:
+def browser(app: LiveApp) -> Iterator[Any]:
     executable = ensure_chromium()
     with sync_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS, headless=True)
+        chromium = pw.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS, headless=True)
         try:
-            pg = browser.new_page(viewport={"width": 1400, "height": 1100})
-            pg.set_default_timeout(30_000)
-            pg.goto(app_url)
-            yield pg
+            yield chromium
         finally:
-            browser.close()
+            chromium.close()
+
+
+def open_page(browser: Any, app: LiveApp) -> Any:
+    """A new tab in its own context: a separate Gradio session."""
+    page = browser.new_context(viewport={"width": 1400, "height": 1100}).new_page()
+    page.set_default_timeout(30_000)
+    page.goto(app.url)
+    return page
 
 
 def artifacts_dir() -> Path:
@@ -115,7 +129,8 @@ def _set_number(page: Any, elem_id: str, value: int) -> None:
     box.press("Enter")
 
 
-def test_compare_two_adapters_stream_side_by_side(page: Any) -> None:
+def test_compare_two_adapters_stream_side_by_side(browser: Any, app: LiveApp) -> None:
+    page = open_page(browser, app)
     page.get_by_role("tab", name="Compare").click()
     group = page.locator("#compare-adapters")
     group.get_by_label("base model").uncheck()
@@ -153,3 +168,30 @@ def test_compare_two_adapters_stream_side_by_side(page: Any) -> None:
     for info, name in ((info0, "alpha"), (info1, "beta")):
         line = info.inner_text()
         assert name in line and f"{MAX_NEW_TOKENS} tokens" in line and "tok/s" in line, line
+
+
+def _finished(info: Any) -> bool:
+    text = info.inner_text()
+    return " length" in text or " stop" in text
+
+
+def test_two_tabs_share_one_batch(browser: Any, app: LiveApp) -> None:
+    """Chats from two sessions run in the same engine steps (no per-event serialisation in Gradio)."""
+    pages = [open_page(browser, app) for _ in range(2)]
+    for page, adapter in zip(pages, ("alpha", "beta")):
+        page.locator("#chat-adapter input").fill(adapter)
+        page.locator("#chat-adapter input").press("Enter")
+        _set_number(page, "max-new-tokens", MAX_NEW_TOKENS)
+        page.locator("#chat-input textarea").fill("Paris is the capital of")
+    app.running_per_step.clear()
+    for page in pages:
+        page.locator("#chat-send").click()
+    deadline = time.monotonic() + 90
+    while not all(_finished(p.locator("#chat-info")) for p in pages):
+        assert time.monotonic() < deadline, "the chats did not finish within 90 s"
+        pages[0].wait_for_timeout(100)
+    lines = [p.locator("#chat-info").inner_text() for p in pages]
+    assert lines[0].startswith("alpha") and lines[1].startswith("beta"), lines
+    assert max(len(r) for r in app.running_per_step) == 2, "the two tabs' requests never ran in one step"
+    answers = [p.locator("#chatbot").inner_text() for p in pages]
+    assert all("Paris is the capital of" in a for a in answers) and answers[0] != answers[1]
