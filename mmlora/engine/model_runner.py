@@ -30,6 +30,14 @@ class ModelRunner:
             attn = layer.self_attn
             attn.backend = attention
             attn.k_cache, attn.v_cache = kv_cache.layer(i)
+        self.attention = attention
+        self.cuda_graphs = None  # a CudaGraphRunner once enable_cuda_graphs() has captured decode graphs
+
+    def enable_cuda_graphs(self, max_batch_size: int, max_model_len: int) -> None:
+        """Capture decode graphs per batch bucket; decode-only steps then replay them (mmlora.engine.cuda_graph)."""
+        from mmlora.engine.cuda_graph import capture_decode_graphs
+
+        self.cuda_graphs = capture_decode_graphs(self, max_batch_size, max_model_len)
 
     def _i32(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int32).to(self.device, non_blocking=True)
@@ -89,6 +97,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, sched: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
         """fp32 logits [B', V] for the requests that sample (their batch indices second)."""
+        if self.cuda_graphs is not None and self.cuda_graphs.can_run(sched):
+            return self.cuda_graphs.run(sched)
         batch, sampling = self.build(sched)
         slots = [r.slot for r in sched.requests]
         with self.lora.activate(list(sched.num_new), slots):

@@ -1,0 +1,263 @@
+"""CUDA graphs for decode steps: one graph per batch-size bucket, replayed when a step is decode-only.
+
+A decode step (every request feeds one token and samples) is a long chain of small kernels whose launch
+cost rivals their run time; replaying a captured graph removes it. At start-up, for each bucket
+(1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, ... up to ``max_running_requests``) we capture the model
+forward plus ``compute_logits`` over static buffers:
+
+  input_ids, positions, slot_mapping       int64 [max_bs]
+  seq_lens, context_lens                    int32 [max_bs]
+  query_start_loc                           int32 [max_bs + 1] (0, 1, 2, ...; constant)
+  block_tables                              int32 [max_bs, ceil(max_model_len / block_size)]
+  the LoRA manager's preallocated LoRABatchInfo (token_slots, weight_indices, seg_indptr, seg_lens)
+
+Host ints that shape kernel launches are fixed per bucket at capture: ``num_tokens = num_seqs =
+num_segments = bucket`` (one segment per token: segments are never merged in a graph step),
+``max_seq_len = max_model_len`` (so the Triton decode attention picks its split count from the bucket
+and ``max_model_len``; the split lengths are computed on the device from ``seq_lens``), and
+``max_rank = max_lora_rank`` (LoRA kernels loop to each slot's rank on the device). Two graphs are
+captured per bucket: one with the LoRA layers (used when any row has an adapter) and one without.
+
+Rows past the real batch are padding: they read token 0 at position 0 with ``seq_len`` 1 from a KV page
+reserved for them at start-up (taken out of the allocator), write their K/V there, and have slot -1
+(base model). Only the first ``n`` logits rows are returned.
+
+Steps that are not decode-only, larger than the largest bucket, or multimodal run eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from mmlora.engine.forward_batch import ForwardBatch
+from mmlora.engine.scheduler import ScheduledBatch
+from mmlora.layers.attention import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+_BASE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+
+
+def batch_buckets(max_bs: int) -> list[int]:
+    """1, 2, 4, 8, 16, 24, 32, 48, 64, then steps of 32 up to ``max_bs`` (always included)."""
+    if max_bs < 1:
+        raise ValueError(f"max batch size must be >= 1, got {max_bs}")
+    sizes = [b for b in _BASE_BUCKETS if b < max_bs]
+    b = 96
+    while b < max_bs:
+        sizes.append(b)
+        b += 32
+    sizes.append(max_bs)
+    return sizes
+
+
+# The torch reference attention gathers max_model_len positions per row inside a graph; past this it
+# would take more memory than it saves time.
+_TORCH_ATTENTION_MAX_LEN = 8192
+
+
+def capture_decode_graphs(runner, max_batch_size: int, max_model_len: int) -> CudaGraphRunner | None:  # noqa: ANN001
+    """A CudaGraphRunner, or None (with a warning saying why) when this engine cannot use graphs."""
+    reason = None
+    if runner.device.type != "cuda":
+        reason = f"the engine runs on {runner.device}"
+    elif runner.model.is_multimodal:
+        reason = "multimodal models (M-RoPE positions) run eagerly"
+    elif getattr(runner.attention, "name", "") == "torch" and max_model_len > _TORCH_ATTENTION_MAX_LEN:
+        reason = (
+            f"the torch attention backend would gather max_model_len={max_model_len} positions per row; "
+            f"use attention_backend='triton' or max_model_len <= {_TORCH_ATTENTION_MAX_LEN}"
+        )
+    if reason:
+        logger.warning("CUDA graphs off: %s", reason)
+        return None
+    return CudaGraphRunner(runner, max_batch_size, max_model_len)
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph | None  # None when not capturing (CudaGraphRunner(capture=False))
+    logits: torch.Tensor | None  # [bucket, V] fp32, written by every replay
+
+
+class CudaGraphRunner:
+    """Captures and replays decode graphs for a :class:`~mmlora.engine.model_runner.ModelRunner`."""
+
+    def __init__(self, runner, max_batch_size: int, max_model_len: int, capture: bool = True) -> None:  # noqa: ANN001
+        """``capture=False`` runs the same static-buffer forward eagerly at every step instead of
+        replaying a graph: it exercises the buckets, padding and LoRA routing on any device (tests)."""
+        self.capture = capture
+        if capture and runner.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, the engine runs on {runner.device}")
+        if runner.model.is_multimodal:
+            raise ValueError("CUDA graphs are not supported for multimodal models (M-RoPE positions)")
+        self.runner = runner
+        self.device = runner.device
+        self.block_size = runner.block_size
+        self.max_model_len = max_model_len
+        alloc = runner.kv_cache.allocator
+        if alloc.num_free < 2:
+            raise ValueError("CUDA graphs: the KV cache is too small to reserve a padding page")
+        # A page only padding rows write to; out of the allocator for good (num_blocks shrinks by one).
+        self.pad_page = alloc.allocate(1)[0]
+        alloc.num_blocks -= 1
+        info = runner.lora.info
+        self.max_bs = min(max_batch_size, info.max_tokens)
+        self.buckets = batch_buckets(self.max_bs)
+        self.max_blocks = -(-max_model_len // self.block_size)
+        dev = dict(device=self.device)
+        self.i64 = torch.zeros(3, self.max_bs, dtype=torch.int64, **dev)  # input_ids, positions, slot_mapping
+        self.i32 = torch.zeros(3, self.max_bs, dtype=torch.int32, **dev)  # seq_lens, context_lens, slots
+        self.block_tables = torch.full(
+            (self.max_bs, self.max_blocks), self.pad_page, dtype=torch.int32, **dev
+        )
+        self.query_start_loc = torch.arange(self.max_bs + 1, dtype=torch.int32, **dev)
+        self.seg_lens_ones = torch.ones(self.max_bs, dtype=torch.int32, **dev)
+        self.logits_rows = torch.arange(self.max_bs, dtype=torch.int64, **dev)
+        self.graphs: dict[tuple[int, bool], _Graph] = {}
+        self.num_replays = 0
+        self._pad_host(self.max_bs)
+        self._capture_all()
+
+    # ---- static inputs --------------------------------------------------------------------------
+
+    def _pad_host(self, bs: int) -> None:
+        """Every row a padding row (used before capture)."""
+        self.i64[0, :bs] = 0
+        self.i64[1, :bs] = 0
+        self.i64[2, :bs] = self.pad_page * self.block_size
+        self.i32[0, :bs] = 1
+        self.i32[1, :bs] = 0
+        self.i32[2, :bs] = -1
+
+    def _batch(self, bs: int) -> ForwardBatch:
+        attn = AttentionMetadata(
+            query_start_loc=self.query_start_loc[: bs + 1],
+            seq_lens=self.i32[0, :bs],
+            context_lens=self.i32[1, :bs],
+            block_tables=self.block_tables[:bs],
+            slot_mapping=self.i64[2, :bs],
+            num_seqs=bs,
+            num_tokens=bs,
+            max_query_len=1,
+            max_seq_len=self.max_model_len,
+            query_lens_host=[1] * bs,
+            seq_lens_host=[self.max_model_len] * bs,
+        )
+        return ForwardBatch(
+            input_ids=self.i64[0, :bs],
+            positions=self.i64[1, :bs],
+            attn=attn,
+            lora=self.runner.lora.info,
+            logits_rows=self.logits_rows[:bs],
+        )
+
+    def _set_lora(self, bs: int, with_lora: bool, slots_host: list[int] | None = None) -> None:
+        """Point the LoRA batch info at the static slots: one segment per row; fixed host ints."""
+        info = self.runner.lora.info
+        info.token_slots[:bs].copy_(self.i32[2, :bs])
+        info.weight_indices[:bs].copy_(self.i32[2, :bs])
+        info.seg_indptr[: bs + 1].copy_(self.query_start_loc[: bs + 1])
+        info.seg_lens[:bs].copy_(self.seg_lens_ones[:bs])
+        info.num_tokens = bs
+        info.num_segments = bs
+        info.max_rank = self.runner.lora.config.max_lora_rank if with_lora else 0
+        info.seg_lens_host = [1] * bs
+        # Host mirror of the rows' slots: read only by torch-gather's CPU path (never captured).
+        info.seg_slots_host = slots_host if slots_host is not None else [-1] * bs
+
+    # ---- capture --------------------------------------------------------------------------------
+
+    def _forward(self, bs: int) -> torch.Tensor:
+        runner = self.runner
+        batch = self._batch(bs)
+        ctx = runner.lora.ctx
+        ctx.info = runner.lora.info
+        try:
+            hidden = runner.model(batch)
+            return runner.model.compute_logits(hidden)
+        finally:
+            ctx.info = None
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        if not self.capture:
+            self.graphs = {(bs, w): _Graph(None, None) for bs in self.buckets for w in (True, False)}
+            return
+        t0 = time.monotonic()
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(device=self.device)
+        for bs in reversed(self.buckets):  # largest first: later graphs reuse its pool memory
+            for with_lora in (True, False):
+                self._set_lora(bs, with_lora)
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(stream):
+                    for _ in range(2):  # compile Triton kernels, build RoPE tables, settle the allocator
+                        self._forward(bs)
+                torch.cuda.current_stream(self.device).wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    logits = self._forward(bs)
+                self.graphs[(bs, with_lora)] = _Graph(graph, logits)
+        torch.cuda.synchronize(self.device)
+        logger.info(
+            "CUDA graphs: captured %d decode graphs (batch buckets %s, with and without LoRA) in %.1f s",
+            len(self.graphs),
+            self.buckets,
+            time.monotonic() - t0,
+        )
+
+    # ---- replay ---------------------------------------------------------------------------------
+
+    def can_run(self, sched: ScheduledBatch) -> bool:
+        if not 0 < len(sched) <= self.max_bs:
+            return False
+        return all(
+            n == 1 and r.num_computed + 1 == r.num_tokens for r, n in zip(sched.requests, sched.num_new)
+        )
+
+    @torch.inference_mode()
+    def run(self, sched: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
+        """fp32 logits [n, V] (a view of the graph's output, valid until the next replay) and rows 0..n-1."""
+        n = len(sched)
+        bs = next(b for b in self.buckets if b >= n)
+        bsz = self.block_size
+        ids, pos, slots_kv, seq_lens, ctx_lens, lora_slots, tables = [], [], [], [], [], [], []
+        max_blocks = 1
+        for req in sched.requests:
+            p = req.num_computed
+            ids.append(req.all_ids[p])
+            pos.append(p)
+            slots_kv.append(req.blocks[p // bsz] * bsz + p % bsz)
+            seq_lens.append(p + 1)
+            ctx_lens.append(p)
+            lora_slots.append(req.slot)
+            nb = -(-(p + 1) // bsz)
+            tables.append(req.blocks[:nb])
+            max_blocks = max(max_blocks, nb)
+        pad = bs - n
+        pad_slot = self.pad_page * bsz
+        i64 = torch.tensor([ids + [0] * pad, pos + [0] * pad, slots_kv + [pad_slot] * pad], dtype=torch.int64)
+        i32 = torch.tensor(
+            [seq_lens + [1] * pad, ctx_lens + [0] * pad, lora_slots + [-1] * pad], dtype=torch.int32
+        )
+        # Only the columns in use are refreshed: kernels never read a row past its seq_len, and the
+        # stale entries left beyond it are valid page ids (the torch reference gathers, then masks).
+        rows = [t + [self.pad_page] * (max_blocks - len(t)) for t in tables] + [
+            [self.pad_page] * max_blocks
+        ] * pad
+        self.i64[:, :bs].copy_(i64, non_blocking=True)
+        self.i32[:, :bs].copy_(i32, non_blocking=True)
+        self.block_tables[:bs, :max_blocks].copy_(torch.tensor(rows, dtype=torch.int32), non_blocking=True)
+        with_lora = any(s >= 0 for s in lora_slots)
+        self._set_lora(bs, with_lora, lora_slots + [-1] * pad)
+        entry = self.graphs[(bs, with_lora)]
+        self.num_replays += 1
+        if entry.graph is None:
+            return self._forward(bs)[:n], list(range(n))
+        entry.graph.replay()
+        return entry.logits[:n], list(range(n))
