@@ -147,6 +147,18 @@ def load_adapter(
     )
 
 
+# Exponent bits of half-precision floats: all ones means Inf or NaN. Checking them on an int16 view is
+# several times faster on CPU than torch.isfinite, which has no fast half-precision path there.
+_EXP_MASK = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00}
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    mask = _EXP_MASK.get(t.dtype)
+    if mask is None:
+        return bool(torch.isfinite(t).all())
+    return not bool(((t.view(torch.int16) & mask) == mask).any())
+
+
 def _module_weights(config, tensors, module_path, target, slice_idx, kinds, max_lora_rank, dtype, fail):
     """Validate one module's A/B pair against the base model and the config -> (A, B, scaling)."""
     missing = [k for k in ("lora_A", "lora_B") if k not in kinds]
@@ -186,7 +198,7 @@ def _module_weights(config, tensors, module_path, target, slice_idx, kinds, max_
         raise fail(f"module {module_path!r} has rank {rank} in its tensors but the config implies r={want_r}")
     a, b = a.to(dtype=dtype, device="cpu").contiguous(), b.to(dtype=dtype, device="cpu").contiguous()
     for key, t in ((a_key, a), (b_key, b)):
-        if not bool(torch.isfinite(t).all()):
+        if not _all_finite(t):
             raise fail(f"tensor {key!r} holds NaN or Inf values (in {dtype})")
     return a, b, float(alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank)
 
