@@ -1,0 +1,308 @@
+"""``python -m mmlora.bench serving``: the standard multi-LoRA workload (design.md section 5) in-process.
+
+For each number of adapters n (``--num-adapters 1 8 32 128 1000``) one workload runs through one
+``Engine`` (requests of random token ids, adapters drawn uniform / Zipf / distinct from the first n,
+arrivals Poisson at ``--rate`` or all at once, input and output lengths uniform in their ranges, greedy,
+ignore_eos); then the same workload without adapters (base only: the LoRA layers skip, and decode
+replays the no-LoRA CUDA graphs). Reported per run: requests/s, output tokens/s, TTFT and TPOT p50/p99,
+and the roofline floor of the decode steps it ran: sum over steps of (weight bytes + KV bytes read +
+bytes of the distinct adapters in the step) / copy bandwidth, with the bandwidth measured in this run.
+
+Also in the same run: HF + PEFT mixed-adapter ``generate`` on a small subset (batch ``--hf-batch`` x
+``--hf-tokens`` tokens over 8 adapters) with mmlora on the very same subset, and the decode-step
+microbenchmark: B requests each on its own rank-16 adapter at context ``--micro-context``, one decode
+step timed (CUDA-graph replay, and the whole engine step) against its roofline floor.
+
+Adapters are random PEFT folders written by :mod:`mmlora.bench.adapters` (at most 16 distinct weight
+files; the rest are hard links under their own names, see there). Only the adapters a run uses are
+registered, before its clock starts: the host cache holds them all. Writes ``serving.json`` and
+``serving.png`` (output tokens/s against number of adapters, one line per system) into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import platform
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from mmlora.bench.adapters import write_random_adapters
+from mmlora.bench.serving_parts import (
+    StepRecorder,
+    copy_bandwidth,
+    hf_peft_subset,
+    make_workload,
+    mmlora_subset,
+    plot,
+    run_workload,
+    weight_bytes,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m mmlora.bench serving", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="dummy:mistral-7b-v0.3")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto", help="auto: bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--num-adapters", type=int, nargs="+", default=[1, 8, 32, 128, 1000])
+    p.add_argument("--ranks", type=int, nargs="+", default=[16], help="adapter ranks, cycled over adapters")
+    p.add_argument("--popularity", choices=["uniform", "zipf", "distinct"], default="uniform")
+    p.add_argument("--zipf-alpha", type=float, default=1.0)
+    p.add_argument("--arrival", choices=["poisson", "all"], default="all")
+    p.add_argument("--rate", type=float, default=64.0, help="requests/s for Poisson arrivals")
+    p.add_argument("--num-requests", type=int, default=512)
+    p.add_argument("--input-len", type=int, nargs=2, default=[8, 512], metavar=("LO", "HI"), help="[LO, HI)")
+    p.add_argument("--output-len", type=int, nargs=2, default=[8, 512], metavar=("LO", "HI"), help="[LO, HI)")
+    p.add_argument("--max-loras-per-batch", type=int, default=128)
+    p.add_argument("--max-running-requests", type=int, default=128)
+    p.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--lora-backend", default="auto", help="auto: triton-bgmv on CUDA, torch-gather on CPU")
+    p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument("--hf-batch", type=int, default=32, help="HF + PEFT subset: requests (0 skips it)")
+    p.add_argument("--hf-tokens", type=int, default=64)
+    p.add_argument("--hf-adapters", type=int, default=8)
+    p.add_argument("--micro-batch", type=int, nargs="*", default=[32, 128], help="decode-step microbench B")
+    p.add_argument("--micro-context", type=int, default=768)
+    p.add_argument("--micro-rank", type=int, default=16)
+    p.add_argument(
+        "--quick", action="store_true", help="fewer points and requests (fits 8 minutes on one H200)"
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--adapter-dir", default=None, help="where random adapters go (default: a temp folder)")
+    p.add_argument("--out", default="bench-serving")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.num_adapters = [n for n in args.num_adapters if n <= 128] or args.num_adapters[:1]
+        args.num_requests = min(args.num_requests, 256)
+    for name in ("num_requests", "max_loras_per_batch", "max_running_requests", "hf_tokens", "micro_context"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}: must be >= 1")
+    for name in ("input_len", "output_len"):
+        lo, hi = getattr(args, name)
+        if not 1 <= lo < hi:
+            raise ValueError(f"--{name.replace('_', '-')}: need 1 <= LO < HI, got {lo} {hi}")
+    if any(n < 1 for n in args.num_adapters) or any(r < 1 for r in args.ranks):
+        raise ValueError("--num-adapters and --ranks: must be >= 1")
+    if args.input_len[1] + args.output_len[1] > args.max_model_len:
+        raise ValueError("--max-model-len: must cover the longest input + output")
+    return args
+
+
+def _free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _engine(args: argparse.Namespace, slots: int, rank: int) -> Any:
+    import mmlora
+
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else args.device)
+    if args.device == "auto" and device.type != "cuda":
+        device = torch.device("cpu")
+    backend = args.lora_backend
+    if backend == "auto":
+        backend = "triton-bgmv" if device.type == "cuda" else "torch-gather"
+    return mmlora.Engine(
+        model=args.model,
+        device=str(device),
+        dtype=args.dtype,
+        max_loras_per_batch=slots,
+        max_lora_rank=rank,
+        lora_backend=backend,
+        max_running_requests=args.max_running_requests,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        disable_cuda_graph=args.disable_cuda_graph,
+        seed=args.seed,
+    )
+
+
+def _register(engine: Any, adapters: list[dict[str, Any]], names: set[str]) -> float:
+    """Load the named adapters into the host cache (not yet registered ones); seconds taken."""
+    t0 = time.perf_counter()
+    known = {e["name"] for e in engine.list_loras()}
+    for a in adapters:
+        if a["name"] in names and a["name"] not in known:
+            engine.load_lora(a["name"], a["path"])
+    return time.perf_counter() - t0
+
+
+def _micro(
+    engine: Any, args: argparse.Namespace, adapters: list[dict], recorder: StepRecorder, bw: float
+) -> list:
+    """One decode step with bsz requests, each on its own adapter (or none), at context ~micro_context."""
+    rng = np.random.default_rng(args.seed + 1)
+    vocab = engine.hf_config.vocab_size
+    rows = []
+    for bsz in args.micro_batch:
+        for with_lora in (True, False):
+            cap = (
+                min(args.max_running_requests, args.max_loras_per_batch, len(adapters)) if with_lora else None
+            )
+            if bsz > (cap or args.max_running_requests):
+                rows.append(
+                    {"batch": bsz, "lora": with_lora, "skipped": "bsz exceeds slots/adapters/running"}
+                )
+                continue
+            names = [a["name"] for a in adapters[:bsz]] if with_lora else [None] * bsz
+            if with_lora:
+                _register(engine, adapters, set(names))
+            rids = [
+                engine.add_request(
+                    input_ids=rng.integers(0, vocab, args.micro_context - 1).tolist(),
+                    lora=name,
+                    sampling_params={"max_new_tokens": 10_000, "temperature": 0.0, "ignore_eos": True},
+                )
+                for name in names
+            ]
+            while any(
+                r.num_computed < r.num_tokens - 1 or not r.output_ids for r in engine.scheduler.running
+            ) or (engine.scheduler.waiting):
+                engine.step()
+            for _ in range(3):
+                engine.step()
+            steps = 10
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            step_s = (time.perf_counter() - t0) / steps
+            running = list(engine.scheduler.running)
+            ctx = [r.num_computed + 1 - steps / 2 for r in running]  # the middle of the timed steps
+            ranks = {r.lora.uid: r.lora.rank for r in running if r.lora is not None}
+            floor_s = recorder.floor_seconds(sum(ctx), list(ranks.values()), bw)
+            replay_s = recorder.time_graph_replay(engine, len(running), with_lora)
+            for rid in rids:
+                engine.abort(rid)
+            while engine.has_unfinished():
+                engine.step()
+            rows.append(
+                {
+                    "batch": bsz,
+                    "lora": with_lora,
+                    "distinct_adapters": len(ranks),
+                    "mean_context": float(np.mean(ctx)),
+                    "engine_step_ms": step_s * 1e3,
+                    "graph_replay_ms": None if replay_s is None else replay_s * 1e3,
+                    "floor_ms": floor_s * 1e3,
+                    "step_over_floor": step_s / floor_s,
+                    "replay_over_floor": None if replay_s is None else replay_s / floor_s,
+                }
+            )
+            logger.info("micro %s", rows[-1])
+            print(f"decode step B={bsz} lora={with_lora}: {rows[-1]}", flush=True)
+    return rows
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    t_start = time.perf_counter()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rank_max = max([*args.ranks, args.micro_rank])
+    n_max = max([*args.num_adapters, *(args.micro_batch or [0])])
+    engine = _engine(args, args.max_loras_per_batch, rank_max)
+    device, dtype = engine.device, engine.model.lm_head.weight.dtype
+    bw = copy_bandwidth(device)
+    print(
+        f"engine up on {device} ({dtype}) in {time.perf_counter() - t_start:.1f} s; copy bandwidth {bw / 1e12:.3f} TB/s"
+    )
+    tmp = tempfile.TemporaryDirectory() if args.adapter_dir is None else None
+    adir = Path(args.adapter_dir or tmp.name)
+    t0 = time.perf_counter()
+    adapters = write_random_adapters(
+        engine.hf_config, adir / "sweep", n_max, args.ranks, dtype=dtype, seed=args.seed
+    )
+    micro_adapters = adapters
+    if args.micro_batch and args.ranks != [args.micro_rank]:
+        micro_adapters = write_random_adapters(
+            engine.hf_config, adir / "micro", max(args.micro_batch), [args.micro_rank], dtype=dtype,
+            seed=args.seed + 99, prefix="micro-",
+        )  # fmt: skip
+    print(f"wrote adapters in {time.perf_counter() - t0:.1f} s")
+    recorder = StepRecorder(engine, weight_bytes(engine.model), dtype)
+    rng = np.random.default_rng(args.seed)
+    runs = []
+    for n in [*args.num_adapters, 0]:
+        work = make_workload(args, n, engine.hf_config.vocab_size, rng)
+        used = {w["lora"] for w in work if w["lora"] is not None}
+        load_s = _register(engine, adapters, {adapters[i]["name"] for i in used})
+        for w in work:
+            w["lora"] = adapters[w["lora"]]["name"] if w["lora"] is not None else None
+        res = run_workload(engine, work, recorder, bw)
+        res.update({"num_adapters": n, "system": "mmlora" if n else "base-only", "adapter_load_s": load_s})
+        res["distinct_adapters_used"] = len(used)
+        runs.append(res)
+        print(
+            f"{res['system']:9s} n={n:5d}: {res['output_tok_per_s']:9.1f} out tok/s, {res['req_per_s']:6.2f} req/s, "
+            f"TTFT p50 {res['ttft_p50_s'] * 1e3:.0f} ms, TPOT p50 {res['tpot_p50_s'] * 1e3:.1f} ms, "
+            f"decode {res['decode_over_floor']:.2f}x floor, adapters loaded in {load_s:.1f} s "
+            f"({time.perf_counter() - t_start:.0f} s)",
+            flush=True,
+        )
+    micro = _micro(engine, args, micro_adapters, recorder, bw) if args.micro_batch else []
+    subset = hf = None
+    hf_config = engine.hf_config
+    adapter_bytes = {str(r): recorder.adapter_bytes(r) for r in sorted({*args.ranks, args.micro_rank})}
+    weights = recorder.weights
+    if args.hf_batch:
+        _register(engine, adapters, {a["name"] for a in adapters[: args.hf_adapters]})
+        subset = mmlora_subset(engine, args, adapters)
+        print(f"mmlora on the HF + PEFT subset: {subset}", flush=True)
+    engine.runner.cuda_graphs = None
+    del engine, recorder
+    _free()
+    if args.hf_batch:
+        hf = hf_peft_subset(hf_config, args, adapters, device, dtype, free=_free)
+        print(f"HF + PEFT subset: {hf}", flush=True)
+    base = next(r for r in runs if r["num_adapters"] == 0)
+    result = {
+        "benchmark": "serving",
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "host": platform.node(),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "args": dict(vars(args)),
+        "dtype": str(dtype),
+        "copy_bandwidth_bytes_per_s": bw,
+        "weight_bytes": weights,
+        "adapter_bytes_by_rank": adapter_bytes,
+        "runs": runs,
+        "mixed_over_base": {
+            str(r["num_adapters"]): r["output_tok_per_s"] / base["output_tok_per_s"] for r in runs
+        },
+        "decode_step": micro,
+        "mmlora_subset": subset,
+        "hf_peft": hf,
+        "notes": [
+            "base-only: the same engine and workload with no adapter on any request",
+            "adapters beyond 16 per rank are hard links of 16 distinct weight files (own names, slots and reads)",
+            "floor = (weights + KV read + distinct adapters' bytes) / measured copy bandwidth, per decode step",
+        ],
+    }
+    if subset and hf and "output_tok_per_s" in hf:
+        result["mmlora_over_hf_peft_same_subset"] = subset["output_tok_per_s"] / hf["output_tok_per_s"]
+    if tmp is not None:
+        tmp.cleanup()
+    result["wall_s"] = time.perf_counter() - t_start
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = _parse(argv)
+    result = run(args)
+    out = Path(args.out)
+    (out / "serving.json").write_text(json.dumps(result, indent=2, default=str))
+    plot(result, out / "serving.png")
+    print(f"wrote {out / 'serving.json'} and {out / 'serving.png'} ({result['wall_s']:.0f} s)")
+    return result

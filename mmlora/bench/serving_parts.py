@@ -1,0 +1,335 @@
+"""Pieces of the serving benchmark: workload, driver, step recorder and roofline, HF + PEFT baseline, plot."""
+
+from __future__ import annotations
+
+import argparse
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from mmlora.bench.adapters import adapter_nbytes
+from mmlora.kvcache.allocator import KVCache
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes a decode step reads of the base weights: all parameters but an untied input embedding."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    emb = model.model.embed_tokens.weight
+    if emb is not model.lm_head.weight:
+        total -= emb.numel() * emb.element_size()
+    return total
+
+
+def copy_bandwidth(device: torch.device, nbytes: int | None = None) -> float:
+    """Measured device copy bandwidth in bytes/s (read + write of a large buffer, best of 10)."""
+    if device.type == "cuda":
+        nbytes = nbytes or 2 << 30
+        src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+        dst.copy_(src)
+        best = float("inf")
+        for _ in range(10):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src)
+            end.record()
+            end.synchronize()
+            best = min(best, start.elapsed_time(end) / 1e3)
+        del src, dst
+        torch.cuda.empty_cache()
+        return 2 * nbytes / best
+    nbytes = nbytes or 256 << 20
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * nbytes / best
+
+
+class StepRecorder:
+    """Wraps ``engine.runner.forward`` to note each decode-only step's shape; the driver adds its time.
+
+    Floor of a step = (weight bytes + sum(context) x KV bytes per token + bytes of the distinct adapters
+    in the batch) / copy bandwidth.
+    """
+
+    def __init__(self, engine: Any, weights: int, dtype: torch.dtype) -> None:
+        self.engine = engine
+        self.weights = weights
+        attn = engine.model.layers[0].self_attn
+        self.kv_per_token = KVCache.bytes_per_token(
+            len(engine.model.layers), attn.num_kv_heads, attn.head_dim, dtype
+        )
+        self._adapter_bytes: dict[int, int] = {}
+        self.dtype = dtype
+        self.pending: tuple[int, int, list[int]] | None = None
+        self.steps: list[tuple[float, int, int, list[int]]] = []  # (seconds, batch, sum ctx, ranks)
+        inner = engine.runner.forward
+
+        def forward(sched):  # noqa: ANN001, ANN202
+            decode = all(
+                n == 1 and r.num_computed + 1 == r.num_tokens for r, n in zip(sched.requests, sched.num_new)
+            )
+            if decode and len(sched):
+                ranks = {r.lora.uid: r.lora.rank for r in sched.requests if r.lora is not None}
+                ctx = sum(r.num_computed + 1 for r in sched.requests)
+                self.pending = (len(sched), ctx, list(ranks.values()))
+            return inner(sched)
+
+        engine.runner.forward = forward
+
+    def adapter_bytes(self, rank: int) -> int:
+        if rank not in self._adapter_bytes:
+            self._adapter_bytes[rank] = adapter_nbytes(self.engine.hf_config, rank, self.dtype)
+        return self._adapter_bytes[rank]
+
+    def floor_seconds(self, sum_ctx: int, ranks: list[int], bw: float) -> float:
+        return (self.weights + sum_ctx * self.kv_per_token + sum(self.adapter_bytes(r) for r in ranks)) / bw
+
+    def after_step(self, seconds: float) -> None:
+        if self.pending is not None:
+            self.steps.append((seconds, *self.pending))
+            self.pending = None
+
+    def time_graph_replay(self, engine: Any, n: int, with_lora: bool, reps: int = 20) -> float | None:
+        """Mean seconds of replaying the graph of the bucket holding ``n`` rows (inputs of the last step)."""
+        graphs = engine.runner.cuda_graphs
+        if graphs is None or not graphs.capture or n > graphs.max_bs:
+            return None
+        bs = next(b for b in graphs.buckets if b >= n)
+        graph = graphs.graphs[(bs, with_lora)].graph
+        graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / reps
+
+
+def make_workload(
+    args: argparse.Namespace, n: int, vocab: int, rng: np.random.Generator
+) -> list[dict[str, Any]]:
+    """Requests sorted by arrival; lengths and arrivals depend only on the seed (the same at every n)."""
+    fixed = np.random.default_rng(args.seed)
+    count = args.num_requests
+    in_lens = fixed.integers(args.input_len[0], args.input_len[1], count)
+    out_lens = fixed.integers(args.output_len[0], args.output_len[1], count)
+    if args.arrival == "poisson":
+        arrivals = np.cumsum(fixed.exponential(1.0 / args.rate, count))
+    else:
+        arrivals = np.zeros(count)
+    if n == 0:
+        loras: list[int | None] = [None] * count
+    elif args.popularity == "uniform":
+        loras = rng.integers(0, n, count).tolist()
+    elif args.popularity == "zipf":
+        p = 1.0 / np.arange(1, n + 1) ** args.zipf_alpha
+        loras = rng.choice(n, count, p=p / p.sum()).tolist()
+    else:
+        loras = [i % n for i in range(count)]
+    return [
+        {
+            "arrival": float(arrivals[i]),
+            "input_ids": fixed.integers(0, vocab, int(in_lens[i])).tolist(),
+            "output_len": int(out_lens[i]),
+            "lora": loras[i],
+        }
+        for i in range(count)
+    ]
+
+
+def _pct(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+def run_workload(
+    engine: Any, work: list[dict[str, Any]], recorder: StepRecorder, bw: float
+) -> dict[str, Any]:
+    """Drive the engine in-process with the workload's arrivals; per-request TTFT/TPOT and step records."""
+    recorder.steps.clear()
+    finals: dict[str, Any] = {}
+    idx = 0
+    t0 = time.monotonic()
+    while idx < len(work) or engine.has_unfinished():
+        now = time.monotonic() - t0
+        while idx < len(work) and work[idx]["arrival"] <= now:
+            w = work[idx]
+            sp = {"max_new_tokens": w["output_len"], "temperature": 0.0, "ignore_eos": True}
+            engine.add_request(
+                input_ids=w["input_ids"], lora=w["lora"], sampling_params=sp, request_id=f"w{idx}"
+            )
+            idx += 1
+        if not engine.has_unfinished():
+            time.sleep(max(0.0, work[idx]["arrival"] - now))
+            continue
+        s0 = time.perf_counter()
+        outs = engine.step()
+        recorder.after_step(time.perf_counter() - s0)
+        for o in outs:
+            if o.finish_reason is not None:
+                finals[o.request_id] = o
+    total = time.monotonic() - t0
+    bad = [o for o in finals.values() if o.finish_reason != "length" or o.error]
+    if bad or len(finals) != len(work):
+        raise RuntimeError(
+            f"{len(bad)} requests failed (first: {bad[0] if bad else None}); {len(finals)}/{len(work)} done"
+        )
+    ttft = [o.first_token_time - o.arrival_time for o in finals.values()]
+    tpot = [
+        (o.finish_time - o.first_token_time) / (len(o.output_ids) - 1)
+        for o in finals.values()
+        if len(o.output_ids) > 1
+    ]
+    out_tokens = sum(len(o.output_ids) for o in finals.values())
+    steps = recorder.steps
+    decode_s = sum(s[0] for s in steps)
+    floor_s = sum(recorder.floor_seconds(s[2], s[3], bw) for s in steps)
+    return {
+        "num_requests": len(work),
+        "seconds": total,
+        "req_per_s": len(work) / total,
+        "output_tokens": out_tokens,
+        "output_tok_per_s": out_tokens / total,
+        "ttft_p50_s": _pct(ttft, 50),
+        "ttft_p99_s": _pct(ttft, 99),
+        "tpot_p50_s": _pct(tpot, 50),
+        "tpot_p99_s": _pct(tpot, 99),
+        "decode_steps": len(steps),
+        "decode_seconds": decode_s,
+        "decode_floor_seconds": floor_s,
+        "decode_over_floor": decode_s / floor_s if floor_s else float("nan"),
+        "mean_decode_batch": float(np.mean([s[1] for s in steps])) if steps else 0.0,
+        "mean_distinct_adapters_per_decode_step": float(np.mean([len(s[3]) for s in steps]))
+        if steps
+        else 0.0,
+    }
+
+
+def subset_requests(args: argparse.Namespace, vocab: int) -> list[list[int]]:
+    """Prompts of the HF + PEFT comparison: ``hf_batch`` random prompts of 8..128 tokens."""
+    rng = np.random.default_rng(args.seed + 7)
+    return [rng.integers(0, vocab, int(rng.integers(8, 128))).tolist() for _ in range(args.hf_batch)]
+
+
+def hf_peft_subset(
+    hf_config: Any,
+    args: argparse.Namespace,
+    adapters: list[dict[str, Any]],
+    device: torch.device,
+    dtype: torch.dtype,
+    free: Callable[[], None],
+) -> dict[str, Any]:
+    """HF transformers + PEFT ``generate(adapter_names=...)`` on the subset: random weights of the same
+    architecture, our generated adapters loaded with ``PeftModel.load_adapter``. Errors are recorded."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    prompts = subset_requests(args, hf_config.vocab_size)
+    chosen = adapters[: args.hf_adapters]
+    names = [chosen[i % len(chosen)]["name"] for i in range(len(prompts))]
+    model = None
+    try:
+        t0 = time.perf_counter()
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype).eval()
+        model = PeftModel.from_pretrained(model, chosen[0]["path"], adapter_name=chosen[0]["name"])
+        for a in chosen[1:]:
+            model.load_adapter(a["path"], adapter_name=a["name"])
+        model.eval()
+        build_s = time.perf_counter() - t0
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+        kw = dict(
+            input_ids=ids, attention_mask=mask, adapter_names=names, max_new_tokens=args.hf_tokens,
+            min_new_tokens=args.hf_tokens, do_sample=False, pad_token_id=0,
+        )  # fmt: skip
+        with torch.inference_mode():
+            model.generate(**{**kw, "max_new_tokens": 2, "min_new_tokens": 2})  # warm-up
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            out = model.generate(**kw)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            seconds = time.perf_counter() - t0
+        tokens = (out.shape[1] - width) * len(prompts)
+        return {
+            "batch": len(prompts),
+            "new_tokens_each": args.hf_tokens,
+            "adapters": len(chosen),
+            "seconds": seconds,
+            "output_tok_per_s": tokens / seconds,
+            "build_seconds": build_s,
+        }
+    except Exception as e:  # noqa: BLE001  (the other results must still be written)
+        traceback.print_exc()
+        return {"error": f"{type(e).__name__}: {e}"}
+    finally:
+        del model
+        free()
+
+
+def mmlora_subset(engine: Any, args: argparse.Namespace, adapters: list[dict[str, Any]]) -> dict[str, Any]:
+    """mmlora on exactly the HF + PEFT subset (same prompts, adapters, token counts)."""
+    prompts = subset_requests(args, engine.hf_config.vocab_size)
+    chosen = adapters[: args.hf_adapters]
+    names = [chosen[i % len(chosen)]["name"] for i in range(len(prompts))]
+    sp = {"max_new_tokens": args.hf_tokens, "temperature": 0.0, "ignore_eos": True}
+    engine.generate(input_ids=prompts[:2], lora_paths=names[:2], sampling_params={**sp, "max_new_tokens": 2})
+    t0 = time.perf_counter()
+    outs = engine.generate(input_ids=prompts, lora_paths=names, sampling_params=sp)
+    seconds = time.perf_counter() - t0
+    tokens = sum(len(o.output_ids) for o in outs)
+    return {
+        "batch": len(prompts),
+        "adapters": len(chosen),
+        "seconds": seconds,
+        "output_tok_per_s": tokens / seconds,
+    }
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    """Output tokens/s against number of adapters: mmlora, base-only, HF + PEFT (its subset), mmlora on it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [r for r in result["runs"] if r["num_adapters"] > 0]
+    base = next(r for r in result["runs"] if r["num_adapters"] == 0)
+    xs = [r["num_adapters"] for r in runs]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.plot(xs, [r["output_tok_per_s"] for r in runs], "o-", label="mmlora (multi-LoRA)")
+    ax.plot(xs, [base["output_tok_per_s"]] * len(xs), "k--", label="mmlora base model only")
+    hf, sub = result.get("hf_peft") or {}, result.get("mmlora_subset") or {}
+    if "output_tok_per_s" in hf:
+        label = f"HF + PEFT (batch {hf['batch']} x {hf['new_tokens_each']} tok, {hf['adapters']} adapters)"
+        ax.plot(xs, [hf["output_tok_per_s"]] * len(xs), "r:", label=label)
+    if "output_tok_per_s" in sub:
+        ax.plot([sub["adapters"]], [sub["output_tok_per_s"]], "g^", label="mmlora on the HF + PEFT subset")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xticks(xs, [str(x) for x in xs])
+    ax.minorticks_off()
+    ax.set_xlabel("number of adapters")
+    ax.set_ylabel("output tokens / s")
+    args = result["args"]
+    ax.set_title(
+        f"{args['model']} on {result['device']}: {args['num_requests']} requests, {args['popularity']}"
+    )
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

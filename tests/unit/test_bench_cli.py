@@ -1,0 +1,51 @@
+"""Smoke tests of the benchmark CLIs at toy scale on CPU: they run end to end and write what they promise."""
+
+from __future__ import annotations
+
+import json
+
+from tiny_models import make_checkpoint
+
+from mmlora.bench.__main__ import main as bench_main
+
+
+def test_serving_cli_on_cpu(tmp_path, capsys):
+    # A tiny checkpoint folder rather than a dummy preset: dummies borrow SmolLM2's tokenizer (slow to parse).
+    base = make_checkpoint(tmp_path / "base", "llama")
+    out = tmp_path / "serving"
+    argv = [
+        "serving", "--model", str(base), "--device", "cpu", "--dtype", "float32",
+        "--num-adapters", "1", "3", "--num-requests", "4", "--input-len", "4", "10", "--output-len", "3", "6",
+        "--max-model-len", "128", "--max-loras-per-batch", "3", "--max-running-requests", "4",
+        "--hf-batch", "3", "--hf-tokens", "2", "--hf-adapters", "2", "--micro-batch", "2", "--micro-context", "16",
+        "--out", str(out),
+    ]  # fmt: skip
+    assert bench_main(argv) == 0
+    result = json.loads((out / "serving.json").read_text())
+    assert (out / "serving.png").stat().st_size > 0
+    systems = [(r["system"], r["num_adapters"]) for r in result["runs"]]
+    assert systems == [("mmlora", 1), ("mmlora", 3), ("base-only", 0)]
+    for run in result["runs"]:
+        assert run["num_requests"] == 4 and run["output_tokens"] >= 4 * 3
+        assert run["output_tok_per_s"] > 0 and run["ttft_p50_s"] >= 0 and run["decode_floor_seconds"] > 0
+    assert {(m["batch"], m["lora"]) for m in result["decode_step"]} == {(2, True), (2, False)}
+    assert result["hf_peft"]["output_tok_per_s"] > 0, result["hf_peft"]
+    assert result["mmlora_subset"]["output_tok_per_s"] > 0
+    assert "out tok/s" in capsys.readouterr().out
+
+
+def test_cpu_cli_on_a_tiny_checkpoint(tmp_path, capsys):
+    base = make_checkpoint(tmp_path / "base", "llama")
+    out = tmp_path / "cpu.json"
+    argv = [
+        "cpu", "--model", str(base), "--num-prompts", "3", "--max-new-tokens", "3", "--num-adapters", "2",
+        "--rank", "4", "--repeats", "1", "--out", str(out),
+    ]  # fmt: skip
+    assert bench_main(argv) == 0
+    result = json.loads(out.read_text())
+    assert set(result["output_tokens_per_s"]) == {"mmlora_mixed", "mmlora_base", "hf_peft_mixed"}
+    assert result["ratio_mmlora_vs_hf_peft"] > 0 and result["ratio_mixed_vs_base"] > 0
+    assert result["rows"] == ["lora0", "lora1", None]
+    # fp32, same weights: mmlora's greedy tokens equal HF + PEFT's on every row
+    assert result["greedy_rows_equal_to_hf_peft"] == "3/3"
+    assert "mixed / base-only" in capsys.readouterr().out
