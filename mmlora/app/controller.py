@@ -145,15 +145,19 @@ class AppController:
     def list_loras(self) -> list[dict[str, Any]]:
         return self.bg.run(lambda eng: eng.list_loras())
 
-    def adapter_names(self) -> list[str]:
-        """Adapters that take requests (those being unloaded are left out)."""
-        return [info["name"] for info in self.list_loras() if not info.get("unloading")]
+    def adapter_names(self, loras: list[dict[str, Any]] | None = None) -> list[str]:
+        """Adapters that take requests (those being unloaded are left out); ``loras`` saves a round trip."""
+        return [
+            info["name"]
+            for info in (loras if loras is not None else self.list_loras())
+            if not info.get("unloading")
+        ]
 
-    def choices(self) -> list[str]:
+    def choices(self, loras: list[dict[str, Any]] | None = None) -> list[str]:
         """The picker's entries: the base model, then every registered adapter."""
-        return [BASE, *self.adapter_names()]
+        return [BASE, *self.adapter_names(loras)]
 
-    def adapter_rows(self) -> list[list[Any]]:
+    def adapter_rows(self, loras: list[dict[str, Any]] | None = None) -> list[list[Any]]:
         """The adapter table: name, rank, pinned, in a device slot, in the host cache, requests, path."""
         return [
             [
@@ -165,7 +169,7 @@ class AppController:
                 info["active_requests"],
                 ("unloading " if info.get("unloading") else "") + str(info["path"]),
             ]
-            for info in self.list_loras()
+            for info in (loras if loras is not None else self.list_loras())
         ]
 
     def load_adapter(self, path: str, name: str | None = None, pinned: bool = False) -> str:

@@ -188,9 +188,10 @@ def build_ui(
         def tick(known: list[str]) -> list[Any]:
             sample = monitor.poll()
             tps, reqs = monitor.frames()
-            new = c.choices()
+            loras = c.list_loras()  # one round trip to the engine thread for the table and the pickers
+            new = c.choices(loras)
             picks = [gr.skip()] * 4 if new == known else Pickers.updates(new)
-            return [summary_markdown(sample), tps, reqs, c.adapter_rows(), *picks]
+            return [summary_markdown(sample), tps, reqs, c.adapter_rows(loras), *picks]
 
         timer.tick(
             tick,

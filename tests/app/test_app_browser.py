@@ -195,3 +195,26 @@ def test_two_tabs_share_one_batch(browser: Any, app: LiveApp) -> None:
     assert max(len(r) for r in app.running_per_step) == 2, "the two tabs' requests never ran in one step"
     answers = [p.locator("#chatbot").inner_text() for p in pages]
     assert all("Paris is the capital of" in a for a in answers) and answers[0] != answers[1]
+
+
+def test_adapter_admin_in_the_page(browser: Any, app: LiveApp) -> None:
+    """Load from the adapter root (the pickers of another tab follow), refuse a path outside it, unload."""
+    page, other = open_page(browser, app), open_page(browser, app)
+    page.get_by_role("tab", name="Adapters").click()
+    page.locator("#load-path textarea, #load-path input").first.fill("../model")
+    page.locator("#load-btn").click()
+    sync_api.expect(page.get_by_text("outside the allowed adapter root").first).to_be_visible()
+
+    page.locator("#load-path textarea, #load-path input").first.fill("gamma")
+    page.locator("#load-btn").click()
+    sync_api.expect(page.locator("#admin-msg")).to_contain_text("loaded adapter 'gamma'")
+    sync_api.expect(page.locator("#adapter-table")).to_contain_text("gamma")
+    other.get_by_role("tab", name="Compare").click()  # the other tab learns of it on its stats timer
+    sync_api.expect(other.locator("#compare-adapters").get_by_label("gamma")).to_be_visible(timeout=15_000)
+
+    page.locator("#manage-adapter input").fill("gamma")
+    page.locator("#manage-adapter input").press("Enter")
+    page.locator("#unload-btn").click()
+    sync_api.expect(page.locator("#admin-msg")).to_contain_text("unloading adapter 'gamma'")
+    sync_api.expect(other.locator("#compare-adapters").get_by_label("gamma")).to_have_count(0, timeout=15_000)
+    page.screenshot(path=str(artifacts_dir() / "app_adapters.png"), full_page=True)
