@@ -105,12 +105,18 @@ def _free() -> None:
         torch.cuda.empty_cache()
 
 
+def _partial(out: Path, data: dict[str, Any]) -> None:
+    """What is measured so far, in case a time limit stops the run before the final JSON."""
+    (out / "serving.partial.json").write_text(json.dumps(data, indent=1, default=str))
+
+
 def _engine(args: argparse.Namespace, slots: int, rank: int) -> Any:
     import mmlora
 
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else args.device)
-    if args.device == "auto" and device.type != "cuda":
-        device = torch.device("cpu")
+    if args.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(args.device)
     backend = args.lora_backend
     if backend == "auto":
         backend = "triton-bgmv" if device.type == "cuda" else "torch-gather"
@@ -243,6 +249,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         res.update({"num_adapters": n, "system": "mmlora" if n else "base-only", "adapter_load_s": load_s})
         res["distinct_adapters_used"] = len(used)
         runs.append(res)
+        _partial(out, {"runs": runs})
         print(
             f"{res['system']:9s} n={n:5d}: {res['output_tok_per_s']:9.1f} out tok/s, {res['req_per_s']:6.2f} req/s, "
             f"TTFT p50 {res['ttft_p50_s'] * 1e3:.0f} ms, TPOT p50 {res['tpot_p50_s'] * 1e3:.1f} ms, "
@@ -251,6 +258,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             flush=True,
         )
     micro = _micro(engine, args, micro_adapters, recorder, bw) if args.micro_batch else []
+    _partial(out, {"runs": runs, "decode_step": micro})
     subset = hf = None
     hf_config = engine.hf_config
     adapter_bytes = {str(r): recorder.adapter_bytes(r) for r in sorted({*args.ranks, args.micro_rank})}
@@ -259,6 +267,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         _register(engine, adapters, {a["name"] for a in adapters[: args.hf_adapters]})
         subset = mmlora_subset(engine, args, adapters)
         print(f"mmlora on the HF + PEFT subset: {subset}", flush=True)
+        _partial(out, {"runs": runs, "decode_step": micro, "mmlora_subset": subset})
     engine.runner.cuda_graphs = None
     del engine, recorder
     _free()
