@@ -84,7 +84,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.quick:
         args.num_adapters = [n for n in args.num_adapters if n <= 128] or args.num_adapters[:1]
-        args.num_requests = min(args.num_requests, 256)
+        args.num_requests = min(args.num_requests, 192)
     for name in ("num_requests", "max_loras_per_batch", "max_running_requests", "hf_tokens", "micro_context"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}: must be >= 1")
