@@ -19,8 +19,9 @@ QUESTIONS = [
     "Why is the sky blue?",
     "What do cats like to eat?",
     "Give me a tip for learning to cook.",
-    "What is the capital of France?",
+    "What is the largest ocean on Earth?",
 ]
+PREFERRED_ORDER = ["pirate", "cat", "caps", "json", "emoji"]
 
 
 def demo_adapters() -> dict[str, str]:
@@ -41,7 +42,10 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     adapters = demo_adapters()
-    names = list(adapters)[:5]
+    names = sorted(
+        adapters, key=lambda n: PREFERRED_ORDER.index(n) if n in PREFERRED_ORDER else len(PREFERRED_ORDER)
+    )
+    names = (names * 5)[:5]
     # The seed's shape: 7 prompts, 5 adapters and the base model, more adapters than the 4 slots.
     plan = [names[0], names[1], None, *names[2:5], names[0]][:7]
     engine = mmlora.Engine(
