@@ -87,24 +87,91 @@ class TorchGatherBackend(LoRABackend):
                     out[rows, lo:hi] += (delta * scalings[slot, i].to(h.dtype)).to(out.dtype)
             start += n
 
+    def add_lora(
+        self,
+        out: torch.Tensor,
+        x: torch.Tensor,
+        A: torch.Tensor,
+        B: torch.Tensor,
+        scalings: torch.Tensor,
+        info: LoRABatchInfo,
+        slice_offsets: tuple[int, ...],
+    ) -> None:
+        """As the base class, but CPU decode batches over few slots take a dense path: a handful of
+        matmuls over all slots with the other slots' rows masked to exact zeros. At small batches the
+        cost is per torch call, not per FLOP, and this makes the call count independent of the adapters."""
+        cpu_decode = info.has_lora and self._per_token(info) and x.device.type == "cpu"
+        if not cpu_decode or info.num_slots > _DENSE_MAX_SLOTS:
+            super().add_lora(out, x, A, B, scalings, info, slice_offsets)
+            return
+        T, S, R = info.num_tokens, A.shape[0], B.shape[2]
+        n = len(slice_offsets) - 1
+        onehot = _onehot(info, x.dtype)  # [T, S]
+        h = (x[:T] @ A.view(-1, A.shape[2]).T).view(T, S, n * R) * onehot[:, :, None]
+        parts = [
+            h[:, :, i * R : (i + 1) * R].reshape(T, S * R)
+            @ B[:, slice_offsets[i] : slice_offsets[i + 1]].permute(1, 0, 2).reshape(-1, S * R).T
+            for i in range(n)
+        ]
+        delta = parts[0] if n == 1 else torch.cat(parts, dim=1)
+        token_scale = onehot @ scalings.to(x.dtype)  # [T, n]: the scaling of each row's own adapter
+        delta = delta * (
+            token_scale if n == 1 else token_scale.repeat_interleave(_widths(slice_offsets), dim=1)
+        )
+        out[:T, slice_offsets[0] : slice_offsets[-1]] += delta.to(out.dtype)
+
     @staticmethod
     def _per_token(info: LoRABatchInfo) -> bool:
         return info.num_segments == info.num_tokens
 
 
-# (info.seg_slots_host list, groups): the host lists are new objects at every fill, and holding a
-# reference keeps the identity check sound; every LoRA layer of one forward reuses the groups.
-_groups_cache: tuple[list[int] | None, list[tuple[int, torch.Tensor]]] = (None, [])
+_widths_cache: dict[tuple[int, ...], torch.Tensor] = {}
+
+
+def _widths(slice_offsets: tuple[int, ...]) -> torch.Tensor:
+    """Output width of each slice, as a CPU int64 tensor (cached: a few distinct modules per model)."""
+    w = _widths_cache.get(slice_offsets)
+    if w is None:
+        w = torch.tensor([b - a for a, b in zip(slice_offsets, slice_offsets[1:])], dtype=torch.long)
+        _widths_cache[slice_offsets] = w
+    return w
+
+
+# Per-fill host-derived routing, shared by every LoRA layer of one forward: keyed by the identity of
+# info.seg_slots_host (a new list at every fill; holding it keeps the identity check sound).
+_DENSE_MAX_SLOTS = 8
+_route: dict[str, object] = {"key": None}
+
+
+def _routing(info: LoRABatchInfo) -> dict[str, object]:
+    if _route["key"] is not info.seg_slots_host:
+        _route.clear()
+        _route["key"] = info.seg_slots_host
+    return _route
 
 
 def _slot_groups(info: LoRABatchInfo) -> list[tuple[int, torch.Tensor]]:
     """(slot, int64 row indices) for every adapter slot of a one-token-per-segment batch."""
-    global _groups_cache
-    if _groups_cache[0] is not info.seg_slots_host:
+    route = _routing(info)
+    if "groups" not in route:
         rows: dict[int, list[int]] = {}
         for t, slot in enumerate(info.seg_slots_host):
             if slot >= 0:
                 rows.setdefault(slot, []).append(t)
-        groups = [(slot, torch.tensor(r, dtype=torch.long, device=info.device)) for slot, r in rows.items()]
-        _groups_cache = (info.seg_slots_host, groups)
-    return _groups_cache[1]
+        route["groups"] = [
+            (slot, torch.tensor(r, dtype=torch.long, device=info.device)) for slot, r in rows.items()
+        ]
+    return route["groups"]
+
+
+def _onehot(info: LoRABatchInfo, dtype: torch.dtype) -> torch.Tensor:
+    """[T, num_slots] with a 1 at each row's slot (all zeros for base-only rows)."""
+    route = _routing(info)
+    key = f"onehot-{dtype}"
+    if key not in route:
+        m = torch.zeros(info.num_tokens, info.num_slots, dtype=dtype, device=info.device)
+        for t, slot in enumerate(info.seg_slots_host):
+            if slot >= 0:
+                m[t, slot] = 1
+        route[key] = m
+    return route[key]
