@@ -179,6 +179,8 @@ def build_ui(
         pickers = Pickers(chat["adapter"], cmp["adapters"], adm["manage"], gr.State(choices))
 
         def stop(request: gr.Request) -> None:
+            # Abort this session's requests in the engine rather than cancelling the Gradio event, so the
+            # open streams end normally and show "abort" with what was generated so far.
             c.abort(_session(request))
 
         _wire_chat(c, chat, sampling, use_template, stop)
@@ -229,9 +231,9 @@ def _wire_chat(
             raise gr.Error(view.error, print_exception=False)
 
     inputs = [w["msg"], w["chatbot"], w["adapter"], w["image"], use_template, *sampling]
-    ev = gr.on([w["send"].click, w["msg"].submit], chat, inputs, [w["chatbot"], w["msg"], w["info"]],
-               concurrency_limit=None)  # fmt: skip
-    w["stop"].click(stop, None, None, cancels=[ev], queue=False)
+    gr.on([w["send"].click, w["msg"].submit], chat, inputs, [w["chatbot"], w["msg"], w["info"]],
+           concurrency_limit=None)  # fmt: skip
+    w["stop"].click(stop, None, None, queue=False)  # the stream then ends with finish_reason "abort"
     w["clear"].click(lambda: ([], ""), None, [w["chatbot"], w["info"]], queue=False)
 
 
@@ -264,9 +266,9 @@ def _wire_compare(
             raise gr.Error(str(e), print_exception=False) from None
 
     inputs = [w["prompt"], w["adapters"], w["image"], use_template, *sampling]
-    ev = gr.on([w["run"].click, w["prompt"].submit], compare, inputs, w["boxes"] + w["infos"],
-               concurrency_limit=None)  # fmt: skip
-    w["stop"].click(stop, None, None, cancels=[ev], queue=False)
+    gr.on([w["run"].click, w["prompt"].submit], compare, inputs, w["boxes"] + w["infos"],
+           concurrency_limit=None)  # fmt: skip
+    w["stop"].click(stop, None, None, queue=False)  # the stream then ends with finish_reason "abort"
 
 
 def _wire_adapters(c: AppController, w: dict[str, Any], pickers: Pickers) -> None:

@@ -218,3 +218,23 @@ def test_adapter_admin_in_the_page(browser: Any, app: LiveApp) -> None:
     sync_api.expect(page.locator("#admin-msg")).to_contain_text("unloading adapter 'gamma'")
     sync_api.expect(other.locator("#compare-adapters").get_by_label("gamma")).to_have_count(0, timeout=15_000)
     page.screenshot(path=str(artifacts_dir() / "app_adapters.png"), full_page=True)
+
+
+def test_stop_aborts_the_streams_of_this_tab(browser: Any, app: LiveApp) -> None:
+    from mmlora.app import BASE
+
+    page = open_page(browser, app)
+    page.get_by_role("tab", name="Compare").click()
+    group = page.locator("#compare-adapters")
+    group.get_by_label("alpha").check()
+    _set_number(page, "max-new-tokens", 400)
+    page.locator("#compare-prompt textarea").fill("The quick brown fox")
+    page.locator("#compare-run").click()
+    sync_api.expect(page.locator("#compare-info-1")).to_contain_text("tok/s")  # streaming has begun
+    page.locator("#compare-stop").click()
+    for i, name in enumerate((BASE, "alpha")):
+        info = page.locator(f"#compare-info-{i}")
+        sync_api.expect(info).to_contain_text("abort", timeout=15_000)
+        tokens = int(info.inner_text().split(" · ")[1].split()[0])
+        assert info.inner_text().startswith(name) and 0 < tokens < 400
+        assert page.locator(f"#compare-out-{i} textarea").input_value()  # what was generated stays
