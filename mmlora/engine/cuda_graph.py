@@ -205,10 +205,13 @@ class CudaGraphRunner:
                 self.graphs[(bs, with_lora)] = _Graph(graph, logits)
         torch.cuda.synchronize(self.device)
         logger.info(
-            "CUDA graphs: captured %d decode graphs (batch buckets %s, with and without LoRA) in %.1f s",
+            "CUDA graphs: captured %d decode graphs (batch buckets %s, with and without LoRA) in %.1f s; "
+            "KV page %d reserved for padding rows (%d pages left)",
             len(self.graphs),
             self.buckets,
             time.monotonic() - t0,
+            self.pad_page,
+            self.runner.kv_cache.allocator.num_blocks,
         )
 
     # ---- replay ---------------------------------------------------------------------------------
