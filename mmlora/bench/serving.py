@@ -218,6 +218,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rank_max = max([*args.ranks, args.micro_rank])
     n_max = max([*args.num_adapters, *(args.micro_batch or [0])])
     engine = _engine(args, args.max_loras_per_batch, rank_max)
+    # Requests are random token ids: no text to produce. The engine's detokenizer re-decodes each request's
+    # whole output every step (O(n^2)); SGLang/vLLM run it in another process, so it stays out of here.
+    engine.tokenizer = None
     device, dtype = engine.device, engine.model.lm_head.weight.dtype
     bw = copy_bandwidth(device)
     print(
@@ -295,6 +298,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "hf_peft": hf,
         "notes": [
             "base-only: the same engine and workload with no adapter on any request",
+            "requests are random token ids; detokenization is off (engine.tokenizer = None)",
             "adapters beyond 16 per rank are hard links of 16 distinct weight files (own names, slots and reads)",
             "floor = (weights + KV read + distinct adapters' bytes) / measured copy bandwidth, per decode step",
         ],
