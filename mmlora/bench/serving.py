@@ -316,6 +316,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result = run(args)
     out = Path(args.out)
     (out / "serving.json").write_text(json.dumps(result, indent=2, default=str))
-    plot(result, out / "serving.png")
+    try:
+        plot(result, out / "serving.png")
+    except ImportError as e:  # the JSON is what matters; say clearly why there is no picture
+        print(f"no plot: {e} (pip install matplotlib)")
     print(f"wrote {out / 'serving.json'} and {out / 'serving.png'} ({result['wall_s']:.0f} s)")
     return result
