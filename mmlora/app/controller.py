@@ -17,6 +17,7 @@ from typing import Any
 
 from mmlora.engine.background import BackgroundEngine, RequestHandle
 from mmlora.engine.sampling_params import RequestOutput, SamplingParams
+from mmlora.lora.paths import confine_adapter_path
 
 BASE = "base model"
 """The picker's label for "no adapter"; adapters may not take this name."""
@@ -174,17 +175,11 @@ class AppController:
 
     def load_adapter(self, path: str, name: str | None = None, pinned: bool = False) -> str:
         """Load a PEFT adapter folder found under ``lora_root``; returns a confirmation message."""
-        from mmlora.server.adapters import confine_adapter_path
-        from mmlora.server.errors import APIError
-
         if not isinstance(path, str) or not path.strip():
             raise ValueError("path: give an adapter folder (relative to the adapter root)")
         if self.lora_root is None:
             raise ValueError("path: loading adapters is disabled (the app was started without --lora-root)")
-        try:
-            real = confine_adapter_path(path.strip(), self.lora_root, param="path")
-        except APIError as e:
-            raise ValueError(e.message) from None
+        real = confine_adapter_path(path.strip(), self.lora_root, param="path")
         name = (name or "").strip() or os.path.basename(real.rstrip(os.sep))
         if name == BASE:
             raise ValueError(f"name: {BASE!r} is reserved for the base model")
@@ -201,7 +196,7 @@ class AppController:
         """Pin (never evicted from its device slot or the host cache) or unpin a loaded adapter."""
         if not name or name == BASE:
             raise ValueError("name: pick an adapter")
-        self.bg.run(lambda eng: _set_pinned(eng, name, bool(pinned)))
+        self.bg.run(lambda eng: eng.set_pinned(name, bool(pinned)))
         return f"{'pinned' if pinned else 'unpinned'} adapter {name!r}"
 
     def abort(self, owner: str) -> int:
@@ -353,26 +348,6 @@ def _merge_streams(
         for h in handles:
             if not h.finished:
                 h.abort()
-
-
-def _set_pinned(engine: Any, name: str, pinned: bool) -> None:
-    """Pin or unpin a registered adapter (engine thread). The Engine has no public call for this yet."""
-    lora = engine.lora
-    entry = lora.registry.get(name)
-    if entry is None or entry.unloading:
-        raise ValueError(
-            f"name: unknown adapter {name!r}; loaded: {', '.join(lora.registry.names()) or 'none'}"
-        )
-    if pinned and not entry.pinned and len(lora.pool.pinned) + 1 >= lora.pool.num_slots:
-        raise ValueError(
-            f"name: cannot pin {name!r}: at most max_loras_per_batch - 1 = {lora.pool.num_slots - 1} "
-            "adapters may be pinned"
-        )
-    entry.pinned = pinned
-    if pinned:
-        lora.pool.pinned.add(entry.uid)
-    else:
-        lora.pool.pinned.discard(entry.uid)
 
 
 __all__ = [

@@ -285,6 +285,10 @@ class Engine:
     def load_lora(self, name: str, path: str, pinned: bool = False) -> None:
         self.lora.load(name, path, pinned=pinned)
 
+    def set_pinned(self, name: str, pinned: bool) -> None:
+        """Pin (keep in the host cache and, once loaded, in its device slot) or unpin an adapter."""
+        self.lora.set_pinned(name, pinned)
+
     def unload_lora(self, name: str) -> None:
         """Refuse new requests for ``name`` now; free its slot and host copy once its requests finish."""
         entry = self.lora.registry.mark_unloading(name)

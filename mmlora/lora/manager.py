@@ -65,22 +65,42 @@ class LoRAManager:
             dtype=self.dtype,
         )
 
+    def _check_can_pin(self, name: str) -> None:
+        # At least one slot must stay free of pins, or unpinned adapters could never be served.
+        if len(self.pool.pinned) + 1 >= self.pool.num_slots:
+            raise ValueError(
+                f"cannot pin {name!r}: at most max_loras_per_batch - 1 = {self.pool.num_slots - 1} adapters may be pinned"
+            )
+
     def load(self, name: str, path: str, pinned: bool = False) -> AdapterEntry:
         """Validate fully, then register and cache on the host. Errors leave every state unchanged."""
         if name in self.registry:
             raise ValueError(f"lora name {name!r} is already registered")
-        if pinned and len(self.pool.pinned) + 1 >= self.pool.num_slots:
-            raise ValueError(
-                f"cannot pin {name!r}: at most max_loras_per_batch - 1 = {self.pool.num_slots - 1} adapters may be pinned"
-            )
-        adapter = self._read(path)
-        entry = self.registry.register(name, path, pinned=pinned)
-        entry.rank = adapter.rank
         if pinned:
-            self.pool.pinned.add(entry.uid)
+            self._check_can_pin(name)
+        adapter = self._read(path)
+        entry = self.registry.register(name, path)
+        entry.rank = adapter.rank
         self.pool.put_host(entry.uid, adapter, self._protected())
+        if pinned:
+            self.set_pinned(name, True)
         logger.info("loaded adapter %s (rank %d) from %s", name, adapter.rank, path)
         return entry
+
+    def set_pinned(self, name: str, pinned: bool) -> None:
+        """A pinned adapter is never evicted from the host cache nor, once loaded, from its device slot."""
+        entry = self.registry.get(name)
+        if entry is None or entry.unloading:
+            raise ValueError(
+                f"unknown adapter {name!r}; registered: {', '.join(self.registry.names()) or 'none'}"
+            )
+        if pinned and not entry.pinned:
+            self._check_can_pin(name)
+        entry.pinned = pinned
+        if pinned:
+            self.pool.pinned.add(entry.uid)
+        else:
+            self.pool.pinned.discard(entry.uid)
 
     def resolve(self, lora: str | None) -> AdapterEntry | None:
         """None (base), a registered name, or a path (registered under its own path on first use)."""

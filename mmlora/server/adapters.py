@@ -1,9 +1,8 @@
 """Which adapter a request names, and where run-time adapters may be read from.
 
 A request names an adapter by its registered name, by the path it was registered with, or (OpenAI
-``model``) as ``<served-name>:<adapter>``. Run-time paths are confined to ``--lora-root`` by their
-resolved real path, so ``..``, absolute paths elsewhere and symbolic links that point outside are all
-refused before the engine reads a byte; only safetensors adapters are accepted.
+``model``) as ``<served-name>:<adapter>``. Run-time paths are confined to ``--lora-root`` by
+:func:`mmlora.lora.paths.confine_adapter_path`.
 """
 
 from __future__ import annotations
@@ -12,43 +11,18 @@ import os
 from typing import Any
 
 from mmlora.engine.background import BackgroundEngine
+from mmlora.lora.paths import AdapterPathError
+from mmlora.lora.paths import confine_adapter_path as confine
 from mmlora.server.config import ServerConfig
 from mmlora.server.errors import APIError
 
-_ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
-
-
-def _inside(path: str, root: str) -> bool:
-    return os.path.commonpath([path, root]) == root
-
 
 def confine_adapter_path(path: str, lora_root: str | None, *, param: str = "lora_path") -> str:
-    """Return the real path of a PEFT adapter folder inside ``lora_root``, or raise ``APIError(400)``."""
-    if not lora_root:
-        raise APIError(400, "adapters cannot be loaded by path: the server has no --lora-root", param=param)
-    if "\x00" in path:
-        raise APIError(400, "lora_path: contains a NUL byte", param=param)
-    root = os.path.realpath(lora_root)
-    real = os.path.realpath(os.path.join(root, path))  # an absolute `path` replaces root here
-    if not _inside(real, root):
-        raise APIError(400, f"{param}: {path!r} is outside the allowed adapter root", param=param)
-    if not os.path.isdir(real):
-        raise APIError(400, f"{param}: {path!r} is not an adapter folder under the adapter root", param=param)
-    for name in _ADAPTER_FILES:
-        file = os.path.join(real, name)
-        if not os.path.exists(file):
-            if name.endswith(".safetensors") and any(
-                os.path.exists(os.path.join(real, b)) for b in ("adapter_model.bin", "pytorch_model.bin")
-            ):
-                raise APIError(
-                    400,
-                    f"{param}: pickled adapters (.bin) are refused; convert it to safetensors",
-                    param=param,
-                )
-            raise APIError(400, f"{param}: {path!r} has no {name}", param=param)
-        if not _inside(os.path.realpath(file), root):
-            raise APIError(400, f"{param}: {name} links outside the allowed adapter root", param=param)
-    return real
+    """The real path of an adapter folder inside ``lora_root``, or ``APIError(400)`` naming the problem."""
+    try:
+        return confine(path, lora_root, param=param)
+    except AdapterPathError as e:
+        raise APIError(400, str(e), param=param) from None
 
 
 class AdapterDirectory:

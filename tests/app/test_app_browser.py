@@ -70,7 +70,7 @@ class LiveApp:
 
 @pytest.fixture(scope="module")
 def app(tiny_app: Any) -> Iterator[LiveApp]:
-    from conftest import tiny_engine
+    from app_fixtures import tiny_engine
 
     from mmlora.app import AppController
     from mmlora.app.ui import build_ui

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ADAPTERS
+from app_fixtures import ADAPTERS
 from tiny_models import hf_peft_greedy
 
 from mmlora.app import BASE, MAX_COMPARE, AppController, StatsMonitor, StreamView, make_sampling
