@@ -78,6 +78,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--quick", action="store_true", help="fewer points and requests (fits 8 minutes on one H200)"
     )
+    p.add_argument(
+        "--time-budget",
+        type=float,
+        default=None,
+        help="seconds; sweep points starting past 60%% of it are skipped",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--adapter-dir", default=None, help="where random adapters go (default: a temp folder)")
     p.add_argument("--out", default="bench-serving")
@@ -85,6 +91,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     if args.quick:
         args.num_adapters = [n for n in args.num_adapters if n <= 128] or args.num_adapters[:1]
         args.num_requests = min(args.num_requests, 192)
+        args.time_budget = args.time_budget or 300.0
     for name in ("num_requests", "max_loras_per_batch", "max_running_requests", "hf_tokens", "micro_context"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}: must be >= 1")
@@ -242,7 +249,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     recorder = StepRecorder(engine, weight_bytes(engine.model), dtype)
     rng = np.random.default_rng(args.seed)
     runs = []
-    for n in [*args.num_adapters, 0]:
+    skipped = []
+    for n in [0, *args.num_adapters]:  # base-only first: every ratio needs it
+        if args.time_budget and n and time.perf_counter() - t_start > 0.6 * args.time_budget:
+            skipped.append(n)  # leave time for the decode-step microbench and HF + PEFT
+            print(f"skipping n={n}: past 60% of --time-budget {args.time_budget:.0f} s", flush=True)
+            continue
         work = make_workload(args, n, engine.hf_config.vocab_size, rng)
         used = {w["lora"] for w in work if w["lora"] is not None}
         load_s = _register(engine, adapters, {adapters[i]["name"] for i in used})
@@ -290,6 +302,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "weight_bytes": weights,
         "adapter_bytes_by_rank": adapter_bytes,
         "runs": runs,
+        "skipped_num_adapters": skipped,
         "mixed_over_base": {
             str(r["num_adapters"]): r["output_tok_per_s"] / base["output_tok_per_s"] for r in runs
         },

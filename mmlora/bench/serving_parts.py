@@ -216,9 +216,14 @@ def run_workload(
 
 
 def subset_requests(args: argparse.Namespace, vocab: int) -> list[list[int]]:
-    """Prompts of the HF + PEFT comparison: ``hf_batch`` random prompts of 8..128 tokens."""
+    """Prompts of the HF + PEFT comparison: ``hf_batch`` random prompts of 8..128 tokens (fit max_model_len)."""
     rng = np.random.default_rng(args.seed + 7)
-    return [rng.integers(0, vocab, int(rng.integers(8, 128))).tolist() for _ in range(args.hf_batch)]
+    hi = min(128, args.max_model_len - args.hf_tokens)
+    if hi <= 8:
+        raise ValueError(
+            f"--max-model-len {args.max_model_len}: too short for the HF subset (--hf-tokens {args.hf_tokens})"
+        )
+    return [rng.integers(0, vocab, int(rng.integers(8, hi))).tolist() for _ in range(args.hf_batch)]
 
 
 def hf_peft_subset(

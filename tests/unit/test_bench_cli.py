@@ -24,7 +24,7 @@ def test_serving_cli_on_cpu(tmp_path, capsys):
     result = json.loads((out / "serving.json").read_text())
     assert (out / "serving.png").stat().st_size > 0
     systems = [(r["system"], r["num_adapters"]) for r in result["runs"]]
-    assert systems == [("mmlora", 1), ("mmlora", 3), ("base-only", 0)]
+    assert systems == [("base-only", 0), ("mmlora", 1), ("mmlora", 3)]
     for run in result["runs"]:
         assert run["num_requests"] == 4 and run["output_tokens"] >= 4 * 3
         assert run["output_tok_per_s"] > 0 and run["ttft_p50_s"] >= 0 and run["decode_floor_seconds"] > 0
