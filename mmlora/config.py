@@ -52,7 +52,7 @@ class CacheConfig:
         0.85, "On GPU: fraction of device memory for weights, adapter slots and KV pages together."
     )
     max_kv_tokens: int | None = _f(
-        None, "Cap on KV-cache tokens (pages x block size); on CPU the default is 65536."
+        None, "Cap on KV-cache tokens (pages x block size); on CPU the default is 32768."
     )
     disable_radix: bool = _f(True, "Accepted for SGLang compatibility; prefix caching is not enabled yet.")
 
