@@ -137,22 +137,12 @@ def _widths(slice_offsets: tuple[int, ...]) -> torch.Tensor:
     return w
 
 
-# Per-fill host-derived routing, shared by every LoRA layer of one forward: keyed by the identity of
-# info.seg_slots_host (a new list at every fill; holding it keeps the identity check sound).
 _DENSE_MAX_SLOTS = 8
-_route: dict[str, object] = {"key": None}
-
-
-def _routing(info: LoRABatchInfo) -> dict[str, object]:
-    if _route["key"] is not info.seg_slots_host:
-        _route.clear()
-        _route["key"] = info.seg_slots_host
-    return _route
 
 
 def _slot_groups(info: LoRABatchInfo) -> list[tuple[int, torch.Tensor]]:
     """(slot, int64 row indices) for every adapter slot of a one-token-per-segment batch."""
-    route = _routing(info)
+    route = info.host_derived
     if "groups" not in route:
         rows: dict[int, list[int]] = {}
         for t, slot in enumerate(info.seg_slots_host):
@@ -166,7 +156,7 @@ def _slot_groups(info: LoRABatchInfo) -> list[tuple[int, torch.Tensor]]:
 
 def _onehot(info: LoRABatchInfo, dtype: torch.dtype) -> torch.Tensor:
     """[T, num_slots] with a 1 at each row's slot (all zeros for base-only rows)."""
-    route = _routing(info)
+    route = info.host_derived
     key = f"onehot-{dtype}"
     if key not in route:
         m = torch.zeros(info.num_tokens, info.num_slots, dtype=dtype, device=info.device)

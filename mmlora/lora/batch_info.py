@@ -25,6 +25,8 @@ class LoRABatchInfo:
     Host mirrors (Python lists / ints) let backends make launch decisions without a device sync:
       num_tokens, num_segments, max_rank (largest rank in this batch, 0 when no row has an adapter),
       seg_lens_host, seg_slots_host, ranks_host.
+    ``host_derived`` is emptied by every fill: backends may cache routing they derive from the host
+    mirrors there (once per forward, shared by every layer).
     """
 
     def __init__(self, max_tokens: int, num_slots: int, device: torch.device | str) -> None:
@@ -43,6 +45,7 @@ class LoRABatchInfo:
         self.seg_lens_host: list[int] = []
         self.seg_slots_host: list[int] = []
         self.ranks_host: list[int] = [0] * num_slots
+        self.host_derived: dict[str, object] = {}
 
     @property
     def has_lora(self) -> bool:
@@ -94,4 +97,5 @@ class LoRABatchInfo:
         self.num_segments = nseg
         self.seg_lens_host = seg_lens
         self.seg_slots_host = seg_slots
+        self.host_derived = {}
         self.max_rank = max((self.ranks_host[s] for s in seg_slots if s >= 0), default=0)

@@ -7,6 +7,7 @@ batched call; batches with prefill chunks loop over their requests.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from mmlora.layers.attention.base import AttentionBackend, register_attention_backend, store_kv
 from mmlora.layers.attention.metadata import AttentionMetadata
@@ -31,17 +32,24 @@ def _attend(
     sliding_window: int | None,
     logit_softcap: float | None,
 ) -> torch.Tensor:
-    group = q.shape[2] // k.shape[2]
-    qf = q.float().transpose(1, 2)  # [B, Hq, Tq, D]
-    kf = k.float().repeat_interleave(group, dim=2).transpose(1, 2)  # [B, Hq, L, D]
-    vf = v.float().repeat_interleave(group, dim=2).transpose(1, 2)
-    scores = qf @ kf.transpose(-1, -2) * scale  # [B, Hq, Tq, L]
-    if logit_softcap:
-        scores = logit_softcap * torch.tanh(scores / logit_softcap)
     j = torch.arange(k.shape[1], device=q.device)
     allowed = (j[None, None, :] <= q_pos[:, :, None]) & (j[None, None, :] < kv_len[:, None, None])
     if sliding_window:
         allowed &= j[None, None, :] > q_pos[:, :, None] - sliding_window
+    qf = q.float().transpose(1, 2)  # [B, Hq, Tq, D]
+    if not logit_softcap:
+        # Same math as below in one fused call (GQA without copying K/V per query head); rows with
+        # nothing allowed (padding) come out NaN and are zeroed.
+        kf, vf = k.float().transpose(1, 2), v.float().transpose(1, 2)  # [B, Hkv, L, D]
+        out = F.scaled_dot_product_attention(
+            qf, kf, vf, attn_mask=allowed[:, None], scale=scale, enable_gqa=True
+        )
+        return out.nan_to_num(0.0).transpose(1, 2).to(q.dtype)
+    group = q.shape[2] // k.shape[2]
+    kf = k.float().repeat_interleave(group, dim=2).transpose(1, 2)  # [B, Hq, L, D]
+    vf = v.float().repeat_interleave(group, dim=2).transpose(1, 2)
+    scores = qf @ kf.transpose(-1, -2) * scale  # [B, Hq, Tq, L]
+    scores = logit_softcap * torch.tanh(scores / logit_softcap)
     scores = scores.masked_fill(~allowed[:, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
     return (probs @ vf).transpose(1, 2).to(q.dtype)  # [B, Tq, Hq, D]
