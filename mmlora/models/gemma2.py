@@ -15,11 +15,9 @@ import torch
 from torch import nn
 
 from mmlora.engine.forward_batch import ForwardBatch
-from mmlora.layers.attention import AttentionBackend
 from mmlora.layers.norms import RMSNorm
-from mmlora.layers.rotary import RotaryEmbedding, rope_parameters
 from mmlora.models.base import CausalLM
-from mmlora.models.llama import LlamaForCausalLM
+from mmlora.models.llama import LlamaAttention, LlamaForCausalLM
 
 _TANH_GELUS = ("gelu_pytorch_tanh", "gelu_tanh", "gelu_new", "gelu_fast")
 
@@ -38,47 +36,19 @@ def _layer_types(cfg: Any) -> list[str]:
     return list(types)
 
 
-class Gemma2Attention(nn.Module):
-    def __init__(self, cfg: Any, layer_idx: int) -> None:
-        super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        bias = bool(getattr(cfg, "attention_bias", False))
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.qkv_proj.output_sizes = (self.q_size, self.kv_size, self.kv_size)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=bias)
-        self.rotary = RotaryEmbedding(self.head_dim, cfg.max_position_embeddings, rope_parameters(cfg))
-        self.scale = float(cfg.query_pre_attn_scalar) ** -0.5
-        self.logit_softcap = getattr(cfg, "attn_logit_softcapping", None) or None
-        sliding = _layer_types(cfg)[layer_idx] == "sliding_attention"
-        self.sliding_window = int(cfg.sliding_window) if sliding and cfg.sliding_window else None
-        self.layer_idx = layer_idx
-        self.backend: AttentionBackend | None = None
-        self.k_cache: torch.Tensor | None = None
-        self.v_cache: torch.Tensor | None = None
-
-    def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        T = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(batch.positions, q, k)
-        o = self.backend.forward(
-            q,
-            k,
-            v,
-            self.k_cache,
-            self.v_cache,
-            batch.attn,
-            scale=self.scale,
-            sliding_window=self.sliding_window,
-            logit_softcap=self.logit_softcap,
-        )
-        return self.o_proj(o.reshape(T, self.q_size))
+def _attention(cfg: Any, layer_idx: int) -> LlamaAttention:
+    """Llama's attention with Gemma2's scale (query_pre_attn_scalar), soft-cap and per-layer window."""
+    bias = bool(getattr(cfg, "attention_bias", False))
+    sliding = _layer_types(cfg)[layer_idx] == "sliding_attention"
+    return LlamaAttention(
+        cfg,
+        layer_idx,
+        bias,
+        o_bias=bias,
+        scale=float(cfg.query_pre_attn_scalar) ** -0.5,
+        sliding_window=int(cfg.sliding_window) if sliding and cfg.sliding_window else None,
+        logit_softcap=getattr(cfg, "attn_logit_softcapping", None) or None,
+    )
 
 
 class Gemma2MLP(nn.Module):
@@ -101,7 +71,7 @@ class Gemma2DecoderLayer(nn.Module):
     def __init__(self, cfg: Any, layer_idx: int) -> None:
         super().__init__()
         eps = cfg.rms_norm_eps
-        self.self_attn = Gemma2Attention(cfg, layer_idx)
+        self.self_attn = _attention(cfg, layer_idx)
         self.mlp = Gemma2MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps, offset=1.0)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, offset=1.0)

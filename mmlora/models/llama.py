@@ -20,7 +20,21 @@ from mmlora.models.base import CausalLM
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: Any, layer_idx: int, bias: bool) -> None:
+    """Packed-qkv self-attention over the paged KV cache. Other families reuse it through the options:
+    ``o_bias``, ``scale`` (default head_dim ** -0.5), ``sliding_window`` (default: from the config),
+    ``logit_softcap``."""
+
+    def __init__(
+        self,
+        cfg: Any,
+        layer_idx: int,
+        bias: bool,
+        *,
+        o_bias: bool = False,
+        scale: float | None = None,
+        sliding_window: int | None | str = "config",
+        logit_softcap: float | None = None,
+    ) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -29,10 +43,13 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         self.qkv_proj.output_sizes = (self.q_size, self.kv_size, self.kv_size)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=o_bias)
         self.rotary = RotaryEmbedding(self.head_dim, cfg.max_position_embeddings, rope_parameters(cfg))
-        self.scale = self.head_dim**-0.5
-        self.sliding_window = _layer_sliding_window(cfg, layer_idx)
+        self.scale = scale if scale is not None else self.head_dim**-0.5
+        self.sliding_window = (
+            _layer_sliding_window(cfg, layer_idx) if sliding_window == "config" else sliding_window
+        )
+        self.logit_softcap = logit_softcap
         self.layer_idx = layer_idx
         self.backend: AttentionBackend | None = None
         self.k_cache: torch.Tensor | None = None
@@ -54,6 +71,7 @@ class LlamaAttention(nn.Module):
             batch.attn,
             scale=self.scale,
             sliding_window=self.sliding_window,
+            logit_softcap=self.logit_softcap,
         )
         return self.o_proj(o.reshape(T, self.q_size))
 
