@@ -8,13 +8,27 @@ from mmlora.engine.request import Request
 
 
 def update_text(req: Request, tokenizer: Any) -> None:
-    """Recompute ``req.text`` from its output ids; finish it at the first stop string."""
+    """Extend ``req.text`` with the newly decodable output; finish the request at the first stop string.
+
+    Only a short window is decoded each step (the tokens since the last emitted ones, plus the tokens
+    just before them as context, so that merges and leading spaces come out as a full decode would):
+    the cost per step does not grow with the output. Text ending in an incomplete character waits for
+    the next token, unless the request is finishing.
+    """
     if tokenizer is None:
         return
-    text = tokenizer.decode(req.output_ids, skip_special_tokens=req.sampling.skip_special_tokens)
+    ids, skip = req.output_ids, req.sampling.skip_special_tokens
+    prefix = tokenizer.decode(ids[req.prefix_offset : req.read_offset], skip_special_tokens=skip)
+    window = tokenizer.decode(ids[req.prefix_offset :], skip_special_tokens=skip)
+    ready = len(window) > len(prefix) and not window.endswith("\ufffd")
+    if not (ready or req.finish_reason is not None):
+        return
+    old_len = len(req.text)
+    text = req.text + window[len(prefix) :]
+    req.prefix_offset, req.read_offset = req.read_offset, len(ids)
     stops = req.sampling.stop
     if stops and req.finish_reason in (None, "length"):
-        window_start = max(0, len(req.text) - max(len(s) for s in stops))
+        window_start = max(0, old_len - max(len(s) for s in stops))
         hits = [(text.find(s, window_start), s) for s in stops]
         hits = [(i, s) for i, s in hits if i >= 0]
         if hits:

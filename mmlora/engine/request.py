@@ -48,6 +48,8 @@ class Request:
     matched_stop: str | int | None = None
     error: str | None = None
     text: str = ""
+    prefix_offset: int = 0  # detokenizer window: output ids [prefix_offset, read_offset) are context
+    read_offset: int = 0
     sent_text_len: int = 0
     sent_ids_len: int = 0
     generator: torch.Generator | None = None
