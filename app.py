@@ -21,6 +21,8 @@ def main() -> None:
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         launch(bg, args)
+    except KeyboardInterrupt:
+        pass  # Ctrl+C or SIGTERM, also while Gradio is still starting up: a clean stop either way
     finally:
         bg.shutdown(drain=False, timeout=10)
         logging.getLogger("app").info("stopped")
