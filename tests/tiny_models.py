@@ -1,4 +1,5 @@
-"""Tiny random checkpoints and PEFT adapters made on the spot (no hub), shared by the test packages.
+"""Tiny random checkpoints (Llama family, Qwen2-VL) and PEFT adapters made on the spot (no hub), and the
+HF + PEFT greedy oracle with its mmlora counterpart, shared by the test packages.
 
 The tokenizer is a byte-level BPE trained on a few sentences, so a checkpoint is built in about a second.
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 CHAT_TEMPLATE = (
@@ -33,20 +35,42 @@ PROMPTS = [
 ]
 
 
-def make_tokenizer(folder: Path) -> Any:
+DEFAULT_SPECIALS = ["<s>", "</s>", "<pad>", "<|system|>", "<|user|>", "<|assistant|>"]
+QWEN2_VL_SPECIALS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+]
+
+
+def make_tokenizer(
+    folder: Path,
+    *,
+    specials: list[str] = DEFAULT_SPECIALS,
+    vocab_size: int = 384,
+    bos: str | None = "<s>",
+    eos: str = "</s>",
+    pad: str = "<pad>",
+    chat_template: str | None = CHAT_TEMPLATE,
+) -> Any:
+    """A byte-level BPE trained on ``CORPUS`` with ``specials`` first (ids 0..), saved to ``folder``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    specials = ["<s>", "</s>", "<pad>", "<|system|>", "<|user|>", "<|assistant|>"]
     trainer = trainers.BpeTrainer(
-        vocab_size=384, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
     tok.train_from_iterator(CORPUS * 4, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
-    fast.chat_template = CHAT_TEMPLATE
+    names = {"bos_token": bos} if bos is not None else {}
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, pad_token=pad, **names)
+    if chat_template is not None:
+        fast.chat_template = chat_template
     fast.save_pretrained(folder)
     return fast
 
@@ -67,8 +91,14 @@ _ARCH_CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
-def make_checkpoint(folder: Path, arch: str = "llama", seed: int = 0, **overrides: Any) -> Path:
-    """A random fp32 checkpoint of a tiny ``arch`` ("llama", "mistral", "qwen2") with norms away from 1."""
+def make_checkpoint(
+    folder: Path, arch: str = "llama", seed: int = 0, *, perturb_vectors: bool = True, **overrides: Any
+) -> Path:
+    """A random fp32 checkpoint of a tiny ``arch`` ("llama", "mistral", "qwen2") with norms away from 1.
+
+    ``overrides`` replace config values (also the per-arch ones); with ``perturb_vectors=False`` only the
+    matrices are redrawn and norms and biases keep their default init.
+    """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     tok = make_tokenizer(folder)
@@ -86,6 +116,8 @@ def make_checkpoint(folder: Path, arch: str = "llama", seed: int = 0, **override
         for name, p in model.named_parameters():
             if p.dim() == 2:
                 p.normal_(0.0, 0.08)
+            elif not perturb_vectors:
+                continue
             elif "norm" in name:
                 p.uniform_(0.5, 1.5)
             else:
@@ -94,14 +126,73 @@ def make_checkpoint(folder: Path, arch: str = "llama", seed: int = 0, **override
     return folder
 
 
-def make_adapter(
-    base_folder: Path, out: Path, seed: int = 0, scale: float = 0.15, **lora_kwargs: Any
+def make_qwen2_vl_checkpoint(
+    folder: Path,
+    seed: int = 0,
+    *,
+    vocab_size: int = 384,
+    vision_depth: int = 2,
+    max_pixels: int = 64 * 28 * 28,
+    chat_template: str | None = None,
+    perturb_vectors: bool = True,
 ) -> Path:
-    """A PEFT LoRA adapter with random (non-zero) A and B, saved as safetensors."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
+    """A random fp32 Qwen2-VL (2 text layers, ``vision_depth`` vision blocks) with a ``QWEN2_VL_SPECIALS``
+    tokenizer and an image processor taking 28x28 .. ``max_pixels`` pixels; norms away from 1 unless
+    ``perturb_vectors=False`` (then only the matrices are redrawn)."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil
 
-    base = AutoModelForCausalLM.from_pretrained(base_folder, dtype=torch.float32)
+    folder.mkdir(parents=True, exist_ok=True)
+    eos = "<|endoftext|>"
+    fast = make_tokenizer(
+        folder, specials=QWEN2_VL_SPECIALS, vocab_size=vocab_size, bos=None, eos=eos, pad=eos,
+        chat_template=chat_template,
+    )  # fmt: skip
+    Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=max_pixels).save_pretrained(folder)
+    tid = fast.convert_tokens_to_ids
+    text = dict(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=len(fast), max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=None,
+        eos_token_id=tid(eos), pad_token_id=tid(eos),
+        rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0},
+    )  # fmt: skip
+    vision = dict(
+        depth=vision_depth, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2, spatial_merge_size=2
+    )
+    cfg = Qwen2VLConfig(
+        text_config=text, vision_config=vision, tie_word_embeddings=False,
+        image_token_id=tid("<|image_pad|>"), vision_start_token_id=tid("<|vision_start|>"),
+        vision_end_token_id=tid("<|vision_end|>"), video_token_id=len(fast) - 1,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = Qwen2VLForConditionalGeneration(cfg).to(torch.float32)
+    with torch.no_grad():  # larger than the default init so that images, adapters and norms visibly matter
+        for name, p in model.named_parameters():
+            if perturb_vectors and "norm" in name and name.endswith("weight"):
+                p.uniform_(0.5, 1.5)
+            elif p.dim() >= 2:
+                p.normal_(0.0, 0.08)
+            elif perturb_vectors:
+                p.normal_(0.0, 0.05)
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def make_adapter(
+    base_folder: Path,
+    out: Path,
+    seed: int = 0,
+    scale: float = 0.15,
+    *,
+    safe: bool = True,
+    model_class: str = "AutoModelForCausalLM",
+    **lora_kwargs: Any,
+) -> Path:
+    """A PEFT LoRA adapter of the checkpoint in ``base_folder`` (loaded with transformers' ``model_class``)
+    with random (non-zero) A and B, saved as safetensors (or, with ``safe=False``, as a pickle)."""
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    base = getattr(transformers, model_class).from_pretrained(base_folder, dtype=torch.float32)
     lora_kwargs.setdefault("lora_dropout", 0.0)
     model = get_peft_model(base, LoraConfig(init_lora_weights=False, **lora_kwargs))
     torch.manual_seed(seed)
@@ -109,7 +200,7 @@ def make_adapter(
         for name, p in model.named_parameters():
             if "lora_" in name:
                 p.normal_(0.0, scale)
-    model.save_pretrained(out, safe_serialization=True)
+    model.save_pretrained(out, safe_serialization=safe)
     return out
 
 
@@ -149,3 +240,35 @@ def hf_peft_greedy(
         logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, tokens)]
         results.append((tokens, logprobs))
     return results
+
+
+def mmlora_greedy(
+    base_folder: Path,
+    adapters: dict[str, Path],
+    prompts: list[str],
+    names: list[str | None],
+    max_new: int,
+    **engine_kwargs: Any,
+) -> tuple[Any, list[Any]]:
+    """The side under test for ``hf_peft_greedy``: one mixed batch through an fp32 ``mmlora.Engine`` with two
+    adapter slots (fewer than adapters, so admission rotates them), greedy; (engine, outputs)."""
+    import mmlora
+
+    engine = mmlora.Engine(
+        model=str(base_folder), lora_paths={n: str(p) for n, p in adapters.items()}, max_loras_per_batch=2,
+        max_lora_rank=8, dtype="float32", **engine_kwargs,
+    )  # fmt: skip
+    outs = engine.generate(
+        prompts, lora_paths=names, return_logprob=True,
+        sampling_params={"max_new_tokens": max_new, "temperature": 0.0, "ignore_eos": True},
+    )  # fmt: skip
+    return engine, outs
+
+
+def assert_same_greedy(
+    outs: list[Any], expected: list[tuple[list[int], list[float]]], names: list[str | None], label: str = ""
+) -> None:
+    """Tokens identical to the oracle's and chosen-token logprobs within 1e-3, row by row."""
+    for i, (out, (tokens, logprobs)) in enumerate(zip(outs, expected)):
+        assert out.output_ids == tokens, f"{label} prompt {i} adapter {names[i]}"
+        assert out.logprobs == pytest.approx(logprobs, abs=1e-3), f"{label} prompt {i} adapter {names[i]}"

@@ -12,7 +12,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import ALL_SEVEN, PROMPTS, hf_peft_greedy, make_adapter, make_tokenizer
+from tiny_models import (
+    ALL_SEVEN,
+    PROMPTS,
+    assert_same_greedy,
+    hf_peft_greedy,
+    make_adapter,
+    make_tokenizer,
+    mmlora_greedy,
+)
 from transformers import AutoTokenizer
 
 import mmlora
@@ -69,27 +77,11 @@ def tiny_gemma2(tmp_path_factory):
 
 
 def _run_batch(base: Path, adapters: dict, **engine_kwargs) -> tuple[mmlora.Engine, list]:
-    engine = mmlora.Engine(
-        model=str(base),
-        lora_paths={n: str(p) for n, p in adapters.items()},
-        max_loras_per_batch=2,
-        max_lora_rank=8,
-        dtype="float32",
-        **engine_kwargs,
-    )
-    outs = engine.generate(
-        PROMPTS_USED,
-        lora_paths=ORDER,
-        sampling_params={"max_new_tokens": MAX_NEW, "temperature": 0.0, "ignore_eos": True},
-        return_logprob=True,
-    )
-    return engine, outs
+    return mmlora_greedy(base, adapters, PROMPTS_USED, ORDER, MAX_NEW, **engine_kwargs)
 
 
 def _check(outs, expected) -> None:
-    for i, (out, (tokens, logprobs)) in enumerate(zip(outs, expected)):
-        assert out.output_ids == tokens, f"prompt {i} adapter {ORDER[i]}"
-        assert out.logprobs == pytest.approx(logprobs, abs=1e-3), f"prompt {i} adapter {ORDER[i]}"
+    assert_same_greedy(outs, expected, ORDER)
 
 
 def test_gemma2_mixed_adapter_batch_matches_hf_peft(tiny_gemma2):
@@ -153,9 +145,7 @@ def test_gemma2_generate_api_and_chunked_prefill(tiny_gemma2):
     tok = AutoTokenizer.from_pretrained(base)(prompt, add_special_tokens=False)["input_ids"]
     assert len(tok) > 16
     expected = hf_peft_greedy(base, {"all7": adapters["all7"]}, [tok, tok], ["all7", None], 6)
-    for out, (tokens, logprobs) in zip(outs, expected):
-        assert out.output_ids == tokens
-        assert out.logprobs == pytest.approx(logprobs, abs=1e-3)
+    assert_same_greedy(outs, expected, ["all7", None])
 
 
 def test_gemma2_bf16_rotary_matches_hf(tiny_gemma2):

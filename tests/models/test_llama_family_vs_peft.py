@@ -8,7 +8,15 @@ ranks, rsLoRA, rank/alpha patterns, regex targets and layers_to_transform, with 
 from __future__ import annotations
 
 import pytest
-from tiny_models import ALL_SEVEN, PROMPTS, hf_peft_greedy, make_adapter, make_checkpoint
+from tiny_models import (
+    ALL_SEVEN,
+    PROMPTS,
+    assert_same_greedy,
+    hf_peft_greedy,
+    make_adapter,
+    make_checkpoint,
+    mmlora_greedy,
+)
 
 import mmlora
 
@@ -54,29 +62,12 @@ PROMPTS_IN_BATCH = (PROMPTS * 2)[: len(ORDER)]
 
 
 def run_mixed_batch(tiny_arch, **engine_kwargs):
-    arch, base, adapters = tiny_arch
-    engine = mmlora.Engine(
-        model=str(base),
-        lora_paths={n: str(p) for n, p in adapters.items()},
-        max_loras_per_batch=2,  # fewer slots than adapters: admission must rotate them
-        max_lora_rank=8,
-        device="cpu",
-        dtype="float32",
-        **engine_kwargs,
-    )
-    outs = engine.generate(
-        PROMPTS_IN_BATCH,
-        lora_paths=ORDER,
-        sampling_params={"max_new_tokens": MAX_NEW, "temperature": 0.0, "ignore_eos": True},
-        return_logprob=True,
-    )
-    return engine, outs
+    _, base, adapters = tiny_arch
+    return mmlora_greedy(base, adapters, PROMPTS_IN_BATCH, ORDER, MAX_NEW, device="cpu", **engine_kwargs)
 
 
 def assert_matches(arch, outs, expected):
-    for i, (out, (tokens, logprobs)) in enumerate(zip(outs, expected)):
-        assert out.output_ids == tokens, f"{arch} prompt {i} adapter {ORDER[i]}"
-        assert out.logprobs == pytest.approx(logprobs, abs=1e-3), f"{arch} prompt {i} adapter {ORDER[i]}"
+    assert_same_greedy(outs, expected, ORDER, arch)
 
 
 def test_mixed_adapter_batch_matches_hf_peft(tiny_arch, expected):

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from tiny_models import ALL_SEVEN, CORPUS
+from tiny_models import ALL_SEVEN, make_adapter, make_qwen2_vl_checkpoint
 
 import mmlora
 from mmlora.models.qwen2_vl import Qwen2VLForConditionalGeneration as VL
@@ -25,14 +25,6 @@ from mmlora.multimodal import images as mm_images
 
 MAX_NEW = 8
 SLOT = "<|vision_start|><|image_pad|><|vision_end|>"
-SPECIALS = [
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|image_pad|>",
-]
 ADAPTERS = {
     "all7": dict(r=8, lora_alpha=16, target_modules=ALL_SEVEN),
     "attn": dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
@@ -61,66 +53,8 @@ def _image(key: str):
     return Image.fromarray((rng.random((h, w, 3)) * 255).astype("uint8"))
 
 
-def make_qwen2_vl(folder: Path, seed: int = 0) -> Path:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import (
-        PreTrainedTokenizerFast,
-        Qwen2VLConfig,
-        Qwen2VLForConditionalGeneration,
-        Qwen2VLImageProcessorPil,
-    )
-
-    folder.mkdir(parents=True, exist_ok=True)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=384, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tok.train_from_iterator(CORPUS * 4, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
-    fast.save_pretrained(folder)
-    Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=64 * 28 * 28).save_pretrained(folder)
-    tid = fast.convert_tokens_to_ids
-    text = dict(
-        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=len(fast), max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=None,
-        eos_token_id=tid("<|endoftext|>"), pad_token_id=tid("<|endoftext|>"),
-        rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0},
-    )  # fmt: skip
-    vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2, spatial_merge_size=2)
-    cfg = Qwen2VLConfig(
-        text_config=text, vision_config=vision, tie_word_embeddings=False,
-        image_token_id=tid("<|image_pad|>"), vision_start_token_id=tid("<|vision_start|>"),
-        vision_end_token_id=tid("<|vision_end|>"), video_token_id=len(fast) - 1,
-    )  # fmt: skip
-    torch.manual_seed(seed)
-    model = Qwen2VLForConditionalGeneration(cfg).to(torch.float32)
-    with torch.no_grad():  # larger than the default init so that images, adapters and norms visibly matter
-        for name, p in model.named_parameters():
-            if "norm" in name and name.endswith("weight"):
-                p.uniform_(0.5, 1.5)
-            elif p.dim() >= 2:
-                p.normal_(0.0, 0.08)
-            else:
-                p.normal_(0.0, 0.05)
-    model.save_pretrained(folder, safe_serialization=True)
-    return folder
-
-
 def make_vl_adapter(base: Path, out: Path, seed: int, **lora_kwargs) -> Path:
-    from peft import LoraConfig, get_peft_model
-    from transformers import Qwen2VLForConditionalGeneration
-
-    model = Qwen2VLForConditionalGeneration.from_pretrained(base, dtype=torch.float32)
-    model = get_peft_model(model, LoraConfig(init_lora_weights=False, lora_dropout=0.0, **lora_kwargs))
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.normal_(0.0, 0.15)
-    model.save_pretrained(out, safe_serialization=True)
-    return out
+    return make_adapter(base, out, seed, model_class="Qwen2VLForConditionalGeneration", **lora_kwargs)
 
 
 def hf_oracle(base: Path, adapters: dict[str, Path]) -> list[tuple[list[int], list[int], list[float]]]:
@@ -171,7 +105,7 @@ def hf_oracle(base: Path, adapters: dict[str, Path]) -> list[tuple[list[int], li
 @pytest.fixture(scope="module")
 def tiny_vl(tmp_path_factory):
     root = tmp_path_factory.mktemp("qwen2vl")
-    base = make_qwen2_vl(root / "base")
+    base = make_qwen2_vl_checkpoint(root / "base")
     adapters = {n: make_vl_adapter(base, root / n, i + 1, **kw) for i, (n, kw) in enumerate(ADAPTERS.items())}
     return root, base, adapters, hf_oracle(base, adapters)
 

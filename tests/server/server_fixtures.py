@@ -1,9 +1,5 @@
-"""Helpers of the server tests: a tiny Llama checkpoint with its own tokenizer (and a chat
-template), tiny PEFT adapters made with peft itself, and a uvicorn server on a free loopback port.
-
-The tokenizer is a byte-level BPE trained in the fixture on a few sentences (no hub, no GGUF parse:
-that takes ~16 s here), so the whole checkpoint is built in about a second.
-"""
+"""Helpers of the server tests: the tiny Llama checkpoint and adapter specs (built with the shared
+``tiny_models``), an engine over them, and a uvicorn server on a free loopback port."""
 
 from __future__ import annotations
 
@@ -15,21 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
+from tiny_models import ALL_SEVEN, make_checkpoint
 
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
-CORPUS = [
-    "The quick brown fox jumps over the lazy dog.",
-    "Multi-LoRA serving batches many adapters on one base model.",
-    "Hello world! How are you today? I am fine, thank you.",
-    "Paris is the capital of France; Rome is the capital of Italy.",
-    "0123456789 + - * / = ( ) [ ] { } < > , . ; : ! ? ' \"",
-    "system user assistant tool prompt answer question pirate poem story",
-]
-ALL_SEVEN = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ADAPTER_SPECS = {  # name -> (rank, alpha, targets, seed); different ranks and targets on purpose
     "a0": (4, 8, ALL_SEVEN, 1),
     "a1": (8, 16, ["q_proj", "v_proj"], 2),
@@ -39,73 +22,9 @@ ADAPTER_SPECS = {  # name -> (rank, alpha, targets, seed); different ranks and t
 }
 
 
-def make_tokenizer(folder: Path) -> Any:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    specials = ["<s>", "</s>", "<pad>", "<|system|>", "<|user|>", "<|assistant|>"]
-    trainer = trainers.BpeTrainer(
-        vocab_size=384, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tok.train_from_iterator(CORPUS * 4, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(folder)
-    return fast
-
-
-def make_checkpoint(folder: Path) -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    tok = make_tokenizer(folder)
-    cfg = LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=len(tok), max_position_embeddings=512, bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, tie_word_embeddings=False,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).to(torch.float32)
-    with torch.no_grad():  # larger weights than the default init so that adapters visibly matter
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, 0.08)
-    model.save_pretrained(folder, safe_serialization=True)
-
-
-def make_adapter(
-    base_folder: Path | None,
-    out: Path,
-    rank: int,
-    alpha: int,
-    targets: list[str],
-    seed: int,
-    *,
-    safe: bool = True,
-    hidden: int | None = None,
-) -> None:
-    """A PEFT adapter of ``base_folder`` (or, with ``hidden``, of a differently shaped random Llama)."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    if hidden is not None:
-        cfg = LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, vocab_size=384)  # fmt: skip
-        base = LlamaForCausalLM(cfg)
-    else:
-        base = LlamaForCausalLM.from_pretrained(base_folder, dtype=torch.float32)
-    torch.manual_seed(seed)
-    cfg = LoraConfig(
-        r=rank, lora_alpha=alpha, target_modules=targets, init_lora_weights=False, lora_dropout=0.0
-    )
-    model = get_peft_model(base, cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.normal_(0.0, 0.15)
-    model.save_pretrained(out, safe_serialization=safe)
+def make_server_checkpoint(folder: Path) -> Path:
+    """The server tests' Llama: default RoPE (theta 10000, no llama3 scaling), only the matrices redrawn."""
+    return make_checkpoint(folder, "llama", rope_scaling=None, rope_theta=10000.0, perturb_vectors=False)
 
 
 @dataclass

@@ -7,7 +7,8 @@ import shutil
 
 import pytest
 import requests
-from server_fixtures import make_adapter, serve, tiny_engine
+from server_fixtures import serve, tiny_engine
+from tiny_models import make_adapter, make_checkpoint
 
 OK_BODY = {"text": "Hello", "sampling_params": {"max_new_tokens": 2}}
 
@@ -125,14 +126,15 @@ def test_adapter_admin_refusals(server, tiny, tmp_path):
         shutil.rmtree(inner)
     # pickled adapters are refused
     pickled = root / "pickled"
-    make_adapter(tiny.folder, pickled, 4, 8, ["q_proj"], 9, safe=False)
+    make_adapter(tiny.folder, pickled, 9, r=4, lora_alpha=8, target_modules=["q_proj"], safe=False)
     try:
         assert_error(load("x6", "pickled"), 400, "pickled")
     finally:
         shutil.rmtree(pickled)
     # an adapter made for another model shape
     wrong = root / "wrong_shape"
-    make_adapter(None, wrong, 4, 8, ["q_proj", "v_proj"], 10, hidden=32)
+    other = make_checkpoint(tmp_path / "other_base", hidden_size=32, intermediate_size=64)
+    make_adapter(other, wrong, 10, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
     try:
         assert_error(load("x7", "wrong_shape"), 400, "shape")
     finally:

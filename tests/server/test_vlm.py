@@ -5,23 +5,14 @@ from __future__ import annotations
 
 import base64
 import io
-from pathlib import Path
 
 import numpy as np
 import openai
 import pytest
 import requests
-import torch
-from server_fixtures import CORPUS, serve
+from server_fixtures import serve
+from tiny_models import make_qwen2_vl_checkpoint
 
-SPECIALS = [
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|image_pad|>",
-]
 SLOT = "<|vision_start|><|image_pad|><|vision_end|>"
 VL_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
@@ -30,49 +21,6 @@ VL_TEMPLATE = (
     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 GREEDY = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
-
-
-def make_tiny_vl(folder: Path) -> Path:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import (
-        PreTrainedTokenizerFast,
-        Qwen2VLConfig,
-        Qwen2VLForConditionalGeneration,
-        Qwen2VLImageProcessorPil,
-    )
-
-    folder.mkdir(parents=True, exist_ok=True)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    tok.train_from_iterator(CORPUS * 4, trainers.BpeTrainer(vocab_size=384, special_tokens=SPECIALS,
-                                                            initial_alphabet=alphabet))  # fmt: skip
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
-    fast.chat_template = VL_TEMPLATE
-    fast.save_pretrained(folder)
-    Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=16 * 28 * 28).save_pretrained(folder)
-    tid = fast.convert_tokens_to_ids
-    text = dict(
-        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=len(fast), max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=None,
-        eos_token_id=tid("<|endoftext|>"), pad_token_id=tid("<|endoftext|>"),
-        rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0},
-    )  # fmt: skip
-    vision = dict(depth=1, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2, spatial_merge_size=2)
-    cfg = Qwen2VLConfig(
-        text_config=text, vision_config=vision, tie_word_embeddings=False,
-        image_token_id=tid("<|image_pad|>"), vision_start_token_id=tid("<|vision_start|>"),
-        vision_end_token_id=tid("<|vision_end|>"), video_token_id=len(fast) - 1,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = Qwen2VLForConditionalGeneration(cfg).to(torch.float32)
-    with torch.no_grad():  # large enough that the image visibly changes the answer
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.08)
-    model.save_pretrained(folder, safe_serialization=True)
-    return folder
 
 
 def png(seed: int, size: tuple[int, int] = (56, 56)) -> bytes:
@@ -89,7 +37,13 @@ def vl(tmp_path_factory):
     from mmlora import Engine
 
     root = tmp_path_factory.mktemp("vl")
-    folder = make_tiny_vl(root / "model")
+    folder = make_qwen2_vl_checkpoint(  # only the matrices redrawn: large enough that the image matters
+        root / "model",
+        vision_depth=1,
+        max_pixels=16 * 28 * 28,
+        chat_template=VL_TEMPLATE,
+        perturb_vectors=False,
+    )
     media = root / "media"
     media.mkdir()
     (media / "cat.png").write_bytes(png(1))
