@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import platform
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -240,6 +241,8 @@ def report(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = _parse(argv)
     result = run(args)
+    shown = sys.argv[1:] if argv is None else argv
+    result["command"] = " ".join(["python -m mmlora.bench cpu", *shown[1 if shown[:1] == ["cpu"] else 0 :]])
     print(report(result))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
