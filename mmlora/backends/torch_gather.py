@@ -21,6 +21,9 @@ from mmlora.lora.batch_info import LoRABatchInfo
 
 @register_backend("torch-gather")
 class TorchGatherBackend(LoRABackend):
+    def __init__(self) -> None:
+        self._expand_cache: dict[int, tuple] = {}
+
     def shrink(self, x: torch.Tensor, A: torch.Tensor, info: LoRABatchInfo) -> torch.Tensor:
         T = info.num_tokens
         if self._per_token(info) and x.device.type == "cpu":
@@ -97,44 +100,44 @@ class TorchGatherBackend(LoRABackend):
         info: LoRABatchInfo,
         slice_offsets: tuple[int, ...],
     ) -> None:
-        """As the base class, but CPU decode batches over few slots take a dense path: a handful of
-        matmuls over all slots with the other slots' rows masked to exact zeros. At small batches the
-        cost is per torch call, not per FLOP, and this makes the call count independent of the adapters."""
+        """As the base class, but CPU decode batches over few slots take a dense path: two matmuls over
+        all slots, with the rows of other slots masked to exact zeros. At small batches the cost is per
+        torch call, not per FLOP, and this keeps the call count independent of the adapters."""
         cpu_decode = info.has_lora and self._per_token(info) and x.device.type == "cpu"
         if not cpu_decode or info.num_slots > _DENSE_MAX_SLOTS:
             super().add_lora(out, x, A, B, scalings, info, slice_offsets)
             return
-        T, S, R = info.num_tokens, A.shape[0], B.shape[2]
+        T = info.num_tokens
+        h = x[:T] @ A.view(-1, A.shape[2]).T  # [T, S * n * R]: every slot's shrink
+        h *= _slot_mask(info, A.shape[1], x.dtype)
+        lo, hi = slice_offsets[0], slice_offsets[-1]
+        out[:T, lo:hi].addmm_(h, self._expand_matrix(B, scalings, slice_offsets, info).to(out.dtype))
+
+    def _expand_matrix(
+        self, B: torch.Tensor, scalings: torch.Tensor, slice_offsets: tuple[int, ...], info: LoRABatchInfo
+    ) -> torch.Tensor:
+        """[S * n * R, out]: row block (s, i) holds slot s's B for slice i (scaled), zero elsewhere.
+
+        Cached per module; rebuilt only when the pool writes into B or the scalings (their version
+        counters move with every in-place change, as a slot load makes)."""
+        cached = self._expand_cache.get(B.data_ptr())
+        if cached is not None:
+            b, b_version, sc, sc_version, W = cached
+            if b is B and b_version == B._version and sc is scalings and sc_version == scalings._version:
+                return W
+        S, out_features, R = B.shape
         n = len(slice_offsets) - 1
-        onehot = _onehot(info, x.dtype)  # [T, S]
-        h = (x[:T] @ A.view(-1, A.shape[2]).T).view(T, S, n * R) * onehot[:, :, None]
-        parts = [
-            h[:, :, i * R : (i + 1) * R].reshape(T, S * R)
-            @ B[:, slice_offsets[i] : slice_offsets[i + 1]].permute(1, 0, 2).reshape(-1, S * R).T
-            for i in range(n)
-        ]
-        delta = parts[0] if n == 1 else torch.cat(parts, dim=1)
-        token_scale = onehot @ scalings.to(x.dtype)  # [T, n]: the scaling of each row's own adapter
-        delta = delta * (
-            token_scale if n == 1 else token_scale.repeat_interleave(_widths(slice_offsets), dim=1)
-        )
-        out[:T, slice_offsets[0] : slice_offsets[-1]] += delta.to(out.dtype)
+        W = B.new_zeros(S * n * R, out_features)
+        for s in range(S):
+            for i in range(n):
+                lo, hi = slice_offsets[i], slice_offsets[i + 1]
+                W[(s * n + i) * R : (s * n + i + 1) * R, lo:hi] = (B[s, lo:hi] * scalings[s, i].to(B.dtype)).T
+        self._expand_cache[B.data_ptr()] = (B, B._version, scalings, scalings._version, W)
+        return W
 
     @staticmethod
     def _per_token(info: LoRABatchInfo) -> bool:
         return info.num_segments == info.num_tokens
-
-
-_widths_cache: dict[tuple[int, ...], torch.Tensor] = {}
-
-
-def _widths(slice_offsets: tuple[int, ...]) -> torch.Tensor:
-    """Output width of each slice, as a CPU int64 tensor (cached: a few distinct modules per model)."""
-    w = _widths_cache.get(slice_offsets)
-    if w is None:
-        w = torch.tensor([b - a for a, b in zip(slice_offsets, slice_offsets[1:])], dtype=torch.long)
-        _widths_cache[slice_offsets] = w
-    return w
 
 
 _DENSE_MAX_SLOTS = 8
@@ -154,14 +157,15 @@ def _slot_groups(info: LoRABatchInfo) -> list[tuple[int, torch.Tensor]]:
     return route["groups"]
 
 
-def _onehot(info: LoRABatchInfo, dtype: torch.dtype) -> torch.Tensor:
-    """[T, num_slots] with a 1 at each row's slot (all zeros for base-only rows)."""
-    route = info.host_derived
-    key = f"onehot-{dtype}"
-    if key not in route:
-        m = torch.zeros(info.num_tokens, info.num_slots, dtype=dtype, device=info.device)
+def _slot_mask(info: LoRABatchInfo, rows_per_slot: int, dtype: torch.dtype) -> torch.Tensor:
+    """[T, S * rows_per_slot]: 1 over the block of each row's own slot (all zeros for base-only rows)."""
+    key = f"mask-{rows_per_slot}-{dtype}"
+    mask = info.host_derived.get(key)
+    if mask is None:
+        onehot = torch.zeros(info.num_tokens, info.num_slots, dtype=dtype, device=info.device)
         for t, slot in enumerate(info.seg_slots_host):
             if slot >= 0:
-                m[t, slot] = 1
-        route[key] = m
-    return route[key]
+                onehot[t, slot] = 1
+        mask = onehot.repeat_interleave(rows_per_slot, dim=1)
+        info.host_derived[key] = mask
+    return mask
