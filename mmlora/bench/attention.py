@@ -39,7 +39,6 @@ def _decode_inputs(batch: int, context: int, hq: int, hkv: int, d: int, page: in
     meta = AttentionMetadata(
         query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=device),
         seq_lens=seq_lens,
-        context_lens=seq_lens - 1,
         block_tables=block_tables,
         slot_mapping=slots,
         num_seqs=batch,
@@ -123,7 +122,6 @@ def _prefill_inputs(
     meta = AttentionMetadata(
         query_start_loc=torch.arange(num_seqs + 1, dtype=torch.int32, device=device) * chunk,
         seq_lens=torch.full((num_seqs,), seq, dtype=torch.int32, device=device),
-        context_lens=torch.full((num_seqs,), context, dtype=torch.int32, device=device),
         block_tables=block_tables,
         slot_mapping=slots,
         num_seqs=num_seqs,

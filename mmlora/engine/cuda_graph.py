@@ -6,7 +6,7 @@ cost rivals their run time; replaying a captured graph removes it. At start-up, 
 forward plus ``compute_logits`` over static buffers:
 
   input_ids, positions, slot_mapping       int64 [max_bs]
-  seq_lens, context_lens                    int32 [max_bs]
+  seq_lens, adapter slots                   int32 [max_bs]
   query_start_loc                           int32 [max_bs + 1] (0, 1, 2, ...; constant)
   block_tables                              int32 [max_bs, ceil(max_model_len / block_size)]
   the LoRA manager's preallocated LoRABatchInfo (token_slots, weight_indices, seg_indptr, seg_lens)
@@ -111,7 +111,7 @@ class CudaGraphRunner:
         self.max_blocks = -(-max_model_len // self.block_size)
         dev = dict(device=self.device)
         self.i64 = torch.zeros(3, self.max_bs, dtype=torch.int64, **dev)  # input_ids, positions, slot_mapping
-        self.i32 = torch.zeros(3, self.max_bs, dtype=torch.int32, **dev)  # seq_lens, context_lens, slots
+        self.i32 = torch.zeros(2, self.max_bs, dtype=torch.int32, **dev)  # seq_lens, adapter slots
         self.block_tables = torch.full(
             (self.max_bs, self.max_blocks), self.pad_page, dtype=torch.int32, **dev
         )
@@ -131,14 +131,12 @@ class CudaGraphRunner:
         self.i64[1, :bs] = 0
         self.i64[2, :bs] = self.pad_page * self.block_size
         self.i32[0, :bs] = 1
-        self.i32[1, :bs] = 0
-        self.i32[2, :bs] = -1
+        self.i32[1, :bs] = -1
 
     def _batch(self, bs: int) -> ForwardBatch:
         attn = AttentionMetadata(
             query_start_loc=self.query_start_loc[: bs + 1],
             seq_lens=self.i32[0, :bs],
-            context_lens=self.i32[1, :bs],
             block_tables=self.block_tables[:bs],
             slot_mapping=self.i64[2, :bs],
             num_seqs=bs,
@@ -159,8 +157,8 @@ class CudaGraphRunner:
     def _set_lora(self, bs: int, with_lora: bool, slots_host: list[int] | None = None) -> None:
         """Point the LoRA batch info at the static slots: one segment per row; fixed host ints."""
         info = self.runner.lora.info
-        info.token_slots[:bs].copy_(self.i32[2, :bs])
-        info.weight_indices[:bs].copy_(self.i32[2, :bs])
+        info.token_slots[:bs].copy_(self.i32[1, :bs])
+        info.weight_indices[:bs].copy_(self.i32[1, :bs])
         info.seg_indptr[: bs + 1].copy_(self.query_start_loc[: bs + 1])
         info.seg_lens[:bs].copy_(self.seg_lens_ones[:bs])
         info.num_tokens = bs
@@ -229,7 +227,7 @@ class CudaGraphRunner:
         n = len(sched)
         bs = next(b for b in self.buckets if b >= n)
         bsz = self.block_size
-        ids, pos, slots_kv, seq_lens, ctx_lens, lora_slots, tables = [], [], [], [], [], [], []
+        ids, pos, slots_kv, seq_lens, lora_slots, tables = [], [], [], [], [], []
         max_blocks = 1
         for req in sched.requests:
             p = req.num_computed
@@ -237,7 +235,6 @@ class CudaGraphRunner:
             pos.append(p)
             slots_kv.append(req.blocks[p // bsz] * bsz + p % bsz)
             seq_lens.append(p + 1)
-            ctx_lens.append(p)
             lora_slots.append(req.slot)
             nb = -(-(p + 1) // bsz)
             tables.append(req.blocks[:nb])
@@ -245,9 +242,7 @@ class CudaGraphRunner:
         pad = bs - n
         pad_slot = self.pad_page * bsz
         i64 = torch.tensor([ids + [0] * pad, pos + [0] * pad, slots_kv + [pad_slot] * pad], dtype=torch.int64)
-        i32 = torch.tensor(
-            [seq_lens + [1] * pad, ctx_lens + [0] * pad, lora_slots + [-1] * pad], dtype=torch.int32
-        )
+        i32 = torch.tensor([seq_lens + [1] * pad, lora_slots + [-1] * pad], dtype=torch.int32)
         # Only the columns in use are refreshed: kernels never read a row past its seq_len, and the
         # stale entries left beyond it are valid page ids (the torch reference gathers, then masks).
         rows = [t + [self.pad_page] * (max_blocks - len(t)) for t in tables] + [

@@ -47,7 +47,7 @@ class ModelRunner:
         ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
-        qsl, seq_lens, ctx_lens = [0], [], []
+        qsl, seq_lens = [0], []
         logits_rows, sampling = [], []
         bs = self.block_size
         for b, (req, n) in enumerate(zip(sched.requests, sched.num_new)):
@@ -57,7 +57,6 @@ class ModelRunner:
             slot_mapping.extend(req.blocks[p // bs] * bs + p % bs for p in range(start, start + n))
             qsl.append(qsl[-1] + n)
             seq_lens.append(start + n)
-            ctx_lens.append(start)
             if start + n == req.num_tokens:
                 logits_rows.append(qsl[-1] - 1)
                 sampling.append(b)
@@ -66,7 +65,6 @@ class ModelRunner:
         attn = AttentionMetadata(
             query_start_loc=self._i32(qsl),
             seq_lens=self._i32(seq_lens),
-            context_lens=self._i32(ctx_lens),
             block_tables=torch.tensor(tables, dtype=torch.int32).to(self.device, non_blocking=True),
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64).to(self.device, non_blocking=True),
             num_seqs=len(sched),

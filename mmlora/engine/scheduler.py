@@ -53,9 +53,6 @@ class Scheduler:
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
-
     def _busy_adapters(self) -> set[int]:
         return {r.lora.uid for r in self.running if r.lora is not None}
 
@@ -115,13 +112,14 @@ class Scheduler:
 
     def _admit(self, batch: ScheduledBatch, budget: int, failed: list[Request]) -> None:
         head_blocked = False
+        busy = self._busy_adapters()  # kept up to date as requests join below
         for req in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.config.max_running_requests:
                 break
             if req.lora is not None:
                 if head_blocked:
                     continue
-                if not self.lora.pool.can_get_slot(req.lora.uid, self._busy_adapters()):
+                if not self.lora.pool.can_get_slot(req.lora.uid, busy):
                     head_blocked = True
                     continue
                 try:
@@ -135,7 +133,8 @@ class Scheduler:
             if not self._grow(req, n):
                 break  # out of pages: wait for running requests to finish
             if req.lora is not None:
-                req.slot = self.lora.pool.acquire_slot(req.lora.uid, self._busy_adapters())
+                req.slot = self.lora.pool.acquire_slot(req.lora.uid, busy)
+                busy.add(req.lora.uid)
             self.waiting.remove(req)
             req.status = Status.RUNNING
             self.running.append(req)

@@ -16,12 +16,6 @@ _MODEL_CLASSES: tuple[type[CausalLM], ...] = (
 )
 
 
-def register_model_class(cls: type[CausalLM]) -> type[CausalLM]:
-    global _MODEL_CLASSES
-    _MODEL_CLASSES = (*_MODEL_CLASSES, cls)
-    return cls
-
-
 def supported_architectures() -> list[str]:
     return sorted(a for cls in _MODEL_CLASSES for a in cls.hf_architectures)
 

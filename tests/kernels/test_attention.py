@@ -86,7 +86,6 @@ def make_case(
     meta = AttentionMetadata(
         query_start_loc=torch.tensor([0] + qlens, dtype=torch.int32).cumsum(0).to(torch.int32).to(device),
         seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
-        context_lens=torch.tensor([c for c, _ in specs], dtype=torch.int32, device=device),
         block_tables=block_tables.to(device),
         slot_mapping=torch.cat(slots).to(device),
         num_seqs=len(specs),

@@ -7,7 +7,7 @@ head_dim]. A request owns a list of blocks (its block table); token j of a reque
 
 A batch mixes prefill chunks and decode tokens. Request b contributes query tokens
 ``query_start_loc[b] : query_start_loc[b + 1]`` (in batch order), sitting at absolute positions
-``context_lens[b] ... seq_lens[b] - 1``; the first ``context_lens[b]`` tokens are already cached
+``seq_lens[b] - q_b ... seq_lens[b] - 1`` (q_b its query length); the tokens before them are already cached
 (an earlier chunk, or the tokens decoded so far).
 """
 
@@ -24,14 +24,12 @@ class AttentionMetadata:
 
     query_start_loc [B + 1]    cumulative query lengths
     seq_lens        [B]        KV length after this forward (cached + new tokens)
-    context_lens    [B]        tokens cached before this forward (seq_lens - query lens)
     block_tables    [B, max_blocks_per_seq]  cache blocks of each request, padded with 0
     slot_mapping    [T] int64  flat cache slot where each new token's K/V is written
     """
 
     query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
-    context_lens: torch.Tensor
     block_tables: torch.Tensor
     slot_mapping: torch.Tensor
     num_seqs: int
