@@ -6,7 +6,6 @@ import pytest
 from tiny_models import ALL_SEVEN, make_adapter, make_checkpoint
 
 import mmlora
-from mmlora.engine.request import Status
 
 GREEDY = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
 
@@ -165,8 +164,10 @@ def test_load_unload_and_reused_name(tiny):
     with pytest.raises(ValueError, match="being unloaded"):
         eng.add_request("Hello", sampling_params=GREEDY, lora="x")
     assert "x" in [e["name"] for e in eng.list_loras()]
+    finished = {}
     while eng.has_unfinished():
-        eng.step()
+        finished.update({o.request_id: o for o in eng.step() if o.finished})
+    assert finished[rid].finish_reason == "length" and len(finished[rid].output_ids) == 20  # not cut short
     assert eng.list_loras() == [] and eng.lora.pool.slots_used == 0 and not eng.lora.pool.host
     eng.load_lora("x", str(adapters["a1"]))  # the name again, another adapter: no stale state
     x1 = eng.generate(["Hello world"], ["x"], sampling_params=GREEDY)[0].output_ids
@@ -178,4 +179,3 @@ def test_load_unload_and_reused_name(tiny):
     assert x1 == y1 and x0 != x1
     by_path = eng.generate(["Hello world"], [str(adapters["a0"])], sampling_params=GREEDY)[0].output_ids
     assert by_path == x0
-    assert rid not in eng._requests and Status.FINISHED
