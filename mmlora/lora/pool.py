@@ -34,6 +34,7 @@ class LoRAPool:
         on_slot_change: Callable[[int, int], None],
     ) -> None:
         self.spec = spec
+        self._offsets = {t.name: t.slice_offsets for t in spec.targets}
         self.num_slots = num_slots
         self.max_rank = max_rank
         self.max_loaded = max_loaded
@@ -133,7 +134,7 @@ class LoRAPool:
             weights = adapter.weights.get((layer, target))
             if weights is None:
                 continue
-            offsets = next(t for t in self.spec.targets if t.name == target).slice_offsets
+            offsets = self._offsets[target]
             for i, (a, b, s) in enumerate(zip(weights.A, weights.B, weights.scalings)):
                 if a is None:
                     continue
