@@ -50,6 +50,9 @@ class Engine:
             self.runner.enable_cuda_graphs(config.scheduler.max_running_requests, self.max_model_len)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache.allocator, self.lora)
         self.eos_ids = parts.eos_ids
+        # Unseeded requests sample from the engine's own generator, not the process-wide one: results
+        # then do not depend on what else in the process draws random numbers.
+        self.generator = torch.Generator(device=self.device).manual_seed(config.model.seed)
         self._requests: dict[str, Request] = {}
         self._aborts: set[str] = set()
         self._pending_unloads: list[AdapterEntry] = []
@@ -148,7 +151,7 @@ class Engine:
                 req.num_computed += n
             if sampling:
                 reqs = [batch.requests[i] for i in sampling]
-                tokens, logprobs = sample(logits, reqs)
+                tokens, logprobs = sample(logits, reqs, self.generator)
                 now = time.monotonic()
                 for row, (req, tok) in enumerate(zip(reqs, tokens)):
                     self._append_token(req, tok, logprobs[row], now)

@@ -42,8 +42,13 @@ def _filter(probs_logits: torch.Tensor, requests: list[Request]) -> torch.Tensor
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def sample(logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], torch.Tensor]:
-    """logits [B, V] fp32 -> (next token ids, log_softmax of the raw logits [B, V])."""
+def sample(
+    logits: torch.Tensor, requests: list[Request], default_generator: torch.Generator
+) -> tuple[list[int], torch.Tensor]:
+    """logits [B, V] fp32 -> (next token ids, log_softmax of the raw logits [B, V]).
+
+    Requests without a seed draw from ``default_generator`` (the engine's own, seeded from its config).
+    """
     logprobs = torch.log_softmax(logits, dim=-1)
     logits = _apply_penalties(logits.clone(), requests)
     greedy = [r.sampling.greedy for r in requests]
@@ -56,5 +61,5 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], to
         for i, req in enumerate(requests):
             if greedy[i]:
                 continue
-            tokens[i] = torch.multinomial(probs[i], 1, generator=req.generator)[0]
+            tokens[i] = torch.multinomial(probs[i], 1, generator=req.generator or default_generator)[0]
     return tokens.tolist(), logprobs

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from tiny_models import ALL_SEVEN, make_adapter, make_checkpoint
 
 import mmlora
@@ -77,6 +78,16 @@ def test_seeded_sampling_is_reproducible_and_params_matter(tiny):
     assert eng.generate(["Hello world"], sampling_params={**sp, "top_k": 1})[0].output_ids == greedy
     n = eng.generate(["Hello world"], sampling_params={**sp, "n": 3})
     assert len(n) == 3 and len({tuple(o.output_ids) for o in n}) > 1
+
+
+def test_unseeded_sampling_follows_the_engine_seed_not_the_process_rng(tiny):
+    sp = {"max_new_tokens": 8, "temperature": 1.3, "ignore_eos": True}
+    first = engine(tiny, seed=5).generate(["Hello world"] * 3, sampling_params=sp)
+    other = engine(tiny, seed=5)
+    torch.rand(1000)  # someone else in the process draws from the global generator
+    again = other.generate(["Hello world"] * 3, sampling_params=sp)
+    assert [o.output_ids for o in first] == [o.output_ids for o in again]
+    assert len({tuple(o.output_ids) for o in first}) > 1  # really sampled
 
 
 def test_penalties_stop_strings_and_stop_tokens(tiny):
