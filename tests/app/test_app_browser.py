@@ -123,6 +123,20 @@ def artifacts_dir() -> Path:
     return folder
 
 
+def _pick(page: Any, elem_id: str, choice: str) -> None:
+    """Choose ``choice`` in a Gradio dropdown by typing it; under load the filtered list can lag the
+    typing, so the pick is checked and retried."""
+    box = page.locator(f"#{elem_id} input")
+    for _ in range(5):
+        box.fill(choice)
+        page.wait_for_timeout(150)
+        box.press("Enter")
+        page.wait_for_timeout(150)
+        if box.input_value() == choice:
+            return
+    raise AssertionError(f"could not pick {choice!r} in #{elem_id} (shows {box.input_value()!r})")
+
+
 def _set_number(page: Any, elem_id: str, value: int) -> None:
     box = page.locator(f"#{elem_id} input[type=number]")
     box.fill(str(value))
@@ -179,8 +193,7 @@ def test_two_tabs_share_one_batch(browser: Any, app: LiveApp) -> None:
     """Chats from two sessions run in the same engine steps (no per-event serialisation in Gradio)."""
     pages = [open_page(browser, app) for _ in range(2)]
     for page, adapter in zip(pages, ("alpha", "beta")):
-        page.locator("#chat-adapter input").fill(adapter)
-        page.locator("#chat-adapter input").press("Enter")
+        _pick(page, "chat-adapter", adapter)
         _set_number(page, "max-new-tokens", MAX_NEW_TOKENS)
         page.locator("#chat-input textarea").fill("Paris is the capital of")
     app.running_per_step.clear()
@@ -212,8 +225,7 @@ def test_adapter_admin_in_the_page(browser: Any, app: LiveApp) -> None:
     other.get_by_role("tab", name="Compare").click()  # the other tab learns of it on its stats timer
     sync_api.expect(other.locator("#compare-adapters").get_by_label("gamma")).to_be_visible(timeout=15_000)
 
-    page.locator("#manage-adapter input").fill("gamma")
-    page.locator("#manage-adapter input").press("Enter")
+    _pick(page, "manage-adapter", "gamma")
     page.locator("#unload-btn").click()
     sync_api.expect(page.locator("#admin-msg")).to_contain_text("unloading adapter 'gamma'")
     sync_api.expect(other.locator("#compare-adapters").get_by_label("gamma")).to_have_count(0, timeout=15_000)
