@@ -16,6 +16,7 @@ SUBCOMMANDS: dict[str, str] = {
     "cpu": "mmlora.bench.cpu",
     "serving": "mmlora.bench.serving",
     "adapters": "mmlora.bench.adapters",
+    "profile": "mmlora.bench.profile",
 }
 
 

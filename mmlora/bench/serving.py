@@ -37,12 +37,15 @@ import torch
 from mmlora.bench.adapters import write_random_adapters
 from mmlora.bench.serving_parts import (
     StepRecorder,
+    abort_all,
     copy_bandwidth,
     hf_peft_subset,
     make_workload,
     mmlora_subset,
     plot,
     run_workload,
+    start_decode_batch,
+    time_graph_replay,
     weight_bytes,
 )
 
@@ -157,7 +160,6 @@ def _micro(
 ) -> list:
     """One decode step with bsz requests, each on its own adapter (or none), at context ~micro_context."""
     rng = np.random.default_rng(args.seed + 1)
-    vocab = engine.hf_config.vocab_size
     rows = []
     for bsz in args.micro_batch:
         for with_lora in (True, False):
@@ -172,18 +174,7 @@ def _micro(
             names = [a["name"] for a in adapters[:bsz]] if with_lora else [None] * bsz
             if with_lora:
                 _register(engine, adapters, set(names))
-            rids = [
-                engine.add_request(
-                    input_ids=rng.integers(0, vocab, args.micro_context - 1).tolist(),
-                    lora=name,
-                    sampling_params={"max_new_tokens": 10_000, "temperature": 0.0, "ignore_eos": True},
-                )
-                for name in names
-            ]
-            while any(
-                r.num_computed < r.num_tokens - 1 or not r.output_ids for r in engine.scheduler.running
-            ) or (engine.scheduler.waiting):
-                engine.step()
+            rids = start_decode_batch(engine, names, args.micro_context, rng)
             for _ in range(3):
                 engine.step()
             steps = 10
@@ -195,11 +186,8 @@ def _micro(
             ctx = [r.num_computed + 1 - steps / 2 for r in running]  # the middle of the timed steps
             ranks = {r.lora.uid: r.lora.rank for r in running if r.lora is not None}
             floor_s = recorder.floor_seconds(sum(ctx), list(ranks.values()), bw)
-            replay_s = recorder.time_graph_replay(engine, len(running), with_lora)
-            for rid in rids:
-                engine.abort(rid)
-            while engine.has_unfinished():
-                engine.step()
+            replay_s = time_graph_replay(engine, len(running), with_lora)
+            abort_all(engine, rids)
             rows.append(
                 {
                     "batch": bsz,

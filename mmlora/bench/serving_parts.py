@@ -99,21 +99,49 @@ class StepRecorder:
             self.steps.append((seconds, *self.pending))
             self.pending = None
 
-    def time_graph_replay(self, engine: Any, n: int, with_lora: bool, reps: int = 20) -> float | None:
-        """Mean seconds of replaying the graph of the bucket holding ``n`` rows (inputs of the last step)."""
-        graphs = engine.runner.cuda_graphs
-        if graphs is None or not graphs.capture or n > graphs.max_bs:
-            return None
-        bs = next(b for b in graphs.buckets if b >= n)
-        graph = graphs.graphs[(bs, with_lora)].graph
+
+def time_graph_replay(engine: Any, n: int, with_lora: bool, reps: int = 20) -> float | None:
+    """Mean seconds of replaying the graph of the bucket holding ``n`` rows (inputs of the last step)."""
+    graphs = engine.runner.cuda_graphs
+    if graphs is None or not graphs.capture or n > graphs.max_bs:
+        return None
+    bs = next(b for b in graphs.buckets if b >= n)
+    graph = graphs.graphs[(bs, with_lora)].graph
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
         graph.replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3 / reps
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / reps
+
+
+def start_decode_batch(engine: Any, names: list[str | None], context: int, rng: np.random.Generator) -> list:
+    """One request per name (adapter name or None) with ``context - 1`` random prompt ids, stepped until all
+    of them decode (every prompt prefilled, one token sampled each); returns their ids."""
+    vocab = engine.hf_config.vocab_size
+    rids = [
+        engine.add_request(
+            input_ids=rng.integers(0, vocab, context - 1).tolist(),
+            lora=name,
+            sampling_params={"max_new_tokens": 10_000, "temperature": 0.0, "ignore_eos": True},
+        )
+        for name in names
+    ]
+    while engine.scheduler.waiting or any(
+        r.num_computed < r.num_tokens - 1 or not r.output_ids for r in engine.scheduler.running
+    ):
+        engine.step()
+    return rids
+
+
+def abort_all(engine: Any, rids: list) -> None:
+    """Abort the requests and step the engine until nothing is left."""
+    for rid in rids:
+        engine.abort(rid)
+    while engine.has_unfinished():
+        engine.step()
 
 
 def make_workload(

@@ -22,7 +22,9 @@ Rows past the real batch are padding: they read token 0 at position 0 with ``seq
 reserved for them at start-up (taken out of the allocator), write their K/V there, and have slot -1
 (base model). Only the first ``n`` logits rows are returned.
 
-Steps that are not decode-only, larger than the largest bucket, or multimodal run eagerly.
+Multimodal models replay the same graphs: positions are 1-D (``model.decode_position``: past the prompt
+the three M-RoPE axes of Qwen2-VL agree); a step holding a token whose axes differ runs eagerly, as do
+steps that are not decode-only or larger than the largest bucket.
 """
 
 from __future__ import annotations
@@ -65,8 +67,6 @@ def capture_decode_graphs(runner, max_batch_size: int, max_model_len: int) -> Cu
     reason = None
     if runner.device.type != "cuda":
         reason = f"the engine runs on {runner.device}"
-    elif runner.model.is_multimodal:
-        reason = "multimodal models (M-RoPE positions) run eagerly"
     elif getattr(runner.attention, "name", "") == "torch" and max_model_len > _TORCH_ATTENTION_MAX_LEN:
         reason = (
             f"the torch attention backend would gather max_model_len={max_model_len} positions per row; "
@@ -93,8 +93,6 @@ class CudaGraphRunner:
         self.capture = capture
         if capture and runner.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, the engine runs on {runner.device}")
-        if runner.model.is_multimodal:
-            raise ValueError("CUDA graphs are not supported for multimodal models (M-RoPE positions)")
         self.runner = runner
         self.device = runner.device
         self.block_size = runner.block_size
@@ -168,6 +166,12 @@ class CudaGraphRunner:
         # Host mirror of the rows' slots: read only by torch-gather's CPU path (never captured).
         info.seg_slots_host = slots_host if slots_host is not None else [-1] * bs
 
+    @torch.inference_mode()
+    def eager_forward(self, bs: int) -> torch.Tensor:
+        """Bucket ``bs``'s forward run eagerly on the static inputs the last replay used (profiling:
+        the same kernels as the graph, each visible to a profiler)."""
+        return self._forward(bs)
+
     # ---- capture --------------------------------------------------------------------------------
 
     def _forward(self, bs: int) -> torch.Tensor:
@@ -217,8 +221,13 @@ class CudaGraphRunner:
     def can_run(self, sched: ScheduledBatch) -> bool:
         if not 0 < len(sched) <= self.max_bs:
             return False
-        return all(
+        if not all(
             n == 1 and r.num_computed + 1 == r.num_tokens for r, n in zip(sched.requests, sched.num_new)
+        ):
+            return False
+        model = self.runner.model
+        return not model.is_multimodal or all(
+            model.decode_position(r.mm_inputs, r.num_computed) is not None for r in sched.requests
         )
 
     @torch.inference_mode()
@@ -229,10 +238,11 @@ class CudaGraphRunner:
         bsz = self.block_size
         ids, pos, slots_kv, seq_lens, lora_slots, tables = [], [], [], [], [], []
         max_blocks = 1
+        model = self.runner.model
         for req in sched.requests:
             p = req.num_computed
             ids.append(req.all_ids[p])
-            pos.append(p)
+            pos.append(model.decode_position(req.mm_inputs, p) if model.is_multimodal else p)
             slots_kv.append(req.blocks[p // bsz] * bsz + p % bsz)
             seq_lens.append(p + 1)
             lora_slots.append(req.slot)

@@ -46,7 +46,7 @@ class Engine:
         self.model_name = config.model.served_model_name or parts.source.name
         self.is_multimodal = self.model.is_multimodal
         self.runner = ModelRunner(self.model, self.kv_cache, parts.attention, self.lora, self.device)
-        if not config.scheduler.disable_cuda_graph and self.device.type == "cuda" and not self.is_multimodal:
+        if not config.scheduler.disable_cuda_graph and self.device.type == "cuda":
             self.runner.enable_cuda_graphs(config.scheduler.max_running_requests, self.max_model_len)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache.allocator, self.lora)
         self.eos_ids = parts.eos_ids

@@ -13,6 +13,7 @@ A multimodal class sets ``is_multimodal = True`` and implements two hooks the en
       expands image placeholders and keeps what the request needs (pixels, grids, rope offsets)
   ``multimodal_inputs(chunks, device) -> (positions [3, T], input_embeds | None, embed_rows | None)``
       per forward, for ``chunks = [(mm_inputs, num_computed, num_new), ...]`` in batch order
+  and may override ``decode_position(mm_inputs, index)`` (below) so decode steps replay CUDA graphs.
 """
 
 from __future__ import annotations
@@ -59,6 +60,11 @@ class CausalLM(nn.Module):
         if self.final_logit_softcap:
             logits = torch.tanh(logits / self.final_logit_softcap) * self.final_logit_softcap
         return logits
+
+    def decode_position(self, mm_inputs: Any, index: int) -> int | None:
+        """The one rotary position of token ``index`` of a request, as a decode CUDA graph feeds it (1-D
+        positions), or None when that token needs more (M-RoPE axes that differ): it then runs eagerly."""
+        return index
 
     # ---- LoRA facts -------------------------------------------------------------------------------
 

@@ -59,7 +59,8 @@ class Qwen2VLInputs:
 
 
 class MRotaryEmbedding(nn.Module):
-    """Multimodal RoPE: positions [3, T] (t, h, w); frequency section i of ``mrope_section`` follows axis i."""
+    """Multimodal RoPE: positions [3, T] (t, h, w); frequency section i of ``mrope_section`` follows axis i.
+    1-D positions [T] (decode graphs, text-only batches) mean all three axes are equal."""
 
     def __init__(self, head_dim: int, max_positions: int, params: dict[str, Any]) -> None:
         super().__init__()
@@ -88,9 +89,12 @@ class MRotaryEmbedding(nn.Module):
             self._cache = (freqs.cos(), freqs.sin())
         out = []
         for table in self._cache:
-            per_axis = table[positions]  # [3, T, D/2]
-            parts = [per_axis[i % 3, :, lo:hi] for i, (lo, hi) in enumerate(_bounds(self.section))]
-            half = torch.cat(parts, dim=-1)
+            if positions.dim() == 1:  # text-only decode: all three axes equal, every section reads the same
+                half = table[positions]
+            else:
+                per_axis = table[positions]  # [3, T, D/2]
+                parts = [per_axis[i % 3, :, lo:hi] for i, (lo, hi) in enumerate(_bounds(self.section))]
+                half = torch.cat(parts, dim=-1)
             out.append(torch.cat((half, half), dim=-1).to(dtype))
         self._last = (positions, dtype, out[0], out[1])
         return out[0], out[1]
@@ -98,8 +102,6 @@ class MRotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if positions.dim() == 1:  # text-only batches may carry 1-D positions: all three axes equal
-            positions = positions.unsqueeze(0).expand(3, -1)
         cos, sin = self.cos_sin(positions, q.dtype)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
@@ -295,6 +297,16 @@ class Qwen2VLForConditionalGeneration(CausalLM):
         inside = mm.positions[:, start : min(start + n, length)]
         after = torch.arange(max(start, length), max(start + n, length)).expand(3, -1) + mm.rope_delta
         return torch.cat([inside, after], dim=1)
+
+    def decode_position(self, mm_inputs: Qwen2VLInputs | None, index: int) -> int | None:
+        """Past the prompt (and on its text tokens) the three M-RoPE axes agree: one position serves."""
+        if mm_inputs is None:
+            return index
+        length = mm_inputs.positions.shape[1]
+        if index >= length:
+            return index + mm_inputs.rope_delta
+        t, h, w = mm_inputs.positions[:, index].tolist()
+        return t if t == h == w else None
 
     def multimodal_inputs(
         self, chunks: list[tuple[Qwen2VLInputs | None, int, int]], device: torch.device

@@ -146,6 +146,26 @@ def test_qwen2_vl_mixed_batch_matches_hf_peft(tiny_vl):
     assert engine.kv_cache.allocator.usage == 0.0
 
 
+def test_qwen2_vl_decode_graph_inputs_match_hf_peft(tiny_vl):
+    """Decode steps through the CUDA-graph runner's static buffers (run eagerly here: ``capture=False``),
+    1-D positions from ``decode_position`` (prompt positions plus the image rope offset): HF + PEFT's tokens."""
+    from mmlora.engine.cuda_graph import CudaGraphRunner
+
+    _, base, adapters, expected = tiny_vl
+    engine = mmlora.Engine(
+        model=str(base), lora_paths={n: str(p) for n, p in adapters.items()}, max_loras_per_batch=2,
+        max_lora_rank=8, dtype="float32", device="cpu",
+    )  # fmt: skip
+    runner = engine.runner
+    runner.cuda_graphs = CudaGraphRunner(runner, 8, engine.max_model_len, capture=False)
+    outs = engine.generate(
+        [r[0] for r in ROWS], [r[2] for r in ROWS], [[_image(k) for k in r[1]] or None for r in ROWS],
+        {"max_new_tokens": MAX_NEW, "temperature": 0.0, "ignore_eos": True}, return_logprob=True,
+    )  # fmt: skip
+    assert runner.cuda_graphs.num_replays > 0
+    _check(outs, expected)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("lora_backend", ["torch-gather", "triton-sgmv", "triton-bgmv"])
 def test_qwen2_vl_cuda_triton_matches_hf_peft(tiny_vl, lora_backend):
