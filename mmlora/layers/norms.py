@@ -1,9 +1,12 @@
-"""RMSNorm as Llama computes it (fp32 statistics, weight applied in the input dtype)."""
+"""RMSNorm as Llama computes it (fp32 statistics, weight applied in the input dtype), with the fused
+residual add of vLLM's decoder layers; the arithmetic lives in :func:`mmlora.layers.fused_ops.rms_norm`."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from mmlora.layers.fused_ops import rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -15,11 +18,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.offset = offset
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.offset:
-            # Gemma multiplies in fp32 before casting back.
-            return (xf * (self.offset + self.weight.float())).to(dtype)
-        return self.weight * xf.to(dtype)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """RMSNorm(x); with ``residual``, ``(RMSNorm(x + residual), x + residual)`` (the sum in x.dtype).
+        One fused kernel on CUDA; on CPU the torch arithmetic (Gemma multiplies in fp32 before casting
+        back, Llama casts to the dtype and then multiplies by the weight)."""
+        return rms_norm(x, self.weight, self.eps, self.offset, residual)

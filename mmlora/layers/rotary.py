@@ -1,4 +1,8 @@
-"""Rotary position embeddings (default, linear, llama3 and yarn-free dynamic-less variants), cos/sin cached."""
+"""Rotary position embeddings (default, linear, llama3 and yarn-free dynamic-less variants), cos/sin cached.
+
+One :class:`RotaryEmbedding` serves every layer of a model (:func:`share_rotary`): its cos/sin table is
+built once, and the rows of a forward's positions are gathered once, not once per layer.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,10 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from mmlora.layers.fused_ops import apply_rotary, rotate_half
+
+__all__ = ["RotaryEmbedding", "rope_parameters", "rotate_half", "share_rotary"]
 
 
 def rope_parameters(hf_config: Any) -> dict[str, Any]:
@@ -43,11 +51,6 @@ def _inv_freq(dim: int, params: dict[str, Any]) -> tuple[torch.Tensor, float]:
     raise ValueError(f"rope_type {rope_type!r} is not supported (supported: default, linear, llama3)")
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 class RotaryEmbedding(nn.Module):
     """Applies RoPE to q [T, Hq, D] and k [T, Hkv, D] at integer positions [T] (neox layout, as HF)."""
 
@@ -58,8 +61,16 @@ class RotaryEmbedding(nn.Module):
         self.inv_freq = inv_freq.float()
         self.max_positions = max_positions
         self._cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        # (positions, dtype, cos, sin) of the last gather: the layers of one forward share it. Keyed on
+        # the positions tensor object (held here, so its id cannot be reused): every forward, and every
+        # CUDA graph capture, builds a new positions tensor, so a captured graph gathers for itself.
+        self._last: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, D] in ``dtype`` at positions [T]; the same tensors again for the same positions."""
+        last = self._last
+        if last is not None and last[0] is positions and last[1] == dtype:
+            return last[2], last[3]
         if self._cache is None or self._cache[0].device != positions.device or self._cache[0].dtype != dtype:
             t = torch.arange(self.max_positions, device=positions.device, dtype=torch.float32)
             freqs = torch.outer(t, self.inv_freq.to(positions.device))
@@ -68,12 +79,31 @@ class RotaryEmbedding(nn.Module):
                 (emb.cos() * self.attention_scaling).to(dtype),
                 (emb.sin() * self.attention_scaling).to(dtype),
             )
-        cos, sin = self._cache
-        return cos[positions], sin[positions]
+        cos, sin = self._cache[0][positions], self._cache[1][positions]
+        self._last = (positions, dtype, cos, sin)
+        return cos, sin
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q, k) rotated: ``x * cos + rotate_half(x) * sin`` (one fused kernel on CUDA)."""
         cos, sin = self.cos_sin(positions, q.dtype)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        return apply_rotary(q, k, cos, sin)
+
+
+def share_rotary(layers: nn.ModuleList) -> None:
+    """Points every layer's ``self_attn.rotary`` that equals the first layer's (same frequencies, scaling
+    and length: all of them in the supported models) at the first layer's: one cos/sin table per model
+    and one gather per forward."""
+    if len(layers) == 0:
+        return
+    shared = layers[0].self_attn.rotary
+    for layer in layers[1:]:
+        mine = layer.self_attn.rotary
+        if (
+            type(mine) is type(shared)
+            and mine.max_positions == shared.max_positions
+            and mine.attention_scaling == shared.attention_scaling
+            and torch.equal(mine.inv_freq, shared.inv_freq)
+        ):
+            layer.self_attn.rotary = shared

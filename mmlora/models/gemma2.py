@@ -15,7 +15,9 @@ import torch
 from torch import nn
 
 from mmlora.engine.forward_batch import ForwardBatch
+from mmlora.layers.fused_ops import gelu_tanh_and_mul
 from mmlora.layers.norms import RMSNorm
+from mmlora.layers.rotary import share_rotary
 from mmlora.models.base import CausalLM
 from mmlora.models.llama import LlamaAttention, LlamaForCausalLM
 
@@ -57,17 +59,19 @@ class Gemma2MLP(nn.Module):
         act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", "gelu_pytorch_tanh")
         if act not in _TANH_GELUS:
             raise ValueError(f"hidden_activation {act!r} is not supported for Gemma2 (tanh GELU only)")
-        self.intermediate = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.gate_up_proj.output_sizes = (cfg.intermediate_size, cfg.intermediate_size)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(nn.functional.gelu(gate, approximate="tanh") * up)
+        return self.down_proj(gelu_tanh_and_mul(self.gate_up_proj(x)))
 
 
 class Gemma2DecoderLayer(nn.Module):
+    """Sandwich-norm block in the fused residual form (see :class:`~mmlora.models.llama.LlamaDecoderLayer`):
+    the attention branch's residual add happens inside ``pre_feedforward_layernorm``, the MLP branch's
+    inside the next layer's ``input_layernorm`` (or the final norm)."""
+
     def __init__(self, cfg: Any, layer_idx: int) -> None:
         super().__init__()
         eps = cfg.rms_norm_eps
@@ -78,9 +82,18 @@ class Gemma2DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, offset=1.0)
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, offset=1.0)
 
-    def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        hidden = hidden + self.post_attention_layernorm(self.self_attn(self.input_layernorm(hidden), batch))
-        return hidden + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
+    def forward(
+        self, hidden: torch.Tensor, batch: ForwardBatch, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(delta, residual) after this layer; ``residual`` None: ``hidden`` is the whole hidden state."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.post_attention_layernorm(self.self_attn(hidden, batch))
+        hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
+        return self.post_feedforward_layernorm(self.mlp(hidden)), residual
 
 
 class Gemma2Model(nn.Module):
@@ -88,6 +101,7 @@ class Gemma2Model(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Gemma2DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        share_rotary(self.layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset=1.0)
         # HF keeps sqrt(hidden) as an fp32 scalar and rounds it to the weight dtype before multiplying.
         self.register_buffer("embed_scale", torch.tensor(cfg.hidden_size**0.5), persistent=False)
@@ -97,9 +111,10 @@ class Gemma2Model(nn.Module):
         hidden = hidden * self.embed_scale.to(hidden.dtype)
         if batch.input_embeds is not None:
             hidden = hidden.index_copy(0, batch.embed_rows, batch.input_embeds.to(hidden.dtype))
+        residual = None
         for layer in self.layers:
-            hidden = layer(hidden, batch)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, batch, residual)
+        return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
 
 
 class Gemma2ForCausalLM(CausalLM):

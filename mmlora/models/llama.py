@@ -14,8 +14,9 @@ from torch import nn
 
 from mmlora.engine.forward_batch import ForwardBatch
 from mmlora.layers.attention import AttentionBackend
+from mmlora.layers.fused_ops import silu_and_mul
 from mmlora.layers.norms import RMSNorm
-from mmlora.layers.rotary import RotaryEmbedding, rope_parameters
+from mmlora.layers.rotary import RotaryEmbedding, rope_parameters, share_rotary
 from mmlora.models.base import CausalLM
 
 
@@ -96,18 +97,20 @@ class LlamaMLP(nn.Module):
             raise ValueError(
                 f"hidden_act {cfg.hidden_act!r} is not supported for Llama-family models (silu only)"
             )
-        self.intermediate = cfg.intermediate_size
         bias = bool(getattr(cfg, "mlp_bias", False))
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias)
         self.gate_up_proj.output_sizes = (cfg.intermediate_size, cfg.intermediate_size)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block in the fused residual form (as vLLM): a layer takes the previous layer's output
+    delta and the running residual, and returns its own; the residual add happens inside the next norm
+    (one kernel on CUDA). The hidden state after the layer is ``delta + residual``."""
+
     def __init__(self, cfg: Any, layer_idx: int, qkv_bias: bool) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer_idx, qkv_bias)
@@ -115,9 +118,18 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), batch)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(
+        self, hidden: torch.Tensor, batch: ForwardBatch, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(delta, residual) after this layer; ``residual`` None: ``hidden`` is the whole hidden state."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, batch)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -125,15 +137,17 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, qkv_bias) for i in range(cfg.num_hidden_layers))
+        share_rotary(self.layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         hidden = self.embed_tokens(batch.input_ids)
         if batch.input_embeds is not None:
             hidden = hidden.index_copy(0, batch.embed_rows, batch.input_embeds.to(hidden.dtype))
+        residual = None
         for layer in self.layers:
-            hidden = layer(hidden, batch)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, batch, residual)
+        return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
 
 
 class LlamaForCausalLM(CausalLM):
