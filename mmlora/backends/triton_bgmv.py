@@ -56,7 +56,7 @@ def _bgmv_shrink_kernel(
     x_ptr, a_ptr, p_ptr, token_slots_ptr, ranks_ptr,
     in_features, R, K_PER_SPLIT, stride_xm, stride_as, stride_ar, stride_ps, stride_pm, SPLIT_K, R_TILES,
     N_SLICES: tl.constexpr, NS_P2: tl.constexpr, SKIP_PAD: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
 ):  # fmt: skip
     """Shrink partials: for token t with slot s = ts[t] >= 0 and split k:
     ``P[k, t, :] = x[t, Kk] @ A[s, :, Kk].T`` over the split's columns Kk of in_features.
@@ -89,9 +89,13 @@ def _bgmv_shrink_kernel(
     acc = tl.zeros((NS_P2 * BLOCK_R, BLOCK_K), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
-        k_ok = kk < k_hi
-        xv = tl.load(x_base + kk, mask=k_ok, other=0.0).to(tl.float32)
-        av = tl.load(a_base[:, None] + kk[None, :], mask=w_ok[:, None] & k_ok[None, :], other=0.0)
+        if EVEN_K:  # every split is whole BLOCK_K tiles: no column mask, so loads stay wide
+            xv = tl.load(x_base + kk).to(tl.float32)
+            av = tl.load(a_base[:, None] + kk[None, :], mask=w_ok[:, None], other=0.0)
+        else:
+            k_ok = kk < k_hi
+            xv = tl.load(x_base + kk, mask=k_ok, other=0.0).to(tl.float32)
+            av = tl.load(a_base[:, None] + kk[None, :], mask=w_ok[:, None] & k_ok[None, :], other=0.0)
         acc += av.to(tl.float32) * xv[None, :]
     tl.store(p_ptr + sp * stride_ps + t.to(tl.int64) * stride_pm + col, tl.sum(acc, axis=1), mask=w_ok)
 
@@ -129,7 +133,11 @@ def _bgmv_expand_kernel(
     for r0 in range(0, rank, BLOCK_R):
         rr = r0 + tl.arange(0, BLOCK_R)
         r_ok = rr < rank
-        bv = tl.load(b_base[:, None] + rr[None, :], mask=n_ok[:, None] & r_ok[None, :], other=0.0).to(
+        # Loads are masked by the pool rank R (known divisible: wide vector loads), not by the slot's rank
+        # (a loaded value: one element per load). B past the rank is zero or stale-but-finite, and the
+        # partials past it (never written) are dropped by the where() on h below.
+        r_in = rr < R
+        bv = tl.load(b_base[:, None] + rr[None, :], mask=n_ok[:, None] & r_in[None, :], other=0.0).to(
             tl.float32
         )
         hsel = tl.zeros((BLOCK_N, BLOCK_R), dtype=tl.float32)
@@ -139,10 +147,10 @@ def _bgmv_expand_kernel(
             )
             pv = tl.load(
                 p_base + sp[:, None] * stride_ps + i * R + rr[None, :],
-                mask=(sp[:, None] < SPLIT_K) & r_ok[None, :],
+                mask=(sp[:, None] < SPLIT_K) & r_in[None, :],
                 other=0.0,
             )
-            hv = tl.sum(pv.to(tl.float32), axis=0).to(H_DTYPE).to(tl.float32)
+            hv = tl.where(r_ok, tl.sum(pv.to(tl.float32), axis=0), 0.0).to(H_DTYPE).to(tl.float32)
             hv = hv * tl.load(scal_ptr + slot * stride_ss + i)
             if PER_SLICE:  # a [BLOCK_N] reduction per slice: fewer live registers than a selected tile
                 acc = tl.where(in_i, acc + tl.sum(bv * hv[None, :], axis=1), acc)
@@ -203,7 +211,7 @@ def _shrink_partials(
         x.shape[1], R, plan.k_per_split, x.stride(0), A.stride(0), A.stride(1), p.stride(0), p.stride(1),
         plan.split_k, plan.r_tiles,
         N_SLICES=n, NS_P2=plan.ns_p2, SKIP_PAD=skip_pad, BLOCK_R=plan.block_r, BLOCK_K=plan.block_k,
-        num_warps=TUNING["shrink_warps"],
+        EVEN_K=x.shape[1] % plan.k_per_split == 0, num_warps=TUNING["shrink_warps"],
     )  # fmt: skip
     return p
 
