@@ -287,6 +287,7 @@ def rms_norm_triton(
             N, x2.stride(0), r2.stride(0), y.stride(0), s.stride(0), float(eps), float(offset),
             HAS_RESIDUAL=residual is not None, GEMMA=bool(offset), BLOCK=block, NUM_TILES=tiles,
             num_warps=min(16, max(1, block // 512)),
+            enable_fp_fusion=False,  # x^2 rounded before the sum, as torch's pow then mean
         )  # fmt: skip
     y = y.view(x.shape)
     return y if residual is None else (y, s.view(x.shape))
@@ -338,8 +339,9 @@ def _act_and_mul_triton(name: str, gate_up: torch.Tensor, act: int) -> torch.Ten
         block = min(triton.next_power_of_2(inter), TUNING["act_block"])
         grid = (g2.shape[0], triton.cdiv(inter, block))
         _act_and_mul_kernel[grid](
-            g2, out, inter, g2.stride(0), out.stride(0), ACT=act, BLOCK=block, num_warps=TUNING["act_warps"]
-        )
+            g2, out, inter, g2.stride(0), out.stride(0), ACT=act, BLOCK=block, num_warps=TUNING["act_warps"],
+            enable_fp_fusion=True,  # fma inside act, as nvcc builds torch's own activation kernels
+        )  # fmt: skip
     return out.view(*gate_up.shape[:-1], inter)
 
 
