@@ -2,7 +2,7 @@
 
 ``write_random_adapters("mistral-7b-v0.3", out, n=32, ranks=[8, 16])`` writes ``out/lora-0000`` ...
 each an ordinary PEFT folder (``adapter_config.json`` + ``adapter_model.safetensors`` with keys
-``base_model.model.model.layers.{i}.{self_attn|mlp}.{q_proj..down_proj}.lora_{A|B}.weight``), loaded
+``base_model.model.<the model class's lora_layers_prefix>.{i}.{self_attn|mlp}.{q_proj..down_proj}.lora_{A|B}.weight``), loaded
 by mmlora through its normal path. Only the config's shapes are used.
 
 Host memory and disk: a rank-16 Mistral-7B adapter on all seven projections is ~84 MB in bf16, so 1000
@@ -24,6 +24,9 @@ from typing import Any
 
 import torch
 
+from mmlora.models.base import text_config
+from mmlora.models.registry import model_class_for
+
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 ALL_SEVEN = ATTN + MLP
@@ -32,7 +35,7 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 def projection_shapes(hf_config: Any) -> dict[str, tuple[int, int]]:
     """(in_features, out_features) of each of the seven projections of a Llama-family decoder layer."""
-    cfg = getattr(hf_config, "text_config", None) or hf_config
+    cfg = text_config(hf_config)
     hidden, inter = cfg.hidden_size, cfg.intermediate_size
     head_dim = getattr(cfg, "head_dim", None) or hidden // cfg.num_attention_heads
     q, kv = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
@@ -49,7 +52,7 @@ def projection_shapes(hf_config: Any) -> dict[str, tuple[int, int]]:
 
 def adapter_nbytes(hf_config: Any, rank: int, dtype: torch.dtype = torch.bfloat16, targets=ALL_SEVEN) -> int:
     """Bytes of one adapter's A and B over every layer (what a decode step reads for it)."""
-    cfg = getattr(hf_config, "text_config", None) or hf_config
+    cfg = text_config(hf_config)
     shapes = projection_shapes(hf_config)
     per_layer = sum(rank * (shapes[t][0] + shapes[t][1]) for t in targets)
     return per_layer * cfg.num_hidden_layers * torch.tensor([], dtype=dtype).element_size()
@@ -64,15 +67,16 @@ def _config_of(model: str | Any) -> Any:
 
 
 def _weights(hf_config: Any, rank: int, targets: tuple[str, ...], dtype: torch.dtype, seed: int) -> dict:
-    cfg = getattr(hf_config, "text_config", None) or hf_config
+    cfg = text_config(hf_config)
     shapes = projection_shapes(hf_config)
+    model_class = model_class_for(hf_config)  # its facts name the layers (e.g. Qwen2-VL's language_model)
     gen = torch.Generator().manual_seed(seed)
     out: dict[str, torch.Tensor] = {}
     for i in range(cfg.num_hidden_layers):
         for t in targets:
             fin, fout = shapes[t]
-            parent = "self_attn" if t in ATTN else "mlp"
-            key = f"base_model.model.model.layers.{i}.{parent}.{t}"
+            parent = model_class.lora_module_parents[t]
+            key = f"base_model.model.{model_class.lora_layers_prefix}.{i}.{parent}.{t}"
             # A like PEFT's kaiming-uniform scale, B small and non-zero: a visible but modest delta.
             out[f"{key}.lora_A.weight"] = (torch.randn(rank, fin, generator=gen) / fin**0.5).to(dtype)
             out[f"{key}.lora_B.weight"] = (torch.randn(fout, rank, generator=gen) * 0.01).to(dtype)

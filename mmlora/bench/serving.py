@@ -48,6 +48,7 @@ from mmlora.bench.serving_parts import (
     time_graph_replay,
     weight_bytes,
 )
+from mmlora.models.base import text_config
 
 logger = logging.getLogger(__name__)
 
@@ -243,7 +244,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             skipped.append(n)  # leave time for the decode-step microbench and HF + PEFT
             print(f"skipping n={n}: past 60% of --time-budget {args.time_budget:.0f} s", flush=True)
             continue
-        work = make_workload(args, n, engine.hf_config.vocab_size, rng)
+        work = make_workload(args, n, text_config(engine.hf_config).vocab_size, rng)
         used = {w["lora"] for w in work if w["lora"] is not None}
         load_s = _register(engine, adapters, {adapters[i]["name"] for i in used})
         for w in work:

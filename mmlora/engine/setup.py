@@ -12,7 +12,7 @@ from mmlora.config import EngineConfig
 from mmlora.kvcache.allocator import KVCache
 from mmlora.layers.attention import AttentionBackend, get_attention_backend
 from mmlora.lora.manager import LoRAManager
-from mmlora.models.base import CausalLM
+from mmlora.models.base import CausalLM, text_config
 from mmlora.models.loader import ModelSource, iter_weights, load_config, load_tokenizer, resolve_model
 from mmlora.models.registry import model_class_for
 
@@ -55,10 +55,6 @@ def resolve_dtype(name: str, device: torch.device, hf_config: Any) -> torch.dtyp
     return configured if configured in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 
-def _text_config(hf_config: Any) -> Any:
-    return getattr(hf_config, "text_config", None) or hf_config
-
-
 def build_engine_parts(config: EngineConfig) -> EngineParts:
     mc = config.model
     device = resolve_device(mc.device)
@@ -80,7 +76,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     max_tokens = max(sched.max_num_batched_tokens, sched.max_running_requests)
     lora = LoRAManager(model, config.lora, max_tokens, dtype, device)
 
-    text_cfg = _text_config(hf_config)
+    text_cfg = text_config(hf_config)
     max_model_len = mc.max_model_len or int(getattr(text_cfg, "max_position_embeddings", 4096))
     attn0 = model.layers[0].self_attn
     per_token = KVCache.bytes_per_token(len(model.layers), attn0.num_kv_heads, attn0.head_dim, dtype)

@@ -28,6 +28,11 @@ from mmlora.engine.forward_batch import ForwardBatch
 from mmlora.lora.spec import LoRAModelSpec, LoRATarget
 
 
+def text_config(hf_config: Any) -> Any:
+    """The language model's config: ``text_config`` of a vision-language config, else the config itself."""
+    return getattr(hf_config, "text_config", None) or hf_config
+
+
 class CausalLM(nn.Module):
     hf_architectures: ClassVar[tuple[str, ...]] = ()
     hf_model_types: ClassVar[tuple[str, ...]] = ()

@@ -49,3 +49,28 @@ def test_cpu_cli_on_a_tiny_checkpoint(tmp_path, capsys):
     # fp32, same weights: mmlora's greedy tokens equal HF + PEFT's on every row
     assert result["greedy_rows_equal_to_hf_peft"] == "3/3"
     assert "mixed / base-only" in capsys.readouterr().out
+
+
+def test_random_adapters_follow_each_model_class_layout(tmp_path):
+    """Qwen2-VL's decoder layers live under model.language_model: generated adapters load there, change
+    the output, and the decode floor counts the language tower only."""
+    from tiny_models import make_qwen2_vl_checkpoint
+
+    import mmlora
+    from mmlora.bench.adapters import write_random_adapters
+    from mmlora.bench.serving_parts import weight_bytes
+    from mmlora.models.loader import load_config, resolve_model
+
+    base = make_qwen2_vl_checkpoint(tmp_path / "vl")
+    made = write_random_adapters(load_config(resolve_model(str(base))), tmp_path / "adapters", 1, [4], dtype="float32")
+    engine = mmlora.Engine(model=str(base), device="cpu", dtype="float32", max_lora_rank=4)
+    engine.load_lora("r", made[0]["path"])
+    sp = {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+    plain, adapted = engine.generate(input_ids=[[40, 41, 42, 43]] * 2, lora_paths=[None, "r"], sampling_params=sp)
+    assert plain.output_ids != adapted.output_ids
+    model = engine.model
+    everything = sum(p.numel() * p.element_size() for p in model.parameters())
+    vision = sum(p.numel() * p.element_size() for p in model.visual.parameters())
+    embed = model.model.embed_tokens.weight
+    untied = 0 if embed is model.lm_head.weight else embed.numel() * embed.element_size()
+    assert weight_bytes(model) == everything - vision - untied
