@@ -62,11 +62,15 @@ def test_random_adapters_follow_each_model_class_layout(tmp_path):
     from mmlora.models.loader import load_config, resolve_model
 
     base = make_qwen2_vl_checkpoint(tmp_path / "vl")
-    made = write_random_adapters(load_config(resolve_model(str(base))), tmp_path / "adapters", 1, [4], dtype="float32")
+    made = write_random_adapters(
+        load_config(resolve_model(str(base))), tmp_path / "adapters", 1, [4], dtype="float32"
+    )
     engine = mmlora.Engine(model=str(base), device="cpu", dtype="float32", max_lora_rank=4)
     engine.load_lora("r", made[0]["path"])
     sp = {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True}
-    plain, adapted = engine.generate(input_ids=[[40, 41, 42, 43]] * 2, lora_paths=[None, "r"], sampling_params=sp)
+    plain, adapted = engine.generate(
+        input_ids=[[40, 41, 42, 43]] * 2, lora_paths=[None, "r"], sampling_params=sp
+    )
     assert plain.output_ids != adapted.output_ids
     model = engine.model
     everything = sum(p.numel() * p.element_size() for p in model.parameters())
