@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from mmlora.engine.forward_batch import ForwardBatch
-from mmlora.layers.rotary import rope_parameters, rotate_half
+from mmlora.layers.fused_ops import apply_rotary
+from mmlora.layers.rotary import rope_parameters
 from mmlora.models.base import CausalLM
 from mmlora.models.llama import LlamaForCausalLM, LlamaModel
 from mmlora.models.qwen2_vl_vision import Qwen2VLVisionTower
@@ -103,8 +104,7 @@ class MRotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self.cos_sin(positions, q.dtype)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        return apply_rotary(q, k, cos, sin)
 
 
 def _bounds(sizes: list[int]) -> list[tuple[int, int]]:
