@@ -306,7 +306,12 @@ def test_gpu_act_and_mul_7b(dtype, T, act) -> None:  # noqa: ANN001
     out, ref = fn(gate_up), ACTS[act][1](gate_up)
     check_act(gate_up, act, out, ref)
     if dtype != torch.float32:
-        assert (out != ref).float().mean().item() < 0.01
+        # torch's GELU forms 1 + tanh(z) in fp32, which cancels for gate < -2 (relative error up to ~1e-5
+        # there); ours uses 0.5 (1 + tanh z) = sigmoid(2z), which does not. Both are within the fp64
+        # bounds above, but a few % of fp16/bf16 GELU outputs round to the neighbouring value (measured on
+        # CPU: 3.4% in fp16); SiLU has no such step and matches torch almost everywhere.
+        limit = 0.01 if act == "silu" else 0.08
+        assert (out != ref).float().mean().item() < limit
 
 
 @gpu

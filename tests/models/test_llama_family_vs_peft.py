@@ -8,6 +8,7 @@ ranks, rsLoRA, rank/alpha patterns, regex targets and layers_to_transform, with 
 from __future__ import annotations
 
 import pytest
+import torch
 from tiny_models import (
     ALL_SEVEN,
     PROMPTS,
@@ -61,9 +62,9 @@ def expected(tiny_arch):
 PROMPTS_IN_BATCH = (PROMPTS * 2)[: len(ORDER)]
 
 
-def run_mixed_batch(tiny_arch, **engine_kwargs):
+def run_mixed_batch(tiny_arch, device: str = "cpu", **engine_kwargs):
     _, base, adapters = tiny_arch
-    return mmlora_greedy(base, adapters, PROMPTS_IN_BATCH, ORDER, MAX_NEW, device="cpu", **engine_kwargs)
+    return mmlora_greedy(base, adapters, PROMPTS_IN_BATCH, ORDER, MAX_NEW, device=device, **engine_kwargs)
 
 
 def assert_matches(arch, outs, expected):
@@ -84,8 +85,10 @@ def test_mixed_adapter_batch_matches_hf_peft(tiny_arch, expected):
 @pytest.mark.parametrize("backend", ["triton-sgmv", "triton-bgmv", "triton-auto"])
 def test_triton_backends_match_hf_peft(tiny_arch, expected, backend):
     """Either Triton backend alone runs the whole engine (prefill chunks and decode), on CPU in the
-    Triton interpreter, with small prefill chunks so that segments span several requests."""
+    Triton interpreter (on the GPU where there is one), with small prefill chunks so that segments span several requests."""
     if tiny_arch[0] != "llama":
         pytest.skip("one architecture is enough for the backends; the model code is shared")
-    _, outs = run_mixed_batch(tiny_arch, lora_backend=backend, max_num_batched_tokens=24)
+    # On a GPU machine Triton needs CUDA tensors (the interpreter is only set without CUDA: conftest).
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    _, outs = run_mixed_batch(tiny_arch, lora_backend=backend, max_num_batched_tokens=24, device=device)
     assert_matches(tiny_arch[0], outs, expected)
