@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Serving benchmarks run through the device tool (one H200, bf16, dummy weights), each under a time limit.
-# Usage: bash benchmarks/h200_serving.sh OUT_DIR mistral|rows
+# Usage: bash benchmarks/h200_serving.sh OUT_DIR mistral|rows|sweep
 set -u
 out=${1:?output folder}
-what=${2:?mistral or rows}
+what=${2:?mistral, rows or sweep}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 if [ "$what" = mistral ]; then
@@ -12,10 +12,15 @@ if [ "$what" = mistral ]; then
   timeout 560 python -m mmlora.bench serving --model dummy:mistral-7b-v0.3 --num-adapters 8 32 128 1000 \
     --num-requests 192 --time-budget 420 --out "$out/mistral" > "$out/mistral.log" 2>&1
   echo "mistral rc=$?"
+elif [ "$what" = sweep ]; then
+  # The Mistral-7B sweep alone (no decode-step microbenchmark, no HF + PEFT): base-only, 8 / 32 / 128 / 1000.
+  timeout 250 python -m mmlora.bench serving --model dummy:mistral-7b-v0.3 --num-adapters 8 32 128 1000 \
+    --num-requests 192 --hf-batch 0 --micro-batch --out "$out/sweep" > "$out/sweep.log" 2>&1
+  echo "sweep rc=$?"
 else
   # Gemma2-9B and the Qwen2-VL-7B language tower: base-only and 32 adapters, decode step at B=32.
   for model in gemma2-9b qwen2-vl-7b; do
-    timeout 200 python -m mmlora.bench serving --model dummy:$model --num-adapters 32 --num-requests 192 \
+    timeout 165 python -m mmlora.bench serving --model dummy:$model --num-adapters 32 --num-requests 192 \
       --hf-batch 0 --micro-batch 32 --out "$out/$model" > "$out/$model.log" 2>&1
     echo "$model rc=$?"
   done
