@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -121,6 +122,10 @@ def _plan_kv_blocks(
     """Pages that fit: on GPU what ``mem_fraction_static`` leaves after weights and adapter slots."""
     block_size = config.cache.block_size
     if device.type == "cuda":
+        # An engine dropped earlier in this process holds its KV cache until its reference cycles are
+        # collected: collect them first, so `del engine` is enough before building another one.
+        gc.collect()
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
         used = total - free
         # Activations of the largest forward: logits in fp32 plus a margin for the hidden states.
@@ -129,8 +134,10 @@ def _plan_kv_blocks(
         tokens = budget // per_token
         if tokens < block_size:
             raise ValueError(
-                f"mem_fraction_static={config.cache.mem_fraction_static}: no room left for the KV cache "
-                f"(weights and adapter slots take {used / 2**30:.1f} GiB of {total / 2**30:.1f} GiB)"
+                f"mem_fraction_static={config.cache.mem_fraction_static}: no room left for the KV cache: "
+                f"{used / 2**30:.1f} GiB of {total / 2**30:.1f} GiB are in use on {device} (this engine's "
+                "weights and adapter slots, plus anything else there: another engine still referenced in "
+                "this process, or other processes); raise mem_fraction_static or free the device"
             )
     else:
         tokens = CPU_DEFAULT_KV_TOKENS
