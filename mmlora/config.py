@@ -67,7 +67,11 @@ class LoRAConfig:
     max_loaded_loras: int | None = _f(
         None, "Adapters kept in the host cache (LRU beyond it); defaults to unlimited."
     )
-    lora_backend: str = _f("torch-gather", "LoRA kernel backend; see mmlora.backends.available_backends().")
+    lora_backend: str = _f(
+        "auto",
+        'LoRA kernel backend: "auto" (triton-auto on CUDA, torch-gather otherwise) or one of '
+        "mmlora.backends.available_backends().",
+    )
     allow_pickled_adapters: bool = _f(
         False, "Accept adapter_model.bin (read with torch.load(weights_only=True)); safetensors otherwise."
     )

@@ -136,7 +136,7 @@ class AppController:
         self.model_name: str = engine.model_name
         self.is_multimodal: bool = bool(engine.is_multimodal)
         self.has_chat_template = bool(getattr(engine.tokenizer, "chat_template", None))
-        self.lora_backend: str = engine.config.lora.lora_backend
+        self.lora_backend: str = engine.lora_backend
         self.device = str(engine.device)
         self._lock = threading.Lock()
         self._owned: dict[str, set[RequestHandle]] = {}  # owner (a browser session) -> its live requests

@@ -71,7 +71,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-running-requests", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=4096)
     p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--lora-backend", default="auto", help="auto: triton-bgmv on CUDA, torch-gather on CPU")
+    p.add_argument(
+        "--lora-backend",
+        default="auto",
+        help="auto: the engine's choice (triton-auto on CUDA: SGMV prefill, BGMV decode; torch-gather on CPU)",
+    )
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--hf-batch", type=int, default=32, help="HF + PEFT subset: requests (0 skips it)")
     p.add_argument("--hf-tokens", type=int, default=64)
@@ -128,16 +132,13 @@ def _engine(args: argparse.Namespace, slots: int, rank: int) -> Any:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     else:
         device = torch.device(args.device)
-    backend = args.lora_backend
-    if backend == "auto":
-        backend = "triton-bgmv" if device.type == "cuda" else "torch-gather"
     return mmlora.Engine(
         model=args.model,
         device=str(device),
         dtype=args.dtype,
         max_loras_per_batch=slots,
         max_lora_rank=rank,
-        lora_backend=backend,
+        lora_backend=args.lora_backend,
         max_running_requests=args.max_running_requests,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
@@ -240,6 +241,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # whole output every step (O(n^2)); SGLang/vLLM run it in another process, so it stays out of here.
     engine.tokenizer = None
     device, dtype = engine.device, engine.model.lm_head.weight.dtype
+    lora_backend = engine.lora_backend
     bw = copy_bandwidth(device)
     print(
         f"engine up on {device} ({dtype}) in {time.perf_counter() - t_start:.1f} s; copy bandwidth {bw / 1e12:.3f} TB/s"
@@ -312,6 +314,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "torch": torch.__version__,
         "args": dict(vars(args)),
         "dtype": str(dtype),
+        "lora_backend": lora_backend,
         "copy_bandwidth_bytes_per_s": bw,
         "weight_bytes": weights,
         "adapter_bytes_by_rank": adapter_bytes,

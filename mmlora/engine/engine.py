@@ -320,6 +320,11 @@ class Engine:
             for e in self.lora.registry.entries()
         ]
 
+    @property
+    def lora_backend(self) -> str:
+        """The LoRA kernel backend in use (``lora_backend="auto"`` resolved for this device)."""
+        return self.lora.ctx.backend.name
+
     def stats(self) -> dict[str, Any]:
         sched, alloc = self.scheduler, self.kv_cache.allocator
         return {

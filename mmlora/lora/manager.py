@@ -37,7 +37,7 @@ class LoRAManager:
             device,
             on_slot_change=self.info.set_slot_rank,
         )
-        self.ctx = LoRAContext(backend=get_backend(config.lora_backend))
+        self.ctx = LoRAContext(backend=get_backend(config.lora_backend, device))
         self.registry = AdapterRegistry()
         self.dtype = dtype
         self._wrap(model)

@@ -151,6 +151,16 @@ def test_bad_input_is_a_value_error_naming_the_field(tiny, kwargs, match):
     assert eng.generate(["Hello"], sampling_params=GREEDY)[0].finish_reason == "length"  # still serving
 
 
+def test_lora_backend_auto_resolves_by_device(tiny):
+    from mmlora.backends.registry import resolve_backend_name
+
+    assert resolve_backend_name("auto", "cuda:0") == "triton-auto"
+    assert resolve_backend_name("auto", torch.device("cpu")) == "torch-gather"
+    assert resolve_backend_name("triton-sgmv", "cpu") == "triton-sgmv"
+    eng = engine(tiny)  # the default is "auto": on this CPU engine, torch-gather
+    assert eng.config.lora.lora_backend == "auto" and eng.lora_backend == "torch-gather"
+
+
 def test_config_errors_name_the_option(tiny):
     with pytest.raises(TypeError, match="unknown engine option 'max_lora'"):
         engine(tiny, max_lora=3)
