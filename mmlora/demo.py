@@ -36,7 +36,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, allow_abbrev=False)
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--lora-backend", default="torch-gather")
+    parser.add_argument(
+        "--lora-backend", default="auto", help="auto: triton-auto on CUDA, torch-gather on CPU"
+    )
     parser.add_argument("--max-new-tokens", type=int, default=40)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -66,7 +68,8 @@ def main(argv: list[str] | None = None) -> None:
     for question, name, out in zip(QUESTIONS, plan, outs):
         print(f"\n[{name or 'base'}] {question}\n  -> {out.text.strip()}")
     print(
-        f"\n{len(outs)} answers, {tokens} tokens in {elapsed:.1f} s ({tokens / elapsed:.1f} tok/s) on {engine.device}"
+        f"\n{len(outs)} answers, {tokens} tokens in {elapsed:.1f} s ({tokens / elapsed:.1f} tok/s) "
+        f"on {engine.device}, LoRA backend {engine.lora_backend}"
     )
 
 
