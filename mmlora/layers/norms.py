@@ -25,3 +25,10 @@ class RMSNorm(nn.Module):
         One fused kernel on CUDA; on CPU the torch arithmetic (Gemma multiplies in fp32 before casting
         back, Llama casts to the dtype and then multiplies by the weight)."""
         return rms_norm(x, self.weight, self.eps, self.offset, residual)
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decoder layer's entry: ``(RMSNorm(x + residual), x + residual)``, or ``(RMSNorm(x), x)`` for
+        the first layer (no residual yet)."""
+        if residual is None:
+            return self(x), x
+        return self(x, residual)

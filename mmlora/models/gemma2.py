@@ -86,11 +86,7 @@ class Gemma2DecoderLayer(nn.Module):
         self, hidden: torch.Tensor, batch: ForwardBatch, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(delta, residual) after this layer; ``residual`` None: ``hidden`` is the whole hidden state."""
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = self.input_layernorm.add_norm(hidden, residual)
         hidden = self.post_attention_layernorm(self.self_attn(hidden, batch))
         hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
         return self.post_feedforward_layernorm(self.mlp(hidden)), residual
