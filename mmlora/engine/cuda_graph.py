@@ -232,14 +232,18 @@ class CudaGraphRunner:
 
     @torch.inference_mode()
     def run(self, sched: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
-        """fp32 logits [n, V] (a view of the graph's output, valid until the next replay) and rows 0..n-1."""
+        """fp32 logits [n, V] (a view of the graph's output, valid until the next replay) and the batch
+        index of each row (rows are ordered by adapter slot)."""
         n = len(sched)
         bs = next(b for b in self.buckets if b >= n)
         bsz = self.block_size
         ids, pos, slots_kv, seq_lens, lora_slots, tables = [], [], [], [], [], []
         max_blocks = 1
         model = self.runner.model
-        for req in sched.requests:
+        # Rows that share an adapter side by side: neighbouring programs of the LoRA kernels then read the
+        # same adapter (L2 hits rather than one DRAM read per row). Logits come back with batch indices.
+        order = sorted(range(n), key=lambda b: sched.requests[b].slot)
+        for req in (sched.requests[b] for b in order):
             p = req.num_computed
             ids.append(req.all_ids[p])
             pos.append(model.decode_position(req.mm_inputs, p) if model.is_multimodal else p)
@@ -266,6 +270,6 @@ class CudaGraphRunner:
         entry = self.graphs[(bs, with_lora)]
         self.num_replays += 1
         if entry.graph is None:
-            return self._forward(bs)[:n], list(range(n))
+            return self._forward(bs)[:n], order
         entry.graph.replay()
-        return entry.logits[:n], list(range(n))
+        return entry.logits[:n], order
