@@ -71,6 +71,12 @@ class RotaryEmbedding(nn.Module):
         last = self._last
         if last is not None and last[0] is positions and last[1] == dtype:
             return last[2], last[3]
+        cos, sin = self._gather(positions, dtype)
+        self._last = (positions, dtype, cos, sin)
+        return cos, sin
+
+    def _gather(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, D] at ``positions`` from the cached table (built on first use per device/dtype)."""
         if self._cache is None or self._cache[0].device != positions.device or self._cache[0].dtype != dtype:
             t = torch.arange(self.max_positions, device=positions.device, dtype=torch.float32)
             freqs = torch.outer(t, self.inv_freq.to(positions.device))
@@ -79,9 +85,7 @@ class RotaryEmbedding(nn.Module):
                 (emb.cos() * self.attention_scaling).to(dtype),
                 (emb.sin() * self.attention_scaling).to(dtype),
             )
-        cos, sin = self._cache[0][positions], self._cache[1][positions]
-        self._last = (positions, dtype, cos, sin)
-        return cos, sin
+        return self._cache[0][positions], self._cache[1][positions]
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor

@@ -23,8 +23,7 @@ import torch
 from torch import nn
 
 from mmlora.engine.forward_batch import ForwardBatch
-from mmlora.layers.fused_ops import apply_rotary
-from mmlora.layers.rotary import rope_parameters
+from mmlora.layers.rotary import RotaryEmbedding, rope_parameters
 from mmlora.models.base import CausalLM
 from mmlora.models.llama import LlamaForCausalLM, LlamaModel
 from mmlora.models.qwen2_vl_vision import Qwen2VLVisionTower
@@ -59,31 +58,23 @@ class Qwen2VLInputs:
         return max(s + n for s, n in self.spans)
 
 
-class MRotaryEmbedding(nn.Module):
+class MRotaryEmbedding(RotaryEmbedding):
     """Multimodal RoPE: positions [3, T] (t, h, w); frequency section i of ``mrope_section`` follows axis i.
-    1-D positions [T] (decode graphs, text-only batches) mean all three axes are equal."""
+    1-D positions [T] (decode graphs, text-only batches) mean all three axes are equal. The per-forward
+    memo of cos/sin and the rotation itself are RotaryEmbedding's; only the gather differs."""
 
     def __init__(self, head_dim: int, max_positions: int, params: dict[str, Any]) -> None:
-        super().__init__()
         if params.get("rope_type", "default") not in ("default", "mrope"):
             raise ValueError(
                 f"rope_type {params['rope_type']!r} is not supported for Qwen2-VL (default only)"
             )
-        base = float(params["rope_theta"])
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        self.inv_freq = inv_freq  # plain fp32 attribute: model.to(bfloat16) must not round it
+        super().__init__(head_dim, max_positions, {**params, "rope_type": "default"})
         self.section = [int(s) for s in params.get("mrope_section", [16, 24, 24])]
         if sum(self.section) != head_dim // 2:
             raise ValueError(f"mrope_section {self.section} must sum to head_dim / 2 = {head_dim // 2}")
-        self.max_positions = max_positions
-        self._cache: tuple[torch.Tensor, torch.Tensor] | None = None
-        # One instance serves every layer: the cos/sin of the forward's positions are gathered once.
-        self._last: tuple[torch.Tensor, torch.dtype, torch.Tensor, torch.Tensor] | None = None
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        last = self._last
-        if last is not None and last[0] is positions and last[1] == dtype:
-            return last[2], last[3]
+    def _gather(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # fp32 half-width tables: each section picks its axis before the cast to dtype.
         if self._cache is None or self._cache[0].device != positions.device:
             t = torch.arange(self.max_positions, device=positions.device, dtype=torch.float32)
             freqs = torch.outer(t, self.inv_freq.to(positions.device))
@@ -97,14 +88,7 @@ class MRotaryEmbedding(nn.Module):
                 parts = [per_axis[i % 3, :, lo:hi] for i, (lo, hi) in enumerate(_bounds(self.section))]
                 half = torch.cat(parts, dim=-1)
             out.append(torch.cat((half, half), dim=-1).to(dtype))
-        self._last = (positions, dtype, out[0], out[1])
         return out[0], out[1]
-
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.cos_sin(positions, q.dtype)
-        return apply_rotary(q, k, cos, sin)
 
 
 def _bounds(sizes: list[int]) -> list[tuple[int, int]]:
