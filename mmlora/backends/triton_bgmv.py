@@ -22,11 +22,10 @@ import torch
 import triton
 import triton.language as tl
 
-from mmlora.backends.base import LoRABackend
 from mmlora.backends.registry import register_backend
 from mmlora.backends.triton_common import (
+    FusedTritonBackend,
     check_expand_args,
-    check_expand_weights,
     check_shrink_args,
     next_pow2,
     offset_args,
@@ -276,10 +275,8 @@ def bgmv_expand(
 
 
 @register_backend("triton-bgmv")
-class TritonBGMVBackend(LoRABackend):
-    """Per-token Triton kernels; best for decode. ``split_k`` (None: heuristic) fixes shrink's split."""
-
-    split_k: int | None = None
+class TritonBGMVBackend(FusedTritonBackend):
+    """Per-token Triton kernels; best for decode."""
 
     def shrink(
         self, x: torch.Tensor, A: torch.Tensor, info: LoRABatchInfo, n_slices: int | None = None
@@ -297,7 +294,7 @@ class TritonBGMVBackend(LoRABackend):
     ) -> None:
         bgmv_expand(h, B, scalings, info, out, slice_offsets)
 
-    def add_lora(
+    def _fused(
         self,
         out: torch.Tensor,
         x: torch.Tensor,
@@ -306,14 +303,9 @@ class TritonBGMVBackend(LoRABackend):
         scalings: torch.Tensor,
         info: LoRABatchInfo,
         slice_offsets: tuple[int, ...],
+        n: int,
+        R: int,
     ) -> None:
-        """Fused path: shrink's fp32 split-K partials go straight to expand (2 launches, no memset)."""
-        if not info.has_lora:
-            return
-        n = len(slice_offsets) - 1
-        _, R = check_shrink_args(x, A, info, n)
-        check_expand_weights(A.shape[1], x.dtype, B, scalings, info, out, slice_offsets)
-        if info.num_tokens == 0:
-            return
+        """Partials unzeroed: shrink skips rank padding per slice and expand masks it out."""
         p = _shrink_partials(x, A, info, n, R, True, self.split_k, zero=False)
         _expand(p, B, scalings, info, out, slice_offsets, R, x.dtype)

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mmlora.backends.base import LoRABackend
 from mmlora.lora.batch_info import LoRABatchInfo
 
 #: Packed modules in the supported models have at most 3 slices (q/k/v); 4 leaves room.
@@ -180,6 +181,48 @@ def check_expand_weights(
     _check_device(info, B=B, scalings=scalings, out=out)
     require_runnable(out.device)
     return n, R
+
+
+class FusedTritonBackend(LoRABackend):
+    """What the Triton backends share: ``add_lora`` validates once, then shrink's fp32 split-K partial
+    planes go straight to expand (two launches, no reduction pass); each backend supplies ``_fused``.
+    ``split_k`` (None: the backend's heuristic) fixes shrink's split of in_features."""
+
+    split_k: int | None = None
+
+    def add_lora(
+        self,
+        out: torch.Tensor,
+        x: torch.Tensor,
+        A: torch.Tensor,
+        B: torch.Tensor,
+        scalings: torch.Tensor,
+        info: LoRABatchInfo,
+        slice_offsets: tuple[int, ...],
+    ) -> None:
+        if not info.has_lora:
+            return
+        n = len(slice_offsets) - 1
+        _, R = check_shrink_args(x, A, info, n)
+        check_expand_weights(A.shape[1], x.dtype, B, scalings, info, out, slice_offsets)
+        if info.num_tokens == 0:
+            return
+        self._fused(out, x, A, B, scalings, info, slice_offsets, n, R)
+
+    def _fused(
+        self,
+        out: torch.Tensor,
+        x: torch.Tensor,
+        A: torch.Tensor,
+        B: torch.Tensor,
+        scalings: torch.Tensor,
+        info: LoRABatchInfo,
+        slice_offsets: tuple[int, ...],
+        n: int,
+        R: int,
+    ) -> None:
+        """``out += lora(x)`` on validated inputs with ``n`` slices of pool rank ``R``."""
+        raise NotImplementedError
 
 
 @triton.jit

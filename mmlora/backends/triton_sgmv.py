@@ -18,11 +18,10 @@ import torch
 import triton
 import triton.language as tl
 
-from mmlora.backends.base import LoRABackend
 from mmlora.backends.registry import register_backend
 from mmlora.backends.triton_common import (
+    FusedTritonBackend,
     check_expand_args,
-    check_expand_weights,
     check_shrink_args,
     dot_upcast,
     next_pow2,
@@ -271,13 +270,8 @@ def sgmv_expand(
 
 
 @register_backend("triton-sgmv")
-class TritonSGMVBackend(LoRABackend):
-    """Segment-tiled Triton kernels; best for prefill and chunked prefill (long runs on one adapter).
-
-    ``split_k`` (None: heuristic) fixes shrink's split of in_features.
-    """
-
-    split_k: int | None = None
+class TritonSGMVBackend(FusedTritonBackend):
+    """Segment-tiled Triton kernels; best for prefill and chunked prefill (long runs on one adapter)."""
 
     def shrink(
         self, x: torch.Tensor, A: torch.Tensor, info: LoRABatchInfo, n_slices: int | None = None
@@ -295,7 +289,7 @@ class TritonSGMVBackend(LoRABackend):
     ) -> None:
         sgmv_expand(h, B, scalings, info, out, slice_offsets)
 
-    def add_lora(
+    def _fused(
         self,
         out: torch.Tensor,
         x: torch.Tensor,
@@ -304,15 +298,9 @@ class TritonSGMVBackend(LoRABackend):
         scalings: torch.Tensor,
         info: LoRABatchInfo,
         slice_offsets: tuple[int, ...],
+        n: int,
+        R: int,
     ) -> None:
-        """Fused path: shrink knows the slice count (skips rank padding per slice) and its split-K
-        partial planes go straight to expand (2 launches, no reduction pass)."""
-        if not info.has_lora:
-            return
-        n = len(slice_offsets) - 1
-        _, R = check_shrink_args(x, A, info, n)
-        check_expand_weights(A.shape[1], x.dtype, B, scalings, info, out, slice_offsets)
-        if info.num_tokens == 0:
-            return
+        """Shrink knows the slice count, so it skips rank padding per slice."""
         h = _shrink_planes(x, A, info, n, R, True, self.split_k)
         _expand_planes(h, B, scalings, info, out, slice_offsets, R)
