@@ -19,7 +19,7 @@ from mmlora.layers.fused_ops import gelu_tanh_and_mul
 from mmlora.layers.norms import RMSNorm
 from mmlora.layers.rotary import share_rotary
 from mmlora.models.base import CausalLM
-from mmlora.models.llama import LlamaAttention, LlamaForCausalLM
+from mmlora.models.llama import GatedMLP, LlamaAttention, LlamaForCausalLM
 
 _TANH_GELUS = ("gelu_pytorch_tanh", "gelu_tanh", "gelu_new", "gelu_fast")
 
@@ -53,18 +53,11 @@ def _attention(cfg: Any, layer_idx: int) -> LlamaAttention:
     )
 
 
-class Gemma2MLP(nn.Module):
-    def __init__(self, cfg: Any) -> None:
-        super().__init__()
-        act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", "gelu_pytorch_tanh")
-        if act not in _TANH_GELUS:
-            raise ValueError(f"hidden_activation {act!r} is not supported for Gemma2 (tanh GELU only)")
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.gate_up_proj.output_sizes = (cfg.intermediate_size, cfg.intermediate_size)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(gelu_tanh_and_mul(self.gate_up_proj(x)))
+def gemma2_mlp(cfg: Any) -> GatedMLP:
+    act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", "gelu_pytorch_tanh")
+    if act not in _TANH_GELUS:
+        raise ValueError(f"hidden_activation {act!r} is not supported for Gemma2 (tanh GELU only)")
+    return GatedMLP(cfg, gelu_tanh_and_mul, bias=False)
 
 
 class Gemma2DecoderLayer(nn.Module):
@@ -76,7 +69,7 @@ class Gemma2DecoderLayer(nn.Module):
         super().__init__()
         eps = cfg.rms_norm_eps
         self.self_attn = _attention(cfg, layer_idx)
-        self.mlp = Gemma2MLP(cfg)
+        self.mlp = gemma2_mlp(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps, offset=1.0)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, offset=1.0)
         self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, offset=1.0)

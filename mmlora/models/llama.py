@@ -7,6 +7,7 @@ packed modules through the class-level data below.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -90,20 +91,27 @@ def _layer_sliding_window(cfg: Any, layer_idx: int) -> int | None:
     return int(window)
 
 
-class LlamaMLP(nn.Module):
-    def __init__(self, cfg: Any) -> None:
+class GatedMLP(nn.Module):
+    """``down(act(gate) * up)`` with gate and up packed in one ``gate_up_proj`` (the LoRA target layout);
+    ``act_and_mul`` is a fused op of :mod:`mmlora.layers.fused_ops`. Llama uses SiLU, Gemma2 tanh GELU."""
+
+    def __init__(self, cfg: Any, act_and_mul: Callable[[torch.Tensor], torch.Tensor], bias: bool) -> None:
         super().__init__()
-        if getattr(cfg, "hidden_act", "silu") != "silu":
-            raise ValueError(
-                f"hidden_act {cfg.hidden_act!r} is not supported for Llama-family models (silu only)"
-            )
-        bias = bool(getattr(cfg, "mlp_bias", False))
+        self.act_and_mul = act_and_mul
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias)
         self.gate_up_proj.output_sizes = (cfg.intermediate_size, cfg.intermediate_size)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
+
+
+def llama_mlp(cfg: Any) -> GatedMLP:
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        raise ValueError(
+            f"hidden_act {cfg.hidden_act!r} is not supported for Llama-family models (silu only)"
+        )
+    return GatedMLP(cfg, silu_and_mul, bias=bool(getattr(cfg, "mlp_bias", False)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -114,7 +122,7 @@ class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: Any, layer_idx: int, qkv_bias: bool) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer_idx, qkv_bias)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = llama_mlp(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
