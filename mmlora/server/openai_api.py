@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
 
 from mmlora.engine.sampling_params import RequestOutput
 from mmlora.server.engine_io import check_failures, collect, expand_n, submit
@@ -21,7 +20,7 @@ from mmlora.server.openai_common import (
     max_tokens_for,
     resolve_lora,
     sampling_from_openai,
-    stream_chunks,
+    sse_response,
     usage_of,
 )
 from mmlora.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -144,17 +143,7 @@ async def completions(req: CompletionRequest, request: Request) -> Any:
                 "logprobs": _completion_logprobs(state, out, start, 0) if want_logprobs else None,
             }
 
-        return StreamingResponse(
-            stream_chunks(
-                handles,
-                make_chunk=chunk,
-                base=base,
-                n=sp.n,
-                include_usage=bool(opts and opts.include_usage),
-                continuous_usage=bool(opts and opts.include_usage and opts.continuous_usage_stats),
-            ),
-            media_type="text/event-stream",
-        )
+        return sse_response(handles, make_chunk=chunk, base=base, n=sp.n, stream_options=opts)
 
     outputs = await collect(request, handles)
     check_failures(outputs)
@@ -307,18 +296,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
                 "logprobs": _chat_logprobs(state, out, start) if req.logprobs else None,
             }
 
-        return StreamingResponse(
-            stream_chunks(
-                handles,
-                make_chunk=chunk,
-                base=base,
-                n=sp.n,
-                head=head,
-                include_usage=bool(opts and opts.include_usage),
-                continuous_usage=bool(opts and opts.include_usage and opts.continuous_usage_stats),
-            ),
-            media_type="text/event-stream",
-        )
+        return sse_response(handles, make_chunk=chunk, base=base, n=sp.n, stream_options=opts, head=head)
 
     outputs = await collect(request, handles)
     check_failures(outputs)

@@ -7,6 +7,8 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from fastapi.responses import StreamingResponse
+
 from mmlora.engine.background import RequestHandle
 from mmlora.engine.sampling_params import RequestOutput, SamplingParams
 from mmlora.server.engine_io import SSE_DONE, failure_error, merge, parse_sampling, sse
@@ -143,3 +145,29 @@ def base_fields(kind: str, model: str) -> dict[str, Any]:
         "created": int(time.time()),
         "model": model,
     }
+
+
+def sse_response(
+    handles: list[RequestHandle],
+    *,
+    make_chunk: Callable[[int, RequestOutput, int], dict[str, Any] | None],
+    base: dict[str, Any],
+    n: int,
+    stream_options: Any,
+    head: list[dict[str, Any]] | None = None,
+) -> StreamingResponse:
+    """The ``text/event-stream`` response of :func:`stream_chunks`, usage flags read from the request's
+    ``stream_options`` (``include_usage``, ``continuous_usage_stats``; None: neither)."""
+    usage = bool(stream_options and stream_options.include_usage)
+    return StreamingResponse(
+        stream_chunks(
+            handles,
+            make_chunk=make_chunk,
+            base=base,
+            n=n,
+            head=head,
+            include_usage=usage,
+            continuous_usage=usage and bool(stream_options.continuous_usage_stats),
+        ),
+        media_type="text/event-stream",
+    )
