@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from mmlora.models.base import text_config
+from mmlora.models.arch_config import ArchConfig
 from mmlora.models.registry import model_class_for
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -35,10 +35,9 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 def projection_shapes(hf_config: Any) -> dict[str, tuple[int, int]]:
     """(in_features, out_features) of each of the seven projections of a Llama-family decoder layer."""
-    cfg = text_config(hf_config)
+    cfg = ArchConfig.from_hf(hf_config)
     hidden, inter = cfg.hidden_size, cfg.intermediate_size
-    head_dim = getattr(cfg, "head_dim", None) or hidden // cfg.num_attention_heads
-    q, kv = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     return {
         "q_proj": (hidden, q),
         "k_proj": (hidden, kv),
@@ -52,7 +51,7 @@ def projection_shapes(hf_config: Any) -> dict[str, tuple[int, int]]:
 
 def adapter_nbytes(hf_config: Any, rank: int, dtype: torch.dtype = torch.bfloat16, targets=ALL_SEVEN) -> int:
     """Bytes of one adapter's A and B over every layer (what a decode step reads for it)."""
-    cfg = text_config(hf_config)
+    cfg = ArchConfig.from_hf(hf_config)
     shapes = projection_shapes(hf_config)
     per_layer = sum(rank * (shapes[t][0] + shapes[t][1]) for t in targets)
     return per_layer * cfg.num_hidden_layers * torch.tensor([], dtype=dtype).element_size()
@@ -67,7 +66,7 @@ def _config_of(model: str | Any) -> Any:
 
 
 def _weights(hf_config: Any, rank: int, targets: tuple[str, ...], dtype: torch.dtype, seed: int) -> dict:
-    cfg = text_config(hf_config)
+    cfg = ArchConfig.from_hf(hf_config)
     shapes = projection_shapes(hf_config)
     model_class = model_class_for(hf_config)  # its facts name the layers (e.g. Qwen2-VL's language_model)
     gen = torch.Generator().manual_seed(seed)

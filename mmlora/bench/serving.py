@@ -48,7 +48,6 @@ from mmlora.bench.serving_parts import (
     time_graph_replay,
     weight_bytes,
 )
-from mmlora.models.base import text_config
 
 logger = logging.getLogger(__name__)
 
@@ -169,9 +168,7 @@ def _warmup(
     new shape class of a prefill batch, which must not land inside the first timed run (it made the first
     LoRA point of a sweep look slowest)."""
     small = {"num_requests": min(32, args.num_requests), "arrival": "all", "seed": args.seed + 7}
-    work = make_workload(
-        argparse.Namespace(**{**vars(args), **small}), 2, text_config(engine.hf_config).vocab_size, rng
-    )
+    work = make_workload(argparse.Namespace(**{**vars(args), **small}), 2, engine.model.arch.vocab_size, rng)
     _register(engine, adapters, {a["name"] for a in adapters[:2]})
     for i, w in enumerate(work):
         w["lora"] = adapters[w["lora"]]["name"] if i % 3 else None
@@ -271,7 +268,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             skipped.append(n)  # leave time for the decode-step microbench and HF + PEFT
             print(f"skipping n={n}: past 60% of --time-budget {args.time_budget:.0f} s", flush=True)
             continue
-        work = make_workload(args, n, text_config(engine.hf_config).vocab_size, rng)
+        work = make_workload(args, n, engine.model.arch.vocab_size, rng)
         used = {w["lora"] for w in work if w["lora"] is not None}
         load_s = _register(engine, adapters, {adapters[i]["name"] for i in used})
         for w in work:

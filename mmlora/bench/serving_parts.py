@@ -14,7 +14,7 @@ import torch
 
 from mmlora.bench.adapters import adapter_nbytes
 from mmlora.kvcache.allocator import KVCache
-from mmlora.models.base import text_config
+from mmlora.models.arch_config import ArchConfig
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -125,7 +125,7 @@ def time_graph_replay(engine: Any, n: int, with_lora: bool, reps: int = 20) -> f
 def start_decode_batch(engine: Any, names: list[str | None], context: int, rng: np.random.Generator) -> list:
     """One request per name (adapter name or None) with ``context - 1`` random prompt ids, stepped until all
     of them decode (every prompt prefilled, one token sampled each); returns their ids."""
-    vocab = text_config(engine.hf_config).vocab_size
+    vocab = engine.model.arch.vocab_size
     rids = [
         engine.add_request(
             input_ids=rng.integers(0, vocab, context - 1).tolist(),
@@ -272,7 +272,7 @@ def hf_peft_subset(
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    prompts = subset_requests(args, text_config(hf_config).vocab_size)
+    prompts = subset_requests(args, ArchConfig.from_hf(hf_config).vocab_size)
     chosen = adapters[: args.hf_adapters]
     names = [chosen[i % len(chosen)]["name"] for i in range(len(prompts))]
     model = None
@@ -320,7 +320,7 @@ def hf_peft_subset(
 
 def mmlora_subset(engine: Any, args: argparse.Namespace, adapters: list[dict[str, Any]]) -> dict[str, Any]:
     """mmlora on exactly the HF + PEFT subset (same prompts, adapters, token counts)."""
-    prompts = subset_requests(args, text_config(engine.hf_config).vocab_size)
+    prompts = subset_requests(args, engine.model.arch.vocab_size)
     chosen = adapters[: args.hf_adapters]
     names = [chosen[i % len(chosen)]["name"] for i in range(len(prompts))]
     sp = {"max_new_tokens": args.hf_tokens, "temperature": 0.0, "ignore_eos": True}

@@ -22,9 +22,9 @@ Rows past the real batch are padding: they read token 0 at position 0 with ``seq
 reserved for them at start-up (taken out of the allocator), write their K/V there, and have slot -1
 (base model). Only the first ``n`` logits rows are returned.
 
-Multimodal models replay the same graphs: positions are 1-D (``model.decode_position``: past the prompt
-the three M-RoPE axes of Qwen2-VL agree); a step holding a token whose axes differ runs eagerly, as do
-steps that are not decode-only or larger than the largest bucket.
+Multimodal models replay the same graphs: positions are 1-D (``mmlora.multimodal.mrope.decode_position``:
+past the prompt the three M-RoPE axes of Qwen2-VL agree); a step holding a token whose axes differ runs
+eagerly, as do steps that are not decode-only or larger than the largest bucket.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ import torch
 from mmlora.engine.forward_batch import ForwardBatch
 from mmlora.engine.scheduler import ScheduledBatch
 from mmlora.layers.attention import AttentionMetadata
+from mmlora.multimodal.mrope import decode_position
 
 logger = logging.getLogger(__name__)
 
@@ -227,7 +228,7 @@ class CudaGraphRunner:
             return False
         model = self.runner.model
         return not model.is_multimodal or all(
-            model.decode_position(r.mm_inputs, r.num_computed) is not None for r in sched.requests
+            decode_position(r.mm_inputs, r.num_computed) is not None for r in sched.requests
         )
 
     @torch.inference_mode()
@@ -246,7 +247,7 @@ class CudaGraphRunner:
         for req in (sched.requests[b] for b in order):
             p = req.num_computed
             ids.append(req.all_ids[p])
-            pos.append(model.decode_position(req.mm_inputs, p) if model.is_multimodal else p)
+            pos.append(decode_position(req.mm_inputs, p) if model.is_multimodal else p)
             slots_kv.append(req.blocks[p // bsz] * bsz + p % bsz)
             seq_lens.append(p + 1)
             lora_slots.append(req.slot)

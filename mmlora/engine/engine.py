@@ -24,6 +24,7 @@ from mmlora.engine.sampling_params import RequestOutput, SamplingParams
 from mmlora.engine.scheduler import Scheduler
 from mmlora.engine.setup import build_engine_parts
 from mmlora.lora.registry import AdapterEntry
+from mmlora.multimodal.prompt import text_prompt_ids
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,7 @@ class Engine:
         self.max_model_len = parts.max_model_len
         self.model_name = config.model.served_model_name or parts.source.name
         self.is_multimodal = self.model.is_multimodal
+        self.multimodal = parts.multimodal
         self.runner = ModelRunner(self.model, self.kv_cache, parts.attention, self.lora, self.device)
         if not config.scheduler.disable_cuda_graph and self.device.type == "cuda":
             self.runner.enable_cuda_graphs(config.scheduler.max_running_requests, self.max_model_len)
@@ -109,22 +111,9 @@ class Engine:
             raise ValueError("give exactly one of text (prompt) and input_ids")
         if images and not self.is_multimodal:
             raise ValueError(f"images: the model {self.model_name!r} is text-only and takes no images")
-        if self.is_multimodal:
-            return self.model.prepare_prompt(self.tokenizer, prompt, input_ids, images or [])
-        if prompt is not None:
-            if not isinstance(prompt, str):
-                raise ValueError(f"text: expected a string, got {type(prompt).__name__}")
-            if self.tokenizer is None:
-                raise ValueError("text: this model has no tokenizer; give input_ids")
-            ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        else:
-            ids = list(input_ids)
-            vocab = self.hf_config.vocab_size
-            if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
-                raise ValueError(f"input_ids: every id must be an integer in [0, {vocab})")
-        if not ids:
-            raise ValueError("prompt: empty")
-        return list(ids), None
+        if self.multimodal is not None:
+            return self.multimodal.prepare_prompt(self.tokenizer, prompt, input_ids, images or [])
+        return text_prompt_ids(self.tokenizer, prompt, input_ids, self.model.arch.vocab_size), None
 
     def abort(self, request_id: str) -> None:
         if request_id in self._requests:

@@ -10,6 +10,7 @@ from mmlora.kvcache.allocator import KVCache
 from mmlora.layers.attention import AttentionBackend, AttentionMetadata
 from mmlora.lora.manager import LoRAManager
 from mmlora.models.base import CausalLM
+from mmlora.multimodal.features import batch_inputs
 
 
 class ModelRunner:
@@ -76,9 +77,9 @@ class ModelRunner:
         )
         input_embeds = embed_rows = None
         if self.model.is_multimodal:
-            # The model gives M-RoPE positions [3, T] and the image features of the rows this step covers.
+            # M-RoPE positions [3, T], and the image features of the rows this step covers.
             chunks = [(r.mm_inputs, r.num_computed, n) for r, n in zip(sched.requests, sched.num_new)]
-            pos, input_embeds, embed_rows = self.model.multimodal_inputs(chunks, self.device)
+            pos, input_embeds, embed_rows = batch_inputs(chunks, self.model.encode_images, self.device)
         else:
             pos = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
         batch = ForwardBatch(

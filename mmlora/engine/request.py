@@ -5,12 +5,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from mmlora.engine.sampling_params import SamplingParams
 from mmlora.lora.registry import AdapterEntry
+from mmlora.multimodal.inputs import ImageInputs
 
 
 class Status(enum.Enum):
@@ -33,7 +33,7 @@ class Request:
     lora: AdapterEntry | None
     return_logprob: bool = False
     top_logprobs_num: int = 0
-    mm_inputs: Any = None  # model-specific multimodal inputs (images), prepared at add_request
+    mm_inputs: ImageInputs | None = None  # its images (mmlora.multimodal), prepared at add_request
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)

@@ -13,9 +13,10 @@ from mmlora.config import EngineConfig
 from mmlora.kvcache.allocator import KVCache
 from mmlora.layers.attention import AttentionBackend, get_attention_backend
 from mmlora.lora.manager import LoRAManager
-from mmlora.models.base import CausalLM, text_config
+from mmlora.models.base import CausalLM
 from mmlora.models.loader import ModelSource, iter_weights, load_config, load_tokenizer, resolve_model
 from mmlora.models.registry import model_class_for
+from mmlora.multimodal.prompt import ImagePrompts
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +37,7 @@ class EngineParts:
     attention: AttentionBackend
     max_model_len: int
     eos_ids: set[int]
+    multimodal: ImagePrompts | None  # a vision-language model's request work
 
 
 def resolve_device(name: str) -> torch.device:
@@ -77,11 +79,10 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     max_tokens = max(sched.max_num_batched_tokens, sched.max_running_requests)
     lora = LoRAManager(model, config.lora, max_tokens, dtype, device)
 
-    text_cfg = text_config(hf_config)
-    max_model_len = mc.max_model_len or int(getattr(text_cfg, "max_position_embeddings", 4096))
+    max_model_len = mc.max_model_len or model.arch.max_position_embeddings
     attn0 = model.layers[0].self_attn
     per_token = KVCache.bytes_per_token(len(model.layers), attn0.num_kv_heads, attn0.head_dim, dtype)
-    num_blocks = _plan_kv_blocks(config, device, per_token, max_tokens, text_cfg.vocab_size)
+    num_blocks = _plan_kv_blocks(config, device, per_token, max_tokens, model.arch.vocab_size)
     kv_cache = KVCache(
         len(model.layers),
         num_blocks,
@@ -112,7 +113,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         kv_cache=kv_cache,
         attention=attention,
         max_model_len=max_model_len,
-        eos_ids=_eos_ids(text_cfg, tokenizer),
+        eos_ids=_eos_ids(model.arch.eos_token_ids, tokenizer),
+        multimodal=_image_prompts(model, hf_config.name_or_path),
     )
 
 
@@ -146,13 +148,15 @@ def _plan_kv_blocks(
     return max(1, tokens // block_size)
 
 
-def _eos_ids(text_cfg: Any, tokenizer: Any) -> set[int]:
-    ids: set[int] = set()
-    eos = getattr(text_cfg, "eos_token_id", None)
-    if isinstance(eos, int):
-        ids.add(eos)
-    elif isinstance(eos, (list, tuple)):
-        ids.update(eos)
+def _image_prompts(model: CausalLM, folder: str | None) -> ImagePrompts | None:
+    if model.arch.vision is None:
+        return None
+    # The checkpoint folder (the config's name_or_path) may hold the image processor's settings.
+    return ImagePrompts(model.arch.vision, model.arch.vocab_size, folder)
+
+
+def _eos_ids(config_eos: tuple[int, ...], tokenizer: Any) -> set[int]:
+    ids = set(config_eos)
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return ids

@@ -1,46 +1,63 @@
-"""Rotary position embeddings (default, linear, llama3 and yarn-free dynamic-less variants), cos/sin cached.
+"""Rotary position embeddings (default, linear and llama3 scaling; M-RoPE for Qwen2-VL), cos/sin cached.
 
 One :class:`RotaryEmbedding` serves every layer of a model (:func:`share_rotary`): its cos/sin table is
-built once, and the rows of a forward's positions are gathered once, not once per layer.
+built once, and the rows of a forward's positions are gathered once, not once per layer. The settings
+come typed (:class:`RopeConfig`), read from the HF config once by :mod:`mmlora.models.arch_config`.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from mmlora.layers.fused_ops import apply_rotary, rotate_half
 
-__all__ = ["RotaryEmbedding", "rope_parameters", "rotate_half", "share_rotary"]
+__all__ = ["MRotaryEmbedding", "RopeConfig", "RotaryEmbedding", "rotate_half", "share_rotary"]
+
+ROPE_TYPES = ("default", "linear", "llama3")
 
 
-def rope_parameters(hf_config: Any) -> dict[str, Any]:
-    """The rope settings of a HF config, old style (rope_theta + rope_scaling) or new (rope_parameters)."""
-    params = dict(getattr(hf_config, "rope_parameters", None) or {})
-    scaling = getattr(hf_config, "rope_scaling", None) or {}
-    for key, value in scaling.items():
-        params.setdefault(key, value)
-    if "rope_theta" not in params:
-        params["rope_theta"] = getattr(hf_config, "rope_theta", 10000.0)
-    params.setdefault("rope_type", params.get("type", "default"))
-    return params
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary settings of a model, typed (HF's ``rope_theta`` + ``rope_scaling`` or ``rope_parameters``)."""
+
+    theta: float = 10000.0
+    """Base of the rotation frequencies (HF ``rope_theta``)."""
+    rope_type: str = "default"
+    """Frequency scaling: ``default`` (none), ``linear`` or ``llama3`` (HF's ``mrope`` is ``default``)."""
+    factor: float = 1.0
+    """Scaling factor of ``linear`` and ``llama3``."""
+    low_freq_factor: float = 1.0
+    """``llama3``: wavelengths above ``original_max_position_embeddings / low_freq_factor`` are scaled."""
+    high_freq_factor: float = 4.0
+    """``llama3``: wavelengths below ``original_max_position_embeddings / high_freq_factor`` are kept."""
+    original_max_position_embeddings: int = 8192
+    """``llama3``: the context length the model was pretrained at."""
+    mrope_section: tuple[int, ...] | None = None
+    """M-RoPE (Qwen2-VL): frequency pairs per axis (t, h, w), summing to head_dim / 2; None: plain RoPE."""
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(
+                f"rope_type {self.rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})"
+            )
 
 
-def _inv_freq(dim: int, params: dict[str, Any]) -> tuple[torch.Tensor, float]:
-    base = float(params["rope_theta"])
+def _inv_freq(dim: int, rope: RopeConfig) -> tuple[torch.Tensor, float]:
+    base = float(rope.theta)
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    rope_type = params["rope_type"]
+    rope_type = rope.rope_type
     if rope_type == "default":
         return inv_freq, 1.0
     if rope_type == "linear":
-        return inv_freq / float(params["factor"]), 1.0
+        return inv_freq / float(rope.factor), 1.0
     if rope_type == "llama3":
-        factor = float(params["factor"])
-        low, high = float(params["low_freq_factor"]), float(params["high_freq_factor"])
-        old_len = float(params["original_max_position_embeddings"])
+        factor = float(rope.factor)
+        low, high = float(rope.low_freq_factor), float(rope.high_freq_factor)
+        old_len = float(rope.original_max_position_embeddings)
         low_wavelen, high_wavelen = old_len / low, old_len / high
         wavelen = 2 * math.pi / inv_freq
         scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
@@ -48,15 +65,15 @@ def _inv_freq(dim: int, params: dict[str, Any]) -> tuple[torch.Tensor, float]:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(medium, smoothed, scaled), 1.0
-    raise ValueError(f"rope_type {rope_type!r} is not supported (supported: default, linear, llama3)")
+    raise AssertionError(rope_type)  # RopeConfig refuses other types
 
 
 class RotaryEmbedding(nn.Module):
     """Applies RoPE to q [T, Hq, D] and k [T, Hkv, D] at integer positions [T] (neox layout, as HF)."""
 
-    def __init__(self, head_dim: int, max_positions: int, params: dict[str, Any]) -> None:
+    def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig) -> None:
         super().__init__()
-        inv_freq, self.attention_scaling = _inv_freq(head_dim, params)
+        inv_freq, self.attention_scaling = _inv_freq(head_dim, rope)
         # A plain attribute, not a buffer: model.to(bfloat16) must not round the frequencies (HF keeps fp32).
         self.inv_freq = inv_freq.float()
         self.max_positions = max_positions
@@ -93,6 +110,37 @@ class RotaryEmbedding(nn.Module):
         """(q, k) rotated: ``x * cos + rotate_half(x) * sin`` (one fused kernel on CUDA)."""
         cos, sin = self.cos_sin(positions, q.dtype)
         return apply_rotary(q, k, cos, sin)
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    """Multimodal RoPE: positions [3, T] (t, h, w); frequency section i of ``rope.mrope_section`` follows
+    axis i. 1-D positions [T] (decode graphs, text-only batches) mean all three axes are equal. The
+    per-forward memo of cos/sin and the rotation itself are RotaryEmbedding's; only the gather differs."""
+
+    def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig) -> None:
+        if rope.rope_type != "default":
+            raise ValueError(f"rope_type {rope.rope_type!r} is not supported for M-RoPE (default only)")
+        if rope.mrope_section is None or sum(rope.mrope_section) != head_dim // 2:
+            raise ValueError(f"mrope_section {rope.mrope_section} must sum to head_dim / 2 = {head_dim // 2}")
+        super().__init__(head_dim, max_positions, rope)
+        self.section = list(rope.mrope_section)
+
+    def _gather(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # fp32 half-width tables: each section picks its axis before the cast to dtype.
+        if self._cache is None or self._cache[0].device != positions.device:
+            t = torch.arange(self.max_positions, device=positions.device, dtype=torch.float32)
+            freqs = torch.outer(t, self.inv_freq.to(positions.device))
+            self._cache = (freqs.cos(), freqs.sin())
+        bounds = [(sum(self.section[:i]), sum(self.section[: i + 1])) for i in range(len(self.section))]
+        out = []
+        for table in self._cache:
+            if positions.dim() == 1:  # text-only decode: all three axes equal, every section reads the same
+                half = table[positions]
+            else:
+                per_axis = table[positions]  # [3, T, D/2]
+                half = torch.cat([per_axis[i % 3, :, lo:hi] for i, (lo, hi) in enumerate(bounds)], dim=-1)
+            out.append(torch.cat((half, half), dim=-1).to(dtype))
+        return out[0], out[1]
 
 
 def share_rotary(layers: nn.ModuleList) -> None:

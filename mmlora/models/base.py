@@ -1,4 +1,5 @@
-"""CausalLM: what every model class shares: logits, LoRA model facts, weight loading, dummy weights.
+"""CausalLM: what every model class shares: typed config, logits, LoRA model facts, weight loading,
+dummy weights.
 
 A model class declares its facts as data:
   hf_architectures        HF ``architectures`` names it serves (``hf_model_types`` when a config has none)
@@ -8,12 +9,10 @@ A model class declares its facts as data:
   lora_layers_prefix      HF path of the decoder layers
 Packed linears carry ``output_sizes`` (one entry per packed HF module) set by the layer that builds them.
 
-A multimodal class sets ``is_multimodal = True`` and implements two hooks the engine calls:
-  ``prepare_prompt(tokenizer, prompt, input_ids, images) -> (token ids, mm_inputs)``  at add_request:
-      expands image placeholders and keeps what the request needs (pixels, grids, rope offsets)
-  ``multimodal_inputs(chunks, device) -> (positions [3, T], input_embeds | None, embed_rows | None)``
-      per forward, for ``chunks = [(mm_inputs, num_computed, num_new), ...]`` in batch order
-  and may override ``decode_position(mm_inputs, index)`` (below) so decode steps replay CUDA graphs.
+The HF config is read once, into ``self.arch`` (:class:`~mmlora.models.arch_config.ArchConfig`).
+A multimodal class sets ``is_multimodal = True`` and gives ``encode_images(pixels, grid_thw)``; the
+request work around it (prompt expansion, image processor, M-RoPE positions, the feature cache) is
+:mod:`mmlora.multimodal`'s.
 """
 
 from __future__ import annotations
@@ -26,11 +25,7 @@ from torch import nn
 
 from mmlora.engine.forward_batch import ForwardBatch
 from mmlora.lora.spec import LoRAModelSpec, LoRATarget
-
-
-def text_config(hf_config: Any) -> Any:
-    """The language model's config: ``text_config`` of a vision-language config, else the config itself."""
-    return getattr(hf_config, "text_config", None) or hf_config
+from mmlora.models.arch_config import ArchConfig
 
 
 class CausalLM(nn.Module):
@@ -48,8 +43,7 @@ class CausalLM(nn.Module):
 
     def __init__(self, hf_config: Any) -> None:
         super().__init__()
-        self.config = hf_config
-        self.final_logit_softcap: float | None = None
+        self.arch = ArchConfig.from_hf(hf_config)
 
     @property
     def layers(self) -> nn.ModuleList:
@@ -59,17 +53,20 @@ class CausalLM(nn.Module):
         """Hidden states [T, H] for every token of the batch."""
         raise NotImplementedError
 
+    def make_lm_head(self, embed_tokens: nn.Embedding) -> nn.Linear:
+        """The LM head: its own weight, or the token embedding's when the config ties them."""
+        head = nn.Linear(self.arch.hidden_size, self.arch.vocab_size, bias=False)
+        if self.arch.tie_word_embeddings:
+            head.weight = embed_tokens.weight
+        return head
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, H] -> fp32 logits [B, V]."""
         logits = self.lm_head(hidden).float()
-        if self.final_logit_softcap:
-            logits = torch.tanh(logits / self.final_logit_softcap) * self.final_logit_softcap
+        cap = self.arch.final_logit_softcap
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
         return logits
-
-    def decode_position(self, mm_inputs: Any, index: int) -> int | None:
-        """The one rotary position of token ``index`` of a request, as a decode CUDA graph feeds it (1-D
-        positions), or None when that token needs more (M-RoPE axes that differ): it then runs eagerly."""
-        return index
 
     # ---- LoRA facts -------------------------------------------------------------------------------
 
@@ -107,7 +104,7 @@ class CausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into our (packed) parameters; every parameter must be written."""
         params = dict(self.named_parameters())
-        tied = getattr(self.config, "tie_word_embeddings", False)
+        tied = self.arch.tie_word_embeddings
         loaded: set[str] = set()
         for name, tensor in weights:
             if name.endswith(self.ignored_weight_suffixes) or (tied and name == "lm_head.weight"):

@@ -4,7 +4,8 @@ Differences from Llama: embeddings scaled by sqrt(hidden) (the scale rounded to 
 as HF does), RMSNorm with (1 + weight) in fp32, norms before *and after* attention and the MLP, GeGLU
 with tanh GELU, attention scale ``query_pre_attn_scalar ** -0.5``, attention logit soft-capping,
 final logit soft-capping, sliding-window attention on the layers ``config.layer_types`` marks, and
-tied embeddings. LoRA targets and packing are Llama's (q/k/v -> qkv_proj, gate/up -> gate_up_proj).
+tied embeddings: all of it read from the typed :class:`~mmlora.models.arch_config.ArchConfig`. LoRA
+targets and packing are Llama's (q/k/v -> qkv_proj, gate/up -> gate_up_proj).
 """
 
 from __future__ import annotations
@@ -18,46 +19,17 @@ from mmlora.engine.forward_batch import ForwardBatch
 from mmlora.layers.fused_ops import gelu_tanh_and_mul
 from mmlora.layers.norms import RMSNorm
 from mmlora.layers.rotary import share_rotary
+from mmlora.models.arch_config import ArchConfig
 from mmlora.models.base import CausalLM
 from mmlora.models.llama import GatedMLP, LlamaAttention, LlamaForCausalLM
 
 _TANH_GELUS = ("gelu_pytorch_tanh", "gelu_tanh", "gelu_new", "gelu_fast")
 
 
-def _layer_types(cfg: Any) -> list[str]:
-    types = getattr(cfg, "layer_types", None)
-    if types is None:  # HF's default: even layers slide, odd layers attend globally
-        types = [
-            "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(cfg.num_hidden_layers)
-        ]
-    if len(types) != cfg.num_hidden_layers:
-        raise ValueError(f"layer_types: {len(types)} entries for {cfg.num_hidden_layers} layers")
-    unknown = set(types) - {"sliding_attention", "full_attention"}
-    if unknown:
-        raise ValueError(f"layer_types: unsupported layer type(s) {sorted(unknown)}")
-    return list(types)
-
-
-def _attention(cfg: Any, layer_idx: int) -> LlamaAttention:
-    """Llama's attention with Gemma2's scale (query_pre_attn_scalar), soft-cap and per-layer window."""
-    bias = bool(getattr(cfg, "attention_bias", False))
-    sliding = _layer_types(cfg)[layer_idx] == "sliding_attention"
-    return LlamaAttention(
-        cfg,
-        layer_idx,
-        bias,
-        o_bias=bias,
-        scale=float(cfg.query_pre_attn_scalar) ** -0.5,
-        sliding_window=int(cfg.sliding_window) if sliding and cfg.sliding_window else None,
-        logit_softcap=getattr(cfg, "attn_logit_softcapping", None) or None,
-    )
-
-
-def gemma2_mlp(cfg: Any) -> GatedMLP:
-    act = getattr(cfg, "hidden_activation", None) or getattr(cfg, "hidden_act", "gelu_pytorch_tanh")
-    if act not in _TANH_GELUS:
-        raise ValueError(f"hidden_activation {act!r} is not supported for Gemma2 (tanh GELU only)")
-    return GatedMLP(cfg, gelu_tanh_and_mul, bias=False)
+def gemma2_mlp(cfg: ArchConfig) -> GatedMLP:
+    if cfg.hidden_act not in _TANH_GELUS:
+        raise ValueError(f"hidden_activation {cfg.hidden_act!r} is not supported for Gemma2 (tanh GELU only)")
+    return GatedMLP(cfg, gelu_tanh_and_mul)
 
 
 class Gemma2DecoderLayer(nn.Module):
@@ -65,10 +37,10 @@ class Gemma2DecoderLayer(nn.Module):
     the attention branch's residual add happens inside ``pre_feedforward_layernorm``, the MLP branch's
     inside the next layer's ``input_layernorm`` (or the final norm)."""
 
-    def __init__(self, cfg: Any, layer_idx: int) -> None:
+    def __init__(self, cfg: ArchConfig, layer_idx: int) -> None:
         super().__init__()
         eps = cfg.rms_norm_eps
-        self.self_attn = _attention(cfg, layer_idx)
+        self.self_attn = LlamaAttention(cfg, layer_idx)
         self.mlp = gemma2_mlp(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps, offset=1.0)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, offset=1.0)
@@ -86,7 +58,7 @@ class Gemma2DecoderLayer(nn.Module):
 
 
 class Gemma2Model(nn.Module):
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: ArchConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Gemma2DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
@@ -116,11 +88,8 @@ class Gemma2ForCausalLM(CausalLM):
 
     def __init__(self, hf_config: Any) -> None:
         super().__init__(hf_config)
-        self.model = Gemma2Model(hf_config)
-        self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
-        if getattr(hf_config, "tie_word_embeddings", True):
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.final_logit_softcap = getattr(hf_config, "final_logit_softcapping", None) or None
+        self.model = Gemma2Model(self.arch)
+        self.lm_head = self.make_lm_head(self.model.embed_tokens)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         return self.model(batch)

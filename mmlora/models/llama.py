@@ -1,5 +1,6 @@
 """Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2): GQA, RoPE (incl. llama3 scaling), qkv bias
-for Qwen2, tied embeddings, sliding-window attention where the config sets it.
+for Qwen2, tied embeddings, sliding-window attention where the config sets it. Reads its typed
+:class:`~mmlora.models.arch_config.ArchConfig`.
 
 Our own implementation over a ForwardBatch and the paged KV cache; HF checkpoint names map onto our
 packed modules through the class-level data below.
@@ -17,41 +18,30 @@ from mmlora.engine.forward_batch import ForwardBatch
 from mmlora.layers.attention import AttentionBackend
 from mmlora.layers.fused_ops import silu_and_mul
 from mmlora.layers.norms import RMSNorm
-from mmlora.layers.rotary import RotaryEmbedding, rope_parameters, share_rotary
+from mmlora.layers.rotary import MRotaryEmbedding, RotaryEmbedding, share_rotary
+from mmlora.models.arch_config import ArchConfig
 from mmlora.models.base import CausalLM
 
 
 class LlamaAttention(nn.Module):
-    """Packed-qkv self-attention over the paged KV cache. Other families reuse it through the options:
-    ``o_bias``, ``scale`` (default head_dim ** -0.5), ``sliding_window`` (default: from the config),
-    ``logit_softcap``."""
+    """Packed-qkv self-attention over the paged KV cache. What differs between the families is config:
+    biases, scale (``query_pre_attn_scalar``), the layer's sliding window, logit soft-cap and M-RoPE."""
 
-    def __init__(
-        self,
-        cfg: Any,
-        layer_idx: int,
-        bias: bool,
-        *,
-        o_bias: bool = False,
-        scale: float | None = None,
-        sliding_window: int | None | str = "config",
-        logit_softcap: float | None = None,
-    ) -> None:
+    def __init__(self, cfg: ArchConfig, layer_idx: int) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.qkv_proj.output_sizes = (self.q_size, self.kv_size, self.kv_size)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=o_bias)
-        self.rotary = RotaryEmbedding(self.head_dim, cfg.max_position_embeddings, rope_parameters(cfg))
-        self.scale = scale if scale is not None else self.head_dim**-0.5
-        self.sliding_window = (
-            _layer_sliding_window(cfg, layer_idx) if sliding_window == "config" else sliding_window
-        )
-        self.logit_softcap = logit_softcap
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
+        rotary = MRotaryEmbedding if cfg.rope.mrope_section is not None else RotaryEmbedding
+        self.rotary = rotary(self.head_dim, cfg.max_position_embeddings, cfg.rope)
+        self.scale = cfg.attention_scale
+        self.sliding_window = cfg.sliding_windows[layer_idx]
+        self.logit_softcap = cfg.attn_logit_softcap
         self.layer_idx = layer_idx
         self.backend: AttentionBackend | None = None
         self.k_cache: torch.Tensor | None = None
@@ -78,40 +68,27 @@ class LlamaAttention(nn.Module):
         return self.o_proj(o.reshape(T, self.q_size))
 
 
-def _layer_sliding_window(cfg: Any, layer_idx: int) -> int | None:
-    window = getattr(cfg, "sliding_window", None)
-    if not window or getattr(cfg, "use_sliding_window", True) is False:
-        return None
-    layer_types = getattr(cfg, "layer_types", None)
-    if layer_types is not None and layer_types[layer_idx] != "sliding_attention":
-        return None
-    max_window_layers = getattr(cfg, "max_window_layers", None)
-    if layer_types is None and max_window_layers is not None and layer_idx >= max_window_layers:
-        return None
-    return int(window)
-
-
 class GatedMLP(nn.Module):
     """``down(act(gate) * up)`` with gate and up packed in one ``gate_up_proj`` (the LoRA target layout);
     ``act_and_mul`` is a fused op of :mod:`mmlora.layers.fused_ops`. Llama uses SiLU, Gemma2 tanh GELU."""
 
-    def __init__(self, cfg: Any, act_and_mul: Callable[[torch.Tensor], torch.Tensor], bias: bool) -> None:
+    def __init__(self, cfg: ArchConfig, act_and_mul: Callable[[torch.Tensor], torch.Tensor]) -> None:
         super().__init__()
         self.act_and_mul = act_and_mul
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.gate_up_proj.output_sizes = (cfg.intermediate_size, cfg.intermediate_size)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
 
 
-def llama_mlp(cfg: Any) -> GatedMLP:
-    if getattr(cfg, "hidden_act", "silu") != "silu":
+def llama_mlp(cfg: ArchConfig) -> GatedMLP:
+    if cfg.hidden_act != "silu":
         raise ValueError(
             f"hidden_act {cfg.hidden_act!r} is not supported for Llama-family models (silu only)"
         )
-    return GatedMLP(cfg, silu_and_mul, bias=bool(getattr(cfg, "mlp_bias", False)))
+    return GatedMLP(cfg, silu_and_mul)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -119,9 +96,9 @@ class LlamaDecoderLayer(nn.Module):
     delta and the running residual, and returns its own; the residual add happens inside the next norm
     (one kernel on CUDA). The hidden state after the layer is ``delta + residual``."""
 
-    def __init__(self, cfg: Any, layer_idx: int, qkv_bias: bool) -> None:
+    def __init__(self, cfg: ArchConfig, layer_idx: int) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer_idx, qkv_bias)
+        self.self_attn = LlamaAttention(cfg, layer_idx)
         self.mlp = llama_mlp(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -137,10 +114,10 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: Any, qkv_bias: bool) -> None:
+    def __init__(self, cfg: ArchConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, qkv_bias) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         share_rotary(self.layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -180,11 +157,8 @@ class LlamaForCausalLM(CausalLM):
 
     def __init__(self, hf_config: Any) -> None:
         super().__init__(hf_config)
-        qkv_bias = bool(getattr(hf_config, "attention_bias", False)) or hf_config.model_type == "qwen2"
-        self.model = LlamaModel(hf_config, qkv_bias)
-        self.lm_head = nn.Linear(hf_config.hidden_size, hf_config.vocab_size, bias=False)
-        if getattr(hf_config, "tie_word_embeddings", False):
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.model = LlamaModel(self.arch)
+        self.lm_head = self.make_lm_head(self.model.embed_tokens)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         return self.model(batch)

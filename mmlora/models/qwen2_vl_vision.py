@@ -9,13 +9,12 @@ Parameter names follow HF's checkpoints (``patch_embed.proj``, ``blocks.<i>.attn
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from mmlora.layers.rotary import rotate_half
+from mmlora.models.arch_config import VisionConfig
 
 _ACTIVATIONS = {
     "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
@@ -26,7 +25,7 @@ _ACTIVATIONS = {
 
 
 class PatchEmbed(nn.Module):
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: VisionConfig) -> None:
         super().__init__()
         self.in_channels = cfg.in_channels
         self.temporal_patch_size = cfg.temporal_patch_size
@@ -41,7 +40,7 @@ class PatchEmbed(nn.Module):
 
 
 class VisionAttention(nn.Module):
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: VisionConfig) -> None:
         super().__init__()
         self.num_heads = cfg.num_heads
         self.head_dim = cfg.embed_dim // cfg.num_heads
@@ -66,7 +65,7 @@ class VisionAttention(nn.Module):
 
 
 class VisionMLP(nn.Module):
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: VisionConfig) -> None:
         super().__init__()
         if cfg.hidden_act not in _ACTIVATIONS:
             raise ValueError(f"vision_config.hidden_act {cfg.hidden_act!r} is not supported")
@@ -80,7 +79,7 @@ class VisionMLP(nn.Module):
 
 
 class VisionBlock(nn.Module):
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: VisionConfig) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(cfg.embed_dim, eps=1e-6)
         self.norm2 = nn.LayerNorm(cfg.embed_dim, eps=1e-6)
@@ -110,15 +109,14 @@ class PatchMerger(nn.Module):
 
 
 class Qwen2VLVisionTower(nn.Module):
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: VisionConfig) -> None:
         super().__init__()
         self.merge = cfg.spatial_merge_size
         self.patch_embed = PatchEmbed(cfg)
         self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.depth))
-        self.merger = PatchMerger(cfg.hidden_size, cfg.embed_dim, self.merge)
+        self.merger = PatchMerger(cfg.out_hidden_size, cfg.embed_dim, self.merge)
         head_dim = cfg.embed_dim // cfg.num_heads
-        rope = getattr(cfg, "rope_parameters", None) or {}
-        theta = float(rope.get("rope_theta", 10000.0))
+        theta = cfg.rope_theta
         # Axial 2D RoPE: a quarter of the head dim rotates with the row, a quarter with the column.
         spatial = head_dim // 2
         inv_freq = 1.0 / (theta ** (torch.arange(0, spatial, 2, dtype=torch.float) / spatial))

@@ -1,4 +1,6 @@
-"""Image inputs for vision-language models: defensive decoding (``images``) and preprocessing (``processor``)."""
+"""Multimodal request work, out of the model classes: image decoding (``images``), the image processor
+(``processor``), prompt expansion (``prompt``), M-RoPE positions (``mrope``) and the per-forward image
+features with their lifetime (``features``)."""
 
 from mmlora.multimodal.images import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, decode_image_bytes, load_image
 

@@ -23,7 +23,7 @@ import pytest  # noqa: E402
 
 from mmlora.layers import fused_ops as F  # noqa: E402
 from mmlora.layers.norms import RMSNorm  # noqa: E402
-from mmlora.layers.rotary import RotaryEmbedding  # noqa: E402
+from mmlora.layers.rotary import RopeConfig, RotaryEmbedding  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -247,7 +247,7 @@ def test_rmsnorm_module_fused_residual() -> None:
 
 
 def test_rotary_gathers_once_per_positions_tensor() -> None:
-    rope = RotaryEmbedding(16, 64, {"rope_theta": 10000.0, "rope_type": "default"})
+    rope = RotaryEmbedding(16, 64, RopeConfig(theta=10000.0))
     pos = torch.tensor([0, 5, 63])
     c1, s1 = rope.cos_sin(pos, torch.float32)
     c2, s2 = rope.cos_sin(pos, torch.float32)
@@ -261,13 +261,14 @@ def test_rotary_gathers_once_per_positions_tensor() -> None:
 
 
 def test_llama_layers_share_one_rotary() -> None:
+    from mmlora.models.arch_config import ArchConfig
     from mmlora.models.llama import LlamaModel
 
     cfg = SimpleNamespace(
         vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=EPS, rope_theta=10000.0,
     )  # fmt: skip
-    model = LlamaModel(cfg, qkv_bias=False)
+    model = LlamaModel(ArchConfig.from_hf(cfg))
     rotaries = {id(layer.self_attn.rotary) for layer in model.layers}
     assert len(rotaries) == 1
 
@@ -321,7 +322,7 @@ def test_gpu_rotary_7b_bit_exact(dtype, T) -> None:  # noqa: ANN001
     qkv = _dev(T, (32 + 2 * 8) * 128, dtype=dtype, seed=5)
     q, k, _ = qkv.split([32 * 128, 8 * 128, 8 * 128], dim=-1)
     q, k = q.view(T, 32, 128), k.view(T, 8, 128)
-    rope = RotaryEmbedding(128, 8192, {"rope_theta": 500000.0, "rope_type": "default"})
+    rope = RotaryEmbedding(128, 8192, RopeConfig(theta=500000.0))
     cos, sin = rope.cos_sin(torch.randint(0, 8192, (T,), device="cuda"), dtype)
     for out, ref in zip(F.apply_rotary(q, k, cos, sin), F.apply_rotary_ref(q, k, cos, sin)):
         if dtype == torch.float32:

@@ -20,7 +20,7 @@ import torch
 from tiny_models import ALL_SEVEN, make_adapter, make_qwen2_vl_checkpoint
 
 import mmlora
-from mmlora.models.qwen2_vl import Qwen2VLForConditionalGeneration as VL
+from mmlora.engine import model_runner
 from mmlora.multimodal import images as mm_images
 
 MAX_NEW = 8
@@ -132,12 +132,12 @@ def test_qwen2_vl_mixed_batch_matches_hf_peft(tiny_vl):
     _, base, adapters, expected = tiny_vl
     engine, outs = _run_batch(base, adapters, device="cpu")
     _check(outs, expected)
-    model, tok = engine.model, engine.tokenizer
+    prompts, tok = engine.multimodal, engine.tokenizer
     for (text, keys, _), (ids, _, _) in zip(ROWS, expected):  # placeholder expansion equals the processor's
-        assert model.prepare_prompt(tok, text, None, [_image(k) for k in keys])[0] == ids
+        assert prompts.prepare_prompt(tok, text, None, [_image(k) for k in keys])[0] == ids
     # input_ids with one <|image_pad|> id per image expand the same way as text.
     slot_ids = tok(ROWS[3][0], add_special_tokens=False)["input_ids"]
-    assert model.prepare_prompt(tok, None, slot_ids, [_image("d"), _image("c")])[0] == expected[3][0]
+    assert prompts.prepare_prompt(tok, None, slot_ids, [_image("d"), _image("c")])[0] == expected[3][0]
     # Images really matter: the same text with a different image answers differently.
     other = engine.generate(
         ROWS[5][0], None, [[_image("b")]], {"max_new_tokens": MAX_NEW, "temperature": 0.0}
@@ -194,7 +194,7 @@ def test_qwen2_vl_7b_dummy_bf16_cuda_smoke(tmp_path, lora_backend):
     assert outs[0].prompt_tokens == 37 + 256 + 2  # 448x448 -> 32x32 patches -> 256 merged tokens
 
 
-def test_qwen2_vl_generate_api_chunked_prefill_and_image_forms(tiny_vl, tmp_path):
+def test_qwen2_vl_generate_api_chunked_prefill_and_image_forms(tiny_vl, tmp_path, monkeypatch):
     """16-token chunks cut image runs; images as PIL, path, PNG bytes and data URL give the same answers."""
     _, base, adapters, expected = tiny_vl
     png = {}
@@ -211,26 +211,23 @@ def test_qwen2_vl_generate_api_chunked_prefill_and_image_forms(tiny_vl, tmp_path
     ]
     images = [[forms[(i + j) % 4](k) for j, k in enumerate(r[1])] or None for i, r in enumerate(ROWS)]
     split = []
-    real = VL.multimodal_inputs
+    real = model_runner.batch_inputs
 
-    def spy(self, chunks, device):  # record chunks that cut an image's placeholder run
+    def spy(chunks, encode, device):  # record chunks that cut an image's placeholder run
         for mm, start, n in chunks:
             for s, count in mm.spans if mm is not None else []:
                 if s < start < s + count or s < start + n < s + count:
                     split.append((s, count, start, n))
-        return real(self, chunks, device)
+        return real(chunks, encode, device)
 
-    VL.multimodal_inputs = spy
-    try:
-        outs = mmlora.generate(
-            images=images, texts=[r[0] for r in ROWS],
-            lora_paths=[str(adapters[r[2]]) if r[2] else None for r in ROWS],
-            model=str(base), device="cpu", dtype="float32", max_num_batched_tokens=16,
-            sampling_params={"max_new_tokens": MAX_NEW, "temperature": 0.0, "ignore_eos": True},
-            return_logprob=True,
-        )  # fmt: skip
-    finally:
-        VL.multimodal_inputs = real
+    monkeypatch.setattr(model_runner, "batch_inputs", spy)
+    outs = mmlora.generate(
+        images=images, texts=[r[0] for r in ROWS],
+        lora_paths=[str(adapters[r[2]]) if r[2] else None for r in ROWS],
+        model=str(base), device="cpu", dtype="float32", max_num_batched_tokens=16,
+        sampling_params={"max_new_tokens": MAX_NEW, "temperature": 0.0, "ignore_eos": True},
+        return_logprob=True,
+    )  # fmt: skip
     assert split, "no prefill chunk cut an image placeholder run"
     _check(outs, expected)
 
