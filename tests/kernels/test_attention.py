@@ -189,11 +189,38 @@ def test_triton_decode_fixed_splits(splits: int) -> None:
     _check_triton(case, 0.3, 9, 3.0, atol=1e-5, rtol=1e-5, num_kv_splits=splits)
 
 
-def test_triton_long_window_skips_pages() -> None:
-    # window much shorter than the context: decode and chunked prefill read only the window's pages
+def test_triton_long_context_short_window_matches_reference() -> None:
+    # window much shorter than the context (that the pages before it are not read: the test below)
     for specs in ([(150, 1), (90, 1)], [(150, 20), (3, 1)]):
         case = make_case(specs, hq=3, hkv=1, d=16, page=2, seed=4)
         _check_triton(case, 0.25, 11, None, atol=1e-5, rtol=1e-5)
+
+
+def _poison_before_window(case: Case, window: int, margin: int) -> None:
+    """NaN K/V in the cache at every position of each request more than ``margin`` tokens before its
+    first query's window: a kernel that reads any of them (even masked: 0 * NaN) returns NaN there."""
+    page = case.k_cache.shape[1]
+    flat_k = case.k_cache.view(-1, *case.k_cache.shape[2:])
+    flat_v = case.v_cache.view(-1, *case.v_cache.shape[2:])
+    for b, (ctx, _) in enumerate(case.specs):
+        stale = torch.arange(max(ctx - window + 1 - margin, 0))
+        slots = case.meta.block_tables[b, stale // page].long().cpu() * page + stale % page
+        flat_k[slots.to(flat_k.device)] = float("nan")
+        flat_v[slots.to(flat_v.device)] = float("nan")
+
+
+@pytest.mark.parametrize("specs", [[(400, 20), (3, 5), (260, 70)], [(400, 1), (150, 1), (5, 1)]])
+def test_triton_window_never_reads_pages_before_it(specs) -> None:
+    """Prefill (key tiles of 64 rounded down from the window's start) and decode (from the window's
+    first token) skip the context before the window: the K/V there is NaN and must never be loaded."""
+    window, margin = 16, 128  # margin: the prefill kernel starts up to one key tile (<= 128) early
+    case = make_case(specs, hq=3, hkv=1, d=16, page=4, seed=6)
+    _poison_before_window(case, window, margin)
+    assert case.k_cache.isnan().any()
+    out, _, _ = run_backend(TritonAttention(), case, 0.25, window, None)
+    assert not out.isnan().any(), "a page wholly before the sliding window was read"
+    dense = dense_attention(case, 0.25, window, None)
+    torch.testing.assert_close(out.double().cpu(), dense, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

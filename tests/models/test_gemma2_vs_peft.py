@@ -89,7 +89,7 @@ def test_gemma2_mixed_adapter_batch_matches_hf_peft(tiny_gemma2):
     engine, outs = _run_batch(base, adapters, device="cpu")
     attn = [layer.self_attn for layer in engine.model.layers]
     assert [a.sliding_window for a in attn] == [WINDOW, None, WINDOW]
-    assert all(a.logit_softcap == 2.0 for a in attn) and engine.model.final_logit_softcap == 4.0
+    assert all(a.logit_softcap == 2.0 for a in attn) and engine.model.arch.final_logit_softcap == 4.0
     _check(outs, expected)
     # Adapters really change the answers, so the comparison is not vacuous.
     assert outs[0].output_ids != outs[4].output_ids or outs[0].logprobs != pytest.approx(

@@ -6,12 +6,14 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from tiny_models import ALL_SEVEN, make_checkpoint
+
+T = TypeVar("T")
 
 ADAPTER_SPECS = {  # name -> (rank, alpha, targets, seed); different ranks and targets on purpose
     "a0": (4, 8, ALL_SEVEN, 1),
@@ -84,6 +86,33 @@ def serve(engine: Any, **server_kwargs: Any) -> Iterator[Served]:
     finally:
         live.stop()
         bg.shutdown(drain=False, timeout=10)
+
+
+def within(timeout: float, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` run on a daemon thread: its result or exception, or a test failure after ``timeout``
+    seconds (for calls that block without a timeout of their own, such as iterating a RequestHandle)."""
+    box: dict[str, Any] = {}
+
+    def call() -> None:
+        try:
+            box["value"] = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+            box["error"] = e
+
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    assert not thread.is_alive(), f"{getattr(fn, '__name__', fn)} did not return within {timeout} s"
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
 
 
 def tiny_engine(tiny: TinyModel, **kwargs: Any) -> Any:

@@ -38,7 +38,7 @@ def assert_no_leak(served, expected_names: set[str]) -> None:
             uids,
         )
 
-    loras, stats, host, slots, uids = served.bg.run(inspect)
+    loras, stats, host, slots, uids = served.bg.run(inspect, timeout=30)
     assert {info["name"] for info in loras} == expected_names
     assert all(info["active_requests"] == 0 and not info["unloading"] for info in loras)
     assert stats["num_running"] == 0 and stats["num_waiting"] == 0
@@ -150,17 +150,19 @@ def test_load_unload_under_concurrent_streaming_traffic(server, tiny):
         except BaseException as e:  # noqa: BLE001
             failures.append(e)
 
-    admin_thread = threading.Thread(target=admin)
+    admin_thread = threading.Thread(target=admin, daemon=True)
     admin_thread.start()
-    clients = [threading.Thread(target=client, args=(k,)) for k in range(50)]
+    clients = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(50)]
     t0 = time.time()
     for t in clients:
         t.start()
+    deadline = time.monotonic() + 150
     for t in clients:
-        t.join(150)
+        t.join(max(0.0, deadline - time.monotonic()))
     stop.set()
     admin_thread.join(60)
     assert not any(t.is_alive() for t in clients), "a client hung"
+    assert not admin_thread.is_alive(), "the admin thread hung"
     assert not failures, failures[:3]
     assert len(results) == 200
     ok = sum(1 for kind, _ in results if kind == "ok")

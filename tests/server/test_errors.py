@@ -145,7 +145,7 @@ def test_adapter_admin_refusals(server, tiny, tmp_path):
     assert_error(requests.post(url, json={"lora_name": "", "lora_path": "a1"}, timeout=30), 422, "lora_name")
     r = requests.post(server.url + "/unload_lora_adapter", json={"lora_name": "nope"}, timeout=30)
     assert_error(r, 404, "no adapter")
-    names = {info["name"] for info in server.bg.run(lambda e: e.list_loras())}
+    names = {info["name"] for info in server.bg.run(lambda e: e.list_loras(), timeout=30)}
     assert names == set(tiny.adapters)  # nothing half-registered
     still_serving(server.url)
 

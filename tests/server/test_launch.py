@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -106,11 +107,33 @@ def test_seed_example_equals_mmlora_generate(seed_server, tiny, tmp_path):
         assert answer["meta_info"]["completion_tokens"] == len(exp.output_ids)
 
 
+def _start_post(port: int, path: str, body: dict) -> socket.socket:
+    """A POST whose headers and all but the last byte of its body are sent now: the server has started
+    the request (it passed the intake gate) and waits for the rest, which the caller sends later."""
+    data = json.dumps(body).encode()
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n"
+    )
+    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    sock.sendall(head.encode() + data[:-1])
+    return sock
+
+
+def _refuses_connections(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+    except OSError:
+        return True
+    return False
+
+
 def test_sigterm_stops_intake_and_drains(seed_server):
-    proc, url, _, loras = seed_server
+    proc, url, port, loras = seed_server
     lines: list[str] = []
     body = {"text": "Hello", "lora_path": loras[2], "stream": True,
             "sampling_params": {"max_new_tokens": 120, "ignore_eos": True, "temperature": 0}}  # fmt: skip
+    late = _start_post(port, "/generate", {"text": "late", "sampling_params": {"max_new_tokens": 4}})
 
     def stream() -> None:
         with requests.post(url + "/generate", json=body, stream=True, timeout=120) as r:
@@ -118,18 +141,28 @@ def test_sigterm_stops_intake_and_drains(seed_server):
                 if line:
                     lines.append(line)
 
-    t = threading.Thread(target=stream)
+    t = threading.Thread(target=stream, daemon=True)
     t.start()
+    deadline = time.monotonic() + 60
     while not lines:
+        assert t.is_alive() and time.monotonic() < deadline, "the stream gave nothing within 60 s"
         time.sleep(0.02)
     proc.send_signal(signal.SIGTERM)
-    time.sleep(0.3)
-    try:  # intake is closed: refused outright or answered 503, never served
-        r = requests.post(url + "/generate", json={"text": "late"}, timeout=10)
-        assert r.status_code == 503
-    except requests.ConnectionError:
-        pass
+    # The server stops listening once it has stopped intake (DrainingServer.handle_exit, then uvicorn's
+    # shutdown): from then on the late request, still open, must be answered 503 and never served.
+    deadline = time.monotonic() + 30
+    while not _refuses_connections(port):
+        assert time.monotonic() < deadline, "the server still accepts connections 30 s after SIGTERM"
+        time.sleep(0.05)
+    late.sendall(json.dumps({"text": "late", "sampling_params": {"max_new_tokens": 4}}).encode()[-1:])
+    answer = b""
+    while chunk := late.recv(65536):  # the socket's 30 s timeout bounds each wait
+        answer += chunk
+    late.close()
+    assert answer.startswith(b"HTTP/1.1 503"), answer[:200]
+    assert b"shutting down" in answer
     t.join(120)
+    assert not t.is_alive(), "the draining stream did not finish within 120 s"
     assert lines[-1] == "data: [DONE]"
     final = json.loads(lines[-2][len("data: ") :])
     assert (

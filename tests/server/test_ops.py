@@ -10,7 +10,7 @@ import time
 import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
-from server_fixtures import serve, tiny_engine
+from server_fixtures import serve, tiny_engine, wait_until
 
 LONG = {"max_new_tokens": 400, "temperature": 0.0, "ignore_eos": True}
 
@@ -21,15 +21,8 @@ def metrics(url: str) -> dict[str, list]:
     return {f.name: f.samples for f in text_string_to_metric_families(r.text)}
 
 
-def wait_until(predicate, timeout: float = 30.0) -> None:
-    deadline = time.time() + timeout
-    while not predicate():
-        assert time.time() < deadline, "condition not reached in time"
-        time.sleep(0.05)
-
-
 def idle(served) -> bool:
-    return served.bg.num_in_flight == 0 and not served.bg.run(lambda e: e.has_unfinished())
+    return served.bg.num_in_flight == 0 and not served.bg.run(lambda e: e.has_unfinished(), timeout=30)
 
 
 def test_health_and_model_info(server):
@@ -82,14 +75,16 @@ def _raw_post(url: str, path: str, body: dict) -> socket.socket:
 def test_client_disconnect_aborts_the_request(server, stream):
     wait_until(lambda: idle(server))
     sock = _raw_post(server.url, "/generate", {"text": "Hello", "sampling_params": LONG, "stream": stream})
-    wait_until(lambda: server.bg.run(lambda e: e.stats()["num_running"]) == 1)
+    wait_until(lambda: server.bg.run(lambda e: e.stats()["num_running"], timeout=30) == 1)
     if stream:
         assert sock.recv(4096).startswith(b"HTTP/1.1 200")
     sock.close()
     wait_until(lambda: idle(server), timeout=20)
-    before = server.bg.run(lambda e: e.stats()["generation_tokens_total"])
+    before = server.bg.run(lambda e: e.stats()["generation_tokens_total"], timeout=30)
     time.sleep(0.3)
-    assert server.bg.run(lambda e: e.stats()["generation_tokens_total"]) == before  # nothing runs on
+    assert (
+        server.bg.run(lambda e: e.stats()["generation_tokens_total"], timeout=30) == before
+    )  # nothing runs on
 
 
 @pytest.fixture(scope="module")

@@ -56,7 +56,9 @@ def vl(tmp_path_factory):
 
 
 def engine_answer(served, prompt: str, image: bytes) -> list[int]:
-    outs = served.bg.run(lambda eng: eng.generate(prompt, images=[[image]], sampling_params=GREEDY))
+    outs = served.bg.run(
+        lambda eng: eng.generate(prompt, images=[[image]], sampling_params=GREEDY), timeout=120
+    )
     return outs[0].output_ids
 
 
@@ -97,7 +99,9 @@ def test_generate_image_data_batch(vl):
     r = requests.post(served.url + "/generate", json=body, timeout=60)
     assert r.status_code == 200, r.text
     got = [item["output_ids"] for item in r.json()]
-    expected = served.bg.run(lambda eng: eng.generate(texts, images=[[a], None, [b]], sampling_params=GREEDY))
+    expected = served.bg.run(
+        lambda eng: eng.generate(texts, images=[[a], None, [b]], sampling_params=GREEDY), timeout=120
+    )
     assert got == [o.output_ids for o in expected]
     r = requests.post(served.url + "/generate", json={**body, "image_data": [None, None]}, timeout=60)
     assert r.status_code == 400 and "image_data" in r.json()["error"]["message"]

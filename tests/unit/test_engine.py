@@ -38,6 +38,7 @@ def test_batch_never_holds_more_adapters_than_slots_and_fifo(tiny):
     first_scheduled: dict[str, int] = {}
     step = 0
     while eng.has_unfinished():
+        assert step < 500, "7 requests of 6 tokens did not finish within 500 steps"
         running = [r for r in eng.scheduler.running if r.lora is not None]
         assert len({r.lora.uid for r in running}) <= 2
         for out in eng.step():
@@ -186,8 +187,11 @@ def test_load_unload_and_reused_name(tiny):
         eng.add_request("Hello", sampling_params=GREEDY, lora="x")
     assert "x" in [e["name"] for e in eng.list_loras()]
     finished = {}
-    while eng.has_unfinished():
+    for _ in range(500):  # a deadline in steps: 20 tokens need far fewer
         finished.update({o.request_id: o for o in eng.step() if o.finished})
+        if not eng.has_unfinished():
+            break
+    assert not eng.has_unfinished(), "a 20-token request did not finish within 500 steps"
     assert finished[rid].finish_reason == "length" and len(finished[rid].output_ids) == 20  # not cut short
     assert eng.list_loras() == [] and eng.lora.pool.slots_used == 0 and not eng.lora.pool.host
     eng.load_lora("x", str(adapters["a1"]))  # the name again, another adapter: no stale state
