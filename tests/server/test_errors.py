@@ -171,7 +171,10 @@ def test_api_key_accepted_and_runtime_update_off(guarded):
     r = requests.post(guarded.url + "/generate", json=OK_BODY, headers=auth, timeout=30)
     assert r.status_code == 200, r.text
     r = requests.post(
-        guarded.url + "/load_lora_adapter", json={"lora_name": "z", "lora_path": "a1"}, headers=auth
+        guarded.url + "/load_lora_adapter",
+        json={"lora_name": "z", "lora_path": "a1"},
+        headers=auth,
+        timeout=30,
     )
     assert_error(r, 403, "disabled")
     # without run-time updates, an unregistered path in a request is unknown, never read from disk

@@ -35,7 +35,9 @@ def test_health_and_model_info(server):
 
 def test_metrics_use_vllm_names_and_show_running_adapters(server):
     requests.post(
-        server.url + "/generate", json={"text": ["a", "b"], "sampling_params": {"max_new_tokens": 3}}
+        server.url + "/generate",
+        json={"text": ["a", "b"], "sampling_params": {"max_new_tokens": 3}},
+        timeout=60,
     )
     body = {"text": "Hello", "sampling_params": LONG, "lora_path": "a3", "stream": True}
     with requests.post(server.url + "/generate", json=body, stream=True, timeout=60) as r:
