@@ -63,8 +63,8 @@ def cluster(tiny):
         ray.shutdown()
 
 
-def generate(url: str, lora: str | None, text: str = "Hello world") -> requests.Response:
-    body = {"text": text, "sampling_params": GREEDY, "lora_path": lora}
+def generate(url: str, lora: str | None, text: str = "Hello world", tokens: int = 6) -> requests.Response:
+    body = {"text": text, "sampling_params": {**GREEDY, "max_new_tokens": tokens}, "lora_path": lora}
     return requests.post(url + "/generate", json=body, timeout=120)
 
 
@@ -120,15 +120,22 @@ def test_killing_a_replica_loses_no_unanswered_request(cluster):
     actors = [a for a in ray.util.list_named_actors(all_namespaces=True) if "mmlora-replica" in a["name"]]
     assert len(actors) == 2
     victim = ray.get_actor(actors[0]["name"], namespace=actors[0]["namespace"])
+    victim_id = actors[0]["name"].rsplit("#", 1)[-1]
+    homes = {lora: generate(cluster, lora).headers[HEADER] for lora in ADAPTERS}
+    assert victim_id in homes.values()
     loras = [ADAPTERS[i % 4] for i in range(12)]
     with concurrent.futures.ThreadPoolExecutor(12) as pool:
-        futures = [pool.submit(generate, cluster, lora, "Count to ten:") for lora in loras]
-        time.sleep(0.3)
+        futures = [pool.submit(generate, cluster, lora, "Count to ten:", 200) for lora in loras]
+        time.sleep(1.0)  # 200 tokens each, 6 requests per replica on a shared CPU: still generating
         ray.kill(victim, no_restart=False)
         answers = [f.result() for f in futures]
     # Non-streaming answers are sent whole, so every request that died with the replica had sent nothing
-    # to its client and was retried once on the other replica.
+    # to its client and was retried once on another replica.
     assert [r.status_code for r in answers] == [200] * 12, [r.text for r in answers if r.status_code != 200]
+    retried = [
+        lora for lora, r in zip(loras, answers) if homes[lora] == victim_id and r.headers[HEADER] != victim_id
+    ]
+    assert retried  # requests in flight on the victim were answered by the other replica
     deadline = time.time() + 120  # Ray restarts the replica; adapters come back on demand
     while True:
         statuses = [generate(cluster, lora).status_code for lora in ADAPTERS]
