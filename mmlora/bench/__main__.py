@@ -17,6 +17,7 @@ SUBCOMMANDS: dict[str, str] = {
     "serving": "mmlora.bench.serving",
     "adapters": "mmlora.bench.adapters",
     "profile": "mmlora.bench.profile",
+    "cluster": "mmlora.bench.cluster",
 }
 
 

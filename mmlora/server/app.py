@@ -10,7 +10,7 @@ from fastapi.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from mmlora.engine.background import BackgroundEngine
-from mmlora.server import admin, native, openai_api
+from mmlora.server import admin, native, openai_api, residency
 from mmlora.server.adapters import AdapterDirectory
 from mmlora.server.config import ServerConfig
 from mmlora.server.engine_io import ClientDisconnected, TokenText
@@ -39,7 +39,7 @@ def build_app(bg: BackgroundEngine, server_config: ServerConfig | None = None) -
         served_name=served_name,
         adapters=AdapterDirectory(bg, served_name, config),
         token_text=TokenText(engine.tokenizer),
-        metrics=ServerMetrics(bg, served_name),
+        metrics=ServerMetrics(bg, served_name, config.max_adapter_metric_labels),
     )
     app = FastAPI(title="mmlora", version="0.1.0", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.mmlora = state
@@ -49,7 +49,7 @@ def build_app(bg: BackgroundEngine, server_config: ServerConfig | None = None) -
     async def _gone(request: Request, exc: ClientDisconnected) -> Response:
         return Response(status_code=499)  # nobody reads it; the engine request is already aborted
 
-    for module in (native, openai_api, admin):
+    for module in (native, openai_api, admin, residency):
         app.include_router(module.router)
     app.add_middleware(IntakeGate, bg=bg)
     if config.api_key:  # added last = runs first: unauthenticated callers learn nothing

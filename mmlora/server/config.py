@@ -38,6 +38,9 @@ class ServerConfig:
     drain_timeout: float = _f(
         600.0, "On SIGTERM: seconds to let in-flight requests finish before aborting them."
     )
+    max_adapter_metric_labels: int = _f(
+        16, "Adapters named in the residency metrics (the busiest); the rest are counted as 'other'."
+    )
     log_level: str = _f("info", "Log level of the server and uvicorn: debug, info, warning, error.")
 
     def __post_init__(self) -> None:
@@ -53,5 +56,7 @@ class ServerConfig:
             raise ValueError("health_timeout: must be > 0")
         if self.log_level.lower() not in ("critical", "error", "warning", "info", "debug", "trace"):
             raise ValueError(f"log_level: unknown level {self.log_level!r}")
+        if self.max_adapter_metric_labels < 0:
+            raise ValueError("max_adapter_metric_labels: must be >= 0")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key: must not be empty")

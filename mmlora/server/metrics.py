@@ -17,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from mmlora.engine.background import BackgroundEngine
 from mmlora.engine.sampling_params import RequestOutput
+from mmlora.server.residency import ResidencyCollector, residency_snapshot
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -143,7 +144,7 @@ class _EngineStatsCollector:
 class ServerMetrics:
     """One registry per app (several apps may live in one process, e.g. in tests)."""
 
-    def __init__(self, bg: BackgroundEngine, model_name: str) -> None:
+    def __init__(self, bg: BackgroundEngine, model_name: str, max_adapter_labels: int = 16) -> None:
         self.bg = bg
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=False)
@@ -184,6 +185,8 @@ class ServerMetrics:
         )
         self._engine = _EngineStatsCollector(model_name)
         self.registry.register(self._engine)  # type: ignore[arg-type]
+        self._residency = ResidencyCollector(model_name, max_adapter_labels)
+        self.registry.register(self._residency)  # type: ignore[arg-type]
         self._last: dict[str, float] = {}  # request id -> time of its previous token (engine thread only)
         bg.add_listener(self.observe)
 
@@ -212,5 +215,7 @@ class ServerMetrics:
             self.success.labels(m, out.finish_reason).inc()
 
     async def render(self) -> bytes:
-        self._engine.stats = await self.bg.run_async(lambda eng: dict(eng.stats()))
+        self._engine.stats, self._residency.snapshot = await self.bg.run_async(
+            lambda eng: (dict(eng.stats()), residency_snapshot(eng))
+        )
         return generate_latest(self.registry)
