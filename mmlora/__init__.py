@@ -7,6 +7,7 @@ from typing import Any
 
 from mmlora.engine.engine import Engine
 from mmlora.engine.sampling_params import RequestOutput, SamplingParams
+from mmlora.hub import parse_hub_ref
 
 __all__ = ["Engine", "RequestOutput", "SamplingParams", "generate"]
 
@@ -23,9 +24,12 @@ def generate(
 ) -> list[RequestOutput]:
     """Build an engine for ``model`` and run every text to completion, one output per text.
 
-    ``lora_paths[i]`` is None (the base model) or an adapter folder (loaded on first use); one value
-    applies to every text.
+    ``lora_paths[i]`` is None (the base model), an adapter folder (loaded on first use) or a Hugging Face
+    Hub id ``org/name[@revision]`` (resolved into the hub cache when the engine starts); one value applies
+    to every text.
     ``images[i]`` is None or an image (or list of images) for a vision-language model.
     """
-    engine = Engine(model=model, **engine_kwargs)
+    per_text = [lora_paths] if isinstance(lora_paths, str) else list(lora_paths or [])
+    hub_ids = sorted({p for p in per_text if p is not None and parse_hub_ref(p) is not None})
+    engine = Engine(model=model, lora_paths=hub_ids, **engine_kwargs)
     return engine.generate(texts, lora_paths, images, sampling_params, return_logprob=return_logprob)

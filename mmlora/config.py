@@ -26,11 +26,25 @@ def _f(default: Any, help: str, **extra: Any) -> Any:
 class ModelConfig:
     model: str = _f(
         "smollm2",
-        '"smollm2" (the embedded default), a HF checkpoint folder, a .gguf file, or "dummy:<preset>".',
+        '"smollm2" (the embedded default), a Hugging Face Hub id "org/name", a HF checkpoint folder, a '
+        '.gguf file, or "dummy:<preset>".',
         aliases=["--model-path"],
     )
+    revision: str | None = _f(
+        None, "Hub revision (branch, tag or commit) of a model given by hub id; defaults to main."
+    )
+    download_dir: str | None = _f(
+        None,
+        "Hub cache folder for models, tokenizers and adapters given by hub id; defaults to huggingface_hub's "
+        "(HF_HUB_CACHE, else HF_HOME/hub).",
+    )
+    gguf_file: str | None = _f(
+        None, "The .gguf file to load inside the model's hub repo or folder (as transformers' gguf_file)."
+    )
     tokenizer: str | None = _f(
-        None, "Tokenizer folder or GGUF file; defaults to the model's.", aliases=["--tokenizer-path"]
+        None,
+        'Tokenizer folder, GGUF file or hub id "org/name[@revision]"; defaults to the model\'s.',
+        aliases=["--tokenizer-path"],
     )
     dtype: str = _f("auto", 'Weight and activation dtype: "auto", "float32", "float16" or "bfloat16".')
     device: str = _f("auto", 'Torch device: "auto" (cuda if available, else cpu), "cpu", "cuda", "cuda:1".')
@@ -60,7 +74,10 @@ class CacheConfig:
 @dataclass(frozen=True)
 class LoRAConfig:
     lora_paths: list[str] = _f(
-        [], 'Adapters registered at start: "name=path" or a bare path (then the path is the name).', nargs="*"
+        [],
+        'Adapters registered at start: "name=path" or a bare path (then the path is the name); a path may '
+        'be a hub id "org/name[@revision]", downloaded once into the hub cache.',
+        nargs="*",
     )
     max_loras_per_batch: int = _f(8, "GPU slots for adapters: the most distinct adapters in one batch.")
     max_lora_rank: int = _f(64, "Largest adapter rank the slots hold; bigger adapters are refused.")
@@ -74,6 +91,11 @@ class LoRAConfig:
     )
     allow_pickled_adapters: bool = _f(
         False, "Accept adapter_model.bin (read with torch.load(weights_only=True)); safetensors otherwise."
+    )
+    allow_hub_adapters: bool = _f(
+        False,
+        "Let adapters loaded at run time (/load_lora_adapter) be hub ids: the server then downloads on "
+        "request (off the engine thread). Start-up adapters may always be hub ids.",
     )
 
 
@@ -112,6 +134,13 @@ class EngineConfig:
             self.model.dtype in ("auto", "float32", "float16", "bfloat16"),
             "dtype",
             f"unknown {self.model.dtype!r}",
+        )
+        gguf = self.model.gguf_file
+        _check(gguf is None or gguf.endswith(".gguf"), "gguf_file", f"{gguf!r} is not a .gguf file name")
+        _check(
+            gguf is None or not self.model.model.endswith(".gguf"),
+            "gguf_file",
+            "give either --model <file>.gguf or --model <repo or folder> --gguf-file <name>.gguf",
         )
 
     @classmethod

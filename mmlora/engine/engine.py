@@ -23,6 +23,7 @@ from mmlora.engine.sampler import sample
 from mmlora.engine.sampling_params import RequestOutput, SamplingParams
 from mmlora.engine.scheduler import Scheduler
 from mmlora.engine.setup import build_engine_parts
+from mmlora.hub import hub_root, resolve_adapter
 from mmlora.lora.registry import AdapterEntry
 from mmlora.multimodal.prompt import text_prompt_ids
 
@@ -275,7 +276,16 @@ class Engine:
     # ---- adapters -------------------------------------------------------------------------------
 
     def load_lora(self, name: str, path: str, pinned: bool = False) -> None:
-        self.lora.load(name, path, pinned=pinned)
+        """Register an adapter folder, or a hub id ``org/name[@revision]`` (downloaded here, on the caller's
+        thread: the server downloads before it hands the engine a folder)."""
+        lc = self.config.lora
+        folder = resolve_adapter(
+            path,
+            download_dir=self.config.model.download_dir,
+            allow_pickled=lc.allow_pickled_adapters,
+            what="lora_path",
+        )
+        self.lora.load(name, folder, pinned=pinned)
 
     def set_pinned(self, name: str, pinned: bool) -> None:
         """Pin (keep in the host cache and, once loaded, in its device slot) or unpin an adapter."""
@@ -299,6 +309,7 @@ class Engine:
             {
                 "name": e.name,
                 "path": e.path,
+                "root": hub_root(e.path) or e.path,
                 "rank": e.rank,
                 "pinned": e.pinned,
                 "in_gpu_slot": pool.slot_of(e.uid) is not None,

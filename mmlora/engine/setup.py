@@ -10,11 +10,12 @@ from typing import Any
 import torch
 
 from mmlora.config import EngineConfig
+from mmlora.hub import resolve_lora_config, resolve_model_source, resolve_tokenizer
 from mmlora.kvcache.allocator import KVCache
 from mmlora.layers.attention import AttentionBackend, get_attention_backend
 from mmlora.lora.manager import LoRAManager
 from mmlora.models.base import CausalLM
-from mmlora.models.loader import ModelSource, iter_weights, load_config, load_tokenizer, resolve_model
+from mmlora.models.loader import ModelSource, iter_weights, load_config, load_tokenizer
 from mmlora.models.registry import model_class_for
 from mmlora.multimodal.prompt import ImagePrompts
 
@@ -61,11 +62,14 @@ def resolve_dtype(name: str, device: torch.device, hf_config: Any) -> torch.dtyp
 def build_engine_parts(config: EngineConfig) -> EngineParts:
     mc = config.model
     device = resolve_device(mc.device)
-    source = resolve_model(mc.model)
+    # Every hub id is resolved (and downloaded) before the weights are read: a bad id fails fast.
+    source = resolve_model_source(mc)
+    tokenizer_path = resolve_tokenizer(mc)
+    lora_config = resolve_lora_config(config.lora, mc.download_dir)
     hf_config = load_config(source)
     cls = model_class_for(hf_config)
     dtype = resolve_dtype(mc.dtype, device, hf_config)
-    tokenizer = load_tokenizer(source, mc.tokenizer)
+    tokenizer = load_tokenizer(source, tokenizer_path)
     torch.manual_seed(mc.seed)
     with torch.device(device):
         model = cls(hf_config).to(dtype)
@@ -77,7 +81,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
 
     sched = config.scheduler
     max_tokens = max(sched.max_num_batched_tokens, sched.max_running_requests)
-    lora = LoRAManager(model, config.lora, max_tokens, dtype, device)
+    lora = LoRAManager(model, lora_config, max_tokens, dtype, device)
 
     max_model_len = mc.max_model_len or model.arch.max_position_embeddings
     attn0 = model.layers[0].self_attn

@@ -62,8 +62,8 @@ def resolve_model(model: str) -> ModelSource:
             raise ValueError(f"model: folder {model!r} has no config.json")
         return ModelSource("hf", model, model)
     raise ValueError(
-        f'model: {model!r} is neither "smollm2", "dummy:<preset>", a .gguf file nor a checkpoint folder '
-        "(there is no model hub here)"
+        f'model: {model!r} is neither "smollm2", "dummy:<preset>", a Hugging Face Hub id "org/name", '
+        "an existing .gguf file nor an existing checkpoint folder"
     )
 
 

@@ -1,19 +1,23 @@
 """Adapter administration and operations: load/unload, health, model info, metrics.
 
 Run-time load/unload is off unless ``--enable-lora-runtime-update``; paths are confined to
-``--lora-root`` and fully validated by the engine before any device memory is touched. Unload refuses
+``--lora-root`` and fully validated by the engine before any device memory is touched. A Hugging Face
+Hub id is refused unless ``--allow-hub-adapters``; then it is downloaded on a worker thread (the engine
+keeps stepping) and the engine is handed the cached folder. Unload refuses
 new requests for the adapter at once and frees its slot and host copy when its in-flight requests end.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from mmlora.engine.sampling_params import SamplingParams
+from mmlora.hub import HubError, parse_hub_ref, resolve_adapter
 from mmlora.server.adapters import confine_adapter_path
 from mmlora.server.errors import APIError, to_api_error
 from mmlora.server.metrics import CONTENT_TYPE
@@ -42,7 +46,7 @@ async def load_lora_adapter(body: LoadLoRARequest, request: Request) -> dict[str
     name = body.lora_name
     if name == state.served_name or name.startswith(state.served_name + ":"):
         raise APIError(400, f"lora_name: {name!r} clashes with the served model name", param="lora_name")
-    real = confine_adapter_path(body.lora_path, state.config.lora_root)
+    real = await _runtime_adapter_folder(state, body.lora_path)
     await _wait_unloaded(state, name)
     if name in state.adapters.names():
         raise APIError(400, f"lora_name: an adapter named {name!r} is already loaded", param="lora_name")
@@ -53,6 +57,33 @@ async def load_lora_adapter(body: LoadLoRARequest, request: Request) -> dict[str
     finally:
         await state.adapters.refresh()
     return {"success": True, "message": f"loaded adapter {name!r}", "lora_name": name}
+
+
+async def _runtime_adapter_folder(state: ServerState, path: str) -> str:
+    """A folder under --lora-root, or a hub id (with --allow-hub-adapters) fetched off the engine thread."""
+    root = state.config.lora_root
+    ref = parse_hub_ref(path)
+    if ref is None or (root and os.path.isdir(os.path.join(os.path.realpath(root), path))):
+        return confine_adapter_path(path, root)
+    config = state.engine.config
+    if not config.lora.allow_hub_adapters:
+        raise APIError(
+            403,
+            f"lora_path: {path!r} is a Hugging Face Hub id and this server does not download adapters at run "
+            "time; start it with --allow-hub-adapters, or put the adapter under --lora-root",
+            param="lora_path",
+            code="hub_adapters_disabled",
+        )
+    try:
+        return await asyncio.to_thread(
+            resolve_adapter,
+            path,
+            download_dir=config.model.download_dir,
+            allow_pickled=config.lora.allow_pickled_adapters,
+            what="lora_path",
+        )
+    except HubError as e:
+        raise APIError(400, str(e), param="lora_path") from None
 
 
 async def _wait_unloaded(state: ServerState, name: str) -> None:

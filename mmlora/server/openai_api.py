@@ -42,7 +42,7 @@ async def list_models(request: Request) -> dict[str, Any]:
     )
     data = [_model_card(state.served_name, root, None, created, state)]
     data += [
-        _model_card(info["name"], info.get("path") or info["name"], state.served_name, created, state)
+        _model_card(info["name"], info.get("root") or info["name"], state.served_name, created, state)
         for info in loras
     ]
     return {"object": "list", "data": data}
