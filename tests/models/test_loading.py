@@ -36,7 +36,7 @@ def test_dummy_preset_runs_with_input_ids():
 
 
 def test_missing_model_sources_are_named(tmp_path, monkeypatch):
-    with pytest.raises(ValueError, match="neither .* hub id .* nor an existing checkpoint folder"):
+    with pytest.raises(ValueError, match="neither .* Hub id .* nor an existing checkpoint folder"):
         mmlora.Engine(model="no/such/model", device="cpu")
     with pytest.raises(ValueError, match="has no config.json"):
         mmlora.Engine(model=str(tmp_path), device="cpu")

@@ -294,7 +294,12 @@ print(json.dumps({"tokens": outs[0].output_ids, "attempts": attempts}))
 
 
 def test_hub_options_are_cli_flags():
+    from mmlora.app.cli import engine_config
+    from mmlora.app.cli import parse_args as app_args
     from mmlora.launch_server import parse_args
+
+    app = engine_config(app_args(["--model", "org/m", "--revision", "v2", "--lora-paths", "org/poem"]))
+    assert (app.model.model, app.model.revision, app.lora.lora_paths) == ("org/m", "v2", ["org/poem"])
 
     engine_config, _ = parse_args(
         ["--model-path", "org/m", "--revision", "v2", "--download-dir", "/d", "--gguf-file", "m.Q4.gguf",
