@@ -46,6 +46,8 @@ class Engine:
         self.kv_cache = parts.kv_cache
         self.max_model_len = parts.max_model_len
         self.model_name = config.model.served_model_name or parts.source.name
+        # What /v1/models calls the base's root: "org/name@<commit>" for a hub model, else as given.
+        self.model_root = hub_root(parts.source.folder) or config.model.model
         self.is_multimodal = self.model.is_multimodal
         self.multimodal = parts.multimodal
         self.runner = ModelRunner(self.model, self.kv_cache, parts.attention, self.lora, self.device)

@@ -37,9 +37,7 @@ async def list_models(request: Request) -> dict[str, Any]:
     await state.adapters.refresh()
     loras = state.adapters.live()
     created = int(state.started)
-    root = str(
-        getattr(getattr(getattr(state.engine, "config", None), "model", None), "model", state.served_name)
-    )
+    root = str(getattr(state.engine, "model_root", state.served_name))
     data = [_model_card(state.served_name, root, None, created, state)]
     data += [
         _model_card(info["name"], info.get("root") or info["name"], state.served_name, created, state)

@@ -20,6 +20,7 @@ GREEDY = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
 def hub(tiny, tmp_path_factory):
     cache = tmp_path_factory.mktemp("hub-server") / "hub"
     commits = {name: add_snapshot(cache, f"tiny-org/{name}", tiny.adapters[name]) for name in ("a0", "a2")}
+    commits["base"] = add_snapshot(cache, "tiny-org/base", tiny.folder)
     return cache, commits
 
 
@@ -64,7 +65,7 @@ def test_with_the_flag_a_hub_adapter_is_fetched_off_the_engine_thread(tiny, hub,
         return real(*args, **kwargs)
 
     monkeypatch.setattr(admin, "resolve_adapter", recording)
-    engine = tiny_engine(tiny, allow_hub_adapters=True)
+    engine = tiny_engine(tiny, model="tiny-org/base", allow_hub_adapters=True)
     for served in serve(engine, enable_lora_runtime_update=True, lora_root=str(tiny.root)):
         res = load(served.url, "hub0", "tiny-org/a0")
         assert res.status_code == 200, res.text
@@ -73,6 +74,7 @@ def test_with_the_flag_a_hub_adapter_is_fetched_off_the_engine_thread(tiny, hub,
         )
         models = {m["id"]: m for m in requests.get(served.url + "/v1/models", timeout=30).json()["data"]}
         assert models["hub0"]["root"] == f"tiny-org/a0@{commits['a0']}" and models["hub0"]["parent"] == "tiny"
+        assert models["tiny"]["root"] == f"tiny-org/base@{commits['base']}"
         assert generate(served.url, "hub0") == generate(served.url, "a0") != generate(served.url, None)
         res = load(served.url, "nope", "tiny-org/missing")
         assert res.status_code == 400 and res.json()["error"]["param"] == "lora_path"

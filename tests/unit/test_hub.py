@@ -8,6 +8,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +28,7 @@ from tiny_models import (
 
 import mmlora
 from mmlora.config import EngineConfig, ModelConfig
-from mmlora.hub import HubError, HubRef, hub_root, parse_hub_ref, resolve_model_source
+from mmlora.hub import HubError, HubRef, hub_root, parse_hub_ref, resolve_model_source, resolve_tokenizer
 
 MAX_NEW = 8
 GREEDY = {"max_new_tokens": MAX_NEW, "temperature": 0.0, "ignore_eos": True}
@@ -234,6 +236,42 @@ def test_unknown_ids_and_revisions_are_one_line_errors(hub):
     _one_line(e)
 
 
+class _FakeHub(BaseHTTPRequestHandler):
+    """A Hub endpoint that knows no repo, and answers as the Hub does for a gated one without a token."""
+
+    def do_GET(self) -> None:
+        gated = "/gated-" in self.path
+        self.send_response(403 if gated else 404)
+        self.send_header("X-Error-Code", "GatedRepo" if gated else "RepoNotFound")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    do_HEAD = do_GET
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def test_missing_and_gated_repos_online_are_one_line_errors(monkeypatch):
+    """Online against HF_ENDPOINT (a local fake): what the Hub answers becomes the one-line error."""
+    from huggingface_hub import constants
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _FakeHub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", endpoint)
+    try:
+        with pytest.raises(HubError, match=f"model: tiny-org/missing .* was not found on {endpoint}") as e:
+            resolve_model_source(ModelConfig(model="tiny-org/missing"))
+        assert "HF_TOKEN" in _one_line(e)
+        with pytest.raises(HubError, match=r"lora_paths: tiny-org/gated-lora \(revision v2\) is gated") as e:
+            mmlora.Engine(model="tiny-org/llama", lora_paths=["tiny-org/gated-lora@v2"], device="cpu")
+        assert f"{endpoint}/tiny-org/gated-lora" in _one_line(e) and "HF_TOKEN" in str(e.value)
+    finally:
+        server.shutdown()
+
+
 def test_pickled_hub_adapters_stay_refused(hub):
     with pytest.raises(HubError, match="tiny-org/pickled-lora has no adapter_model.safetensors") as e:
         mmlora.Engine(model="tiny-org/llama", lora_paths=["tiny-org/pickled-lora"], device="cpu")
@@ -291,6 +329,12 @@ print(json.dumps({"tokens": outs[0].output_ids, "attempts": attempts}))
     )
     expected = engine.generate(PROMPTS[0], "sql", sampling_params=GREEDY)[0].output_ids
     assert got["tokens"] == expected
+
+
+def test_a_tokenizer_by_id(hub):
+    mc = ModelConfig(model=str(hub.folders["llama"]), tokenizer="tiny-org/llama@v0.1")
+    assert Path(resolve_tokenizer(mc)).name == hub.commits["llama-old"]
+    assert resolve_tokenizer(ModelConfig(tokenizer=None)) is None
 
 
 def test_hub_options_are_cli_flags():
