@@ -74,7 +74,7 @@ def snapshot(
     ignore: list[str] | None = None,
 ) -> Path:
     """The snapshot folder of ``ref`` holding the files matching ``allow`` (downloaded if missing)."""
-    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub import constants, errors, snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
         HfHubHTTPError,
@@ -102,19 +102,21 @@ def snapshot(
         ) from None
     except RepositoryNotFoundError:
         raise HubError(
-            f"{where} was not found on {constants.ENDPOINT}: check the id, or set HF_TOKEN if it is private"
+            f"{where} is no local path and was not found on {constants.ENDPOINT}: check the id, or set "
+            "HF_TOKEN if it is private"
         ) from None
     except RevisionNotFoundError:
         raise HubError(f"{where}: the repo has no such revision (branch, tag or commit)") from None
     except LocalEntryNotFoundError as e:
-        state = "only partly" if "incomplete" in str(e) else "not"
+        partial = isinstance(e, getattr(errors, "IncompleteSnapshotError", ()))
+        state = "only partly in" if partial else "no local path and not in"
         if constants.HF_HUB_OFFLINE:
             raise HubError(
-                f"{where} is {state} in the hub cache {cache} and HF_HUB_OFFLINE=1 forbids downloading: "
+                f"{where} is {state} the hub cache {cache} and HF_HUB_OFFLINE=1 forbids downloading: "
                 "download it once online, or point --download-dir / HF_HUB_CACHE at a cache that has it"
             ) from None
         raise HubError(
-            f"{where} is {state} in the hub cache {cache} and {constants.ENDPOINT} cannot be reached: check the "
+            f"{where} is {state} the hub cache {cache} and {constants.ENDPOINT} cannot be reached: check the "
             "network (or HF_ENDPOINT)"
         ) from None
     except HfHubHTTPError as e:
@@ -122,10 +124,10 @@ def snapshot(
     return Path(folder)
 
 
-def _need(folder: Path, ref: HubRef, what: str, name: str, hint: str = "") -> Path:
+def _need(folder: Path, ref: HubRef, what: str, name: str) -> Path:
     path = folder / name
     if not path.is_file():
-        raise HubError(f"{what}: {ref} has no {name}{hint}")
+        raise HubError(f"{what}: {ref} has no {name}")
     return path
 
 

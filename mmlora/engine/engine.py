@@ -280,11 +280,10 @@ class Engine:
     def load_lora(self, name: str, path: str, pinned: bool = False) -> None:
         """Register an adapter folder, or a hub id ``org/name[@revision]`` (downloaded here, on the caller's
         thread: the server downloads before it hands the engine a folder)."""
-        lc = self.config.lora
         folder = resolve_adapter(
             path,
             download_dir=self.config.model.download_dir,
-            allow_pickled=lc.allow_pickled_adapters,
+            allow_pickled=self.config.lora.allow_pickled_adapters,
             what="lora_path",
         )
         self.lora.load(name, folder, pinned=pinned)

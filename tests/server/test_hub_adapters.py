@@ -79,4 +79,7 @@ def test_with_the_flag_a_hub_adapter_is_fetched_off_the_engine_thread(tiny, hub,
         res = load(served.url, "nope", "tiny-org/missing")
         assert res.status_code == 400 and res.json()["error"]["param"] == "lora_path"
         message = res.json()["error"]["message"]
-        assert "tiny-org/missing (revision main) is not in the hub cache" in message and "\n" not in message
+        assert (
+            "tiny-org/missing (revision main) is no local path and not in the hub cache" in message
+            and "\n" not in message
+        )

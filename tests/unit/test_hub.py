@@ -28,7 +28,15 @@ from tiny_models import (
 
 import mmlora
 from mmlora.config import EngineConfig, ModelConfig
-from mmlora.hub import HubError, HubRef, hub_root, parse_hub_ref, resolve_model_source, resolve_tokenizer
+from mmlora.hub import (
+    HubError,
+    HubRef,
+    hub_root,
+    parse_hub_ref,
+    resolve_adapter,
+    resolve_model_source,
+    resolve_tokenizer,
+)
 
 MAX_NEW = 8
 GREEDY = {"max_new_tokens": MAX_NEW, "temperature": 0.0, "ignore_eos": True}
@@ -104,7 +112,7 @@ def test_the_guard_sees_what_online_mode_would_do(no_network, monkeypatch):
     from huggingface_hub import constants
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    with pytest.raises(HubError, match="is not in the hub cache .* cannot be reached") as e:
+    with pytest.raises(HubError, match="is no local path and not in the hub cache .* cannot be reached") as e:
         resolve_model_source(ModelConfig(model="tiny-org/nope"))
     _one_line(e)
     assert no_network
@@ -227,8 +235,13 @@ def test_unknown_ids_and_revisions_are_one_line_errors(hub):
     with pytest.raises(HubError) as e:
         mmlora.Engine(model="tiny-org/nope", device="cpu")
     msg = _one_line(e)
-    assert "model: tiny-org/nope (revision main) is not in the hub cache" in msg and "HF_HUB_OFFLINE=1" in msg
-    with pytest.raises(HubError, match=r"model: tiny-org/llama \(revision v9\) is not in the hub cache") as e:
+    assert (
+        "model: tiny-org/nope (revision main) is no local path and not in the hub cache" in msg
+        and "HF_HUB_OFFLINE=1" in msg
+    )
+    with pytest.raises(
+        HubError, match=r"model: tiny-org/llama \(revision v9\) is no local path and not in the hub cache"
+    ) as e:
         mmlora.Engine(model="tiny-org/llama", revision="v9", device="cpu")
     _one_line(e)
     with pytest.raises(HubError, match=r"lora_paths: tiny-org/nope-lora \(revision main\)") as e:
@@ -262,7 +275,9 @@ def test_missing_and_gated_repos_online_are_one_line_errors(monkeypatch):
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(constants, "ENDPOINT", endpoint)
     try:
-        with pytest.raises(HubError, match=f"model: tiny-org/missing .* was not found on {endpoint}") as e:
+        with pytest.raises(
+            HubError, match=f"model: tiny-org/missing .* is no local path and was not found on {endpoint}"
+        ) as e:
             resolve_model_source(ModelConfig(model="tiny-org/missing"))
         assert "HF_TOKEN" in _one_line(e)
         with pytest.raises(HubError, match=r"lora_paths: tiny-org/gated-lora \(revision v2\) is gated") as e:
@@ -276,6 +291,12 @@ def test_pickled_hub_adapters_stay_refused(hub):
     with pytest.raises(HubError, match="tiny-org/pickled-lora has no adapter_model.safetensors") as e:
         mmlora.Engine(model="tiny-org/llama", lora_paths=["tiny-org/pickled-lora"], device="cpu")
     _one_line(e)
+    # Asking for the pickle too (allowed): the repo lists one that the cache lacks, which offline is an error.
+    with pytest.raises(
+        HubError, match=r"tiny-org/poem-lora \(revision main\) is only partly in the hub cache"
+    ):
+        resolve_adapter("tiny-org/poem-lora", allow_pickled=True)
+    assert resolve_adapter("tiny-org/poem-lora").endswith(hub.commits["poem"])
 
 
 def test_download_dir_overrides_the_default_cache(hub, tmp_path, monkeypatch):
