@@ -210,7 +210,7 @@ def test_qwen2_vl_by_id_reads_its_image_processor_and_equals_by_folder(hub):
         engine = mmlora.Engine(model=model, device="cpu", dtype="float32")
         outs.append(engine.generate([prompt], images=[[image]], sampling_params=GREEDY)[0])
         # The fixture's processor caps images at 64 patches of 28x28 (the default allows 1280).
-        assert engine.model._processor().size["longest_edge"] == 64 * 28 * 28
+        assert engine.multimodal._processor().size["longest_edge"] == 64 * 28 * 28
     assert outs[0].output_ids == outs[1].output_ids
     assert outs[0].prompt_tokens == outs[1].prompt_tokens
 
