@@ -94,7 +94,7 @@ class Engine:
             raise ValueError(f"prompt: {len(ids)} tokens do not fit in the KV cache")
         entry = self.lora.resolve(lora)
         if entry is not None:
-            self.lora.registry.acquire(entry)
+            self.lora.acquire(entry)
         req = Request(rid, ids, sp, entry, return_logprob, top_logprobs_num, mm_inputs)
         if sp.seed is not None:
             req.generator = torch.Generator(device=self.device).manual_seed(sp.seed)
@@ -188,7 +188,7 @@ class Engine:
             req.finish_time = time.monotonic()
             self.scheduler.remove(req)
             if req.lora is not None:
-                self.lora.registry.release(req.lora)
+                self.lora.release(req.lora)
             self._requests.pop(req.rid, None)
             self.counters["requests_finished_total"] += 1
 
@@ -294,7 +294,7 @@ class Engine:
 
     def unload_lora(self, name: str) -> None:
         """Refuse new requests for ``name`` now; free its slot and host copy once its requests finish."""
-        entry = self.lora.registry.mark_unloading(name)
+        entry = self.lora.begin_unload(name)
         self._pending_unloads.append(entry)
         self._finish_unloads()
 
@@ -305,25 +305,12 @@ class Engine:
                 self._pending_unloads.remove(entry)
 
     def list_loras(self) -> list[dict[str, Any]]:
-        pool = self.lora.pool
-        return [
-            {
-                "name": e.name,
-                "path": e.path,
-                "rank": e.rank,
-                "pinned": e.pinned,
-                "in_gpu_slot": pool.slot_of(e.uid) is not None,
-                "in_host_cache": pool.in_host(e.uid),
-                "active_requests": e.refcount,
-                "unloading": e.unloading,
-            }
-            for e in self.lora.registry.entries()
-        ]
+        return self.lora.describe()
 
     @property
     def lora_backend(self) -> str:
         """The LoRA kernel backend in use (``lora_backend="auto"`` resolved for this device)."""
-        return self.lora.ctx.backend.name
+        return self.lora.backend_name
 
     def stats(self) -> dict[str, Any]:
         sched, alloc = self.scheduler, self.kv_cache.allocator
@@ -334,8 +321,8 @@ class Engine:
             "kv_tokens_total": alloc.num_blocks * alloc.block_size,
             "running_loras": sorted({r.lora_name for r in sched.running if r.lora is not None}),
             "waiting_loras": sorted({r.lora_name for r in sched.waiting if r.lora is not None}),
-            "max_loras": self.lora.pool.num_slots,
-            "slots_used": self.lora.pool.slots_used,
+            "max_loras": self.lora.num_slots,
+            "slots_used": self.lora.slots_used,
             "num_preemptions_total": sched.num_preemptions,
             **self.counters,
         }

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mmlora.engine.forward_batch import ForwardBatch
+from mmlora.forward.batch import ForwardBatch
 from mmlora.layers.rotary import RotaryEmbedding, rope_parameters
 from mmlora.models.base import CausalLM
 from mmlora.models.llama import LlamaForCausalLM, LlamaModel

@@ -8,7 +8,7 @@ from typing import ClassVar
 
 import torch
 
-from mmlora.layers.attention.metadata import AttentionMetadata
+from mmlora.forward.attention import AttentionMetadata
 
 
 class AttentionBackend(ABC):

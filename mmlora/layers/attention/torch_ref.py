@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from mmlora.forward.attention import AttentionMetadata
 from mmlora.layers.attention.base import AttentionBackend, register_attention_backend, store_kv
-from mmlora.layers.attention.metadata import AttentionMetadata
 
 
 def _gather_pages(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> torch.Tensor:

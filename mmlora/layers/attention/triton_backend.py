@@ -20,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mmlora.forward.attention import AttentionMetadata
 from mmlora.layers.attention.base import AttentionBackend, register_attention_backend
-from mmlora.layers.attention.metadata import AttentionMetadata
 from mmlora.layers.attention.triton_common import interpreting
 from mmlora.layers.attention.triton_decode import decode_attention
 from mmlora.layers.attention.triton_prefill import prefill_attention
