@@ -23,6 +23,7 @@ from mmlora.engine.sampler import sample
 from mmlora.engine.sampling_params import RequestOutput, SamplingParams
 from mmlora.engine.scheduler import Scheduler
 from mmlora.engine.setup import build_engine_parts
+from mmlora.lora.manager import AdapterRef
 from mmlora.lora.registry import AdapterEntry
 
 logger = logging.getLogger(__name__)
@@ -67,7 +68,7 @@ class Engine:
         *,
         input_ids: Sequence[int] | None = None,
         sampling_params: SamplingParams | dict | None = None,
-        lora: str | None = None,
+        lora: str | AdapterRef | None = None,
         images: Sequence[Any] | None = None,
         request_id: str | None = None,
         return_logprob: bool = False,
@@ -233,16 +234,13 @@ class Engine:
                 raise ValueError("give texts or input_ids, not both")
             prompts = [None] * len(input_ids)
         count = len(prompts)
-        loras = _per_prompt(lora_paths, count, "lora_paths")
-        imgs = _per_prompt(images, count, "images", list_is_per_prompt=True)
-        params = _per_prompt(sampling_params, count, "sampling_params")
+        loras = per_prompt(lora_paths, count, "lora_paths")
+        imgs = per_prompt(images, count, "images", list_is_per_prompt=True)
+        params = per_prompt(sampling_params, count, "sampling_params")
         rids: list[str] = []
         try:
             for i in range(count):
-                sp = SamplingParams.from_any(params[i])
-                for j in range(sp.n):
-                    seed = sp.seed + j if sp.seed is not None else None
-                    one = SamplingParams(**{**sp.__dict__, "n": 1, "seed": seed})
+                for one in SamplingParams.from_any(params[i]).samples():
                     rid = self.add_request(
                         prompts[i],
                         input_ids=input_ids[i] if input_ids is not None else None,
@@ -339,8 +337,9 @@ def _as_list(value: Any) -> list[Any] | None:
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
-def _per_prompt(value: Any, count: int, name: str, list_is_per_prompt: bool = False) -> list[Any]:
-    """One value for all prompts, or a list aligned with them (its length is checked)."""
+def per_prompt(value: Any, count: int, name: str, list_is_per_prompt: bool = False) -> list[Any]:
+    """One value for all prompts, or a list aligned with them (its length is checked). A string is one
+    value; with ``list_is_per_prompt`` any list is per prompt (images: a list of lists)."""
     if isinstance(value, (list, tuple)) and (list_is_per_prompt or not isinstance(value, str)):
         if len(value) != count:
             raise ValueError(f"{name}: has {len(value)} entries for {count} prompts")

@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -20,6 +21,7 @@ from mmlora.config import LoRAConfig, split_lora_spec
 from mmlora.forward.lora import LoRABatchInfo, LoRAWeights
 from mmlora.lora.adapter import LoadedAdapter, load_adapter
 from mmlora.lora.layer import LoRAContext, LoRALinear
+from mmlora.lora.paths import confine_adapter_path
 from mmlora.lora.pool import LoRAPool
 from mmlora.lora.registry import AdapterEntry, AdapterRegistry
 from mmlora.lora.spec import LoRATargetModel
@@ -28,7 +30,37 @@ logger = logging.getLogger(__name__)
 
 
 class UnknownAdapterError(ValueError):
-    """A request named an adapter that is neither registered nor a loadable folder."""
+    """A request named an adapter that is neither registered nor a folder it may load."""
+
+    def __init__(self, param: str, key: str, registered: list[str]) -> None:
+        known = ", ".join(registered) or "none"
+        super().__init__(
+            f"{param}: unknown adapter {key!r} (not a registered name nor a folder); registered: {known}"
+        )
+        self.param, self.key, self.registered = param, key, registered
+
+
+@dataclass(frozen=True)
+class AdapterRef:
+    """A request's adapter as its client named it; :meth:`LoRAManager.resolve` resolves it once, on the
+    engine thread, when the request is added (a plain string is ``AdapterRef(key)``).
+
+    key             a registered name, a registered path, or a folder to load on first use
+    param           the request field that named it (errors name it)
+    allow_folders   whether an unregistered folder may be loaded (the server: only with run-time updates)
+    lora_root       when set (the server), unregistered folders must name a path confined to it
+                    (:func:`mmlora.lora.paths.confine_adapter_path`; ``confine`` without a root refuses)
+    confine         whether ``lora_root`` applies (True for anything that arrives over the network)
+    same_as         (param, key) of a second field that must name the same adapter (OpenAI ``model``
+                    next to the ``lora_path`` extra)
+    """
+
+    key: str
+    param: str = "lora_path"
+    allow_folders: bool = True
+    confine: bool = False
+    lora_root: str | None = None
+    same_as: tuple[str, str] | None = None
 
 
 class LoRAManager:
@@ -156,24 +188,35 @@ class LoRAManager:
         else:
             self._pool.pinned.discard(entry.uid)
 
-    def resolve(self, lora: str | None) -> AdapterEntry | None:
-        """None (base), a registered name or path, or a folder (registered under its own path on first
-        use). Raises :class:`UnknownAdapterError` otherwise."""
+    def resolve(self, lora: str | AdapterRef | None) -> AdapterEntry | None:
+        """None (base) or the adapter ``lora`` names (see :class:`AdapterRef`); a folder is registered
+        under its own path on first use. Raises :class:`UnknownAdapterError` or ValueError."""
         if lora is None:
             return None
-        if not isinstance(lora, str) or not lora:
-            raise ValueError(f"lora_path: expected a name, a path or None, got {lora!r}")
-        entry = self._registry.lookup(lora)
-        if entry is not None:
-            if entry.unloading:
-                raise ValueError(f"lora {entry.name!r} is being unloaded")
-            return entry
-        if os.path.isdir(lora):
-            return self.load(lora, lora)
-        known = ", ".join(self._registry.names()) or "none"
-        raise UnknownAdapterError(
-            f"lora_path: unknown adapter {lora!r} (not a registered name nor a folder); registered: {known}"
-        )
+        ref = lora if isinstance(lora, AdapterRef) else AdapterRef(lora)
+        entry = self._resolve_key(ref, ref.key, ref.param)
+        if ref.same_as is not None:
+            param, key = ref.same_as
+            if self._resolve_key(ref, key, param) is not entry:
+                raise ValueError(f"{ref.param}: {param} and {ref.param} name different adapters")
+        return entry
+
+    def _resolve_key(self, ref: AdapterRef, key: str, param: str) -> AdapterEntry:
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"{param}: expected a name, a path or None, got {key!r}")
+        path = key
+        entry = self._registry.lookup(key)
+        if entry is None and ref.allow_folders and (not ref.confine or "/" in key or os.sep in key):
+            if ref.confine:
+                path = confine_adapter_path(key, ref.lora_root, param=param)
+                entry = self._registry.lookup(path)
+            if entry is None and os.path.isdir(path):
+                return self.load(path, path)
+        if entry is None:
+            raise UnknownAdapterError(param, key, self.names())
+        if entry.unloading:
+            raise ValueError(f"lora {entry.name!r} is being unloaded")
+        return entry
 
     def names(self) -> list[str]:
         """Adapters that take requests (those being unloaded are left out)."""

@@ -14,7 +14,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from mmlora.engine.sampling_params import SamplingParams
-from mmlora.server.adapters import confine_adapter_path
+from mmlora.lora.paths import AdapterPathError, confine_adapter_path
 from mmlora.server.errors import APIError, to_api_error
 from mmlora.server.metrics import CONTENT_TYPE
 from mmlora.server.protocol import LoadLoRARequest, UnloadLoRARequest
@@ -42,16 +42,17 @@ async def load_lora_adapter(body: LoadLoRARequest, request: Request) -> dict[str
     name = body.lora_name
     if name == state.served_name or name.startswith(state.served_name + ":"):
         raise APIError(400, f"lora_name: {name!r} clashes with the served model name", param="lora_name")
-    real = confine_adapter_path(body.lora_path, state.config.lora_root)
+    try:
+        real = confine_adapter_path(body.lora_path, state.config.lora_root)
+    except AdapterPathError as e:
+        raise APIError(400, str(e), param="lora_path") from None
     await _wait_unloaded(state, name)
-    if name in state.adapters.names():
+    if name in await state.adapter_names():
         raise APIError(400, f"lora_name: an adapter named {name!r} is already loaded", param="lora_name")
     try:
         await state.bg.run_async(lambda eng: eng.load_lora(name, real, pinned=body.pinned))
     except Exception as e:
         raise to_api_error(e) from None
-    finally:
-        await state.adapters.refresh()
     return {"success": True, "message": f"loaded adapter {name!r}", "lora_name": name}
 
 
@@ -59,7 +60,7 @@ async def _wait_unloaded(state: ServerState, name: str) -> None:
     """A name being unloaded is free again once its in-flight requests end: wait for that (bounded)."""
     deadline = asyncio.get_running_loop().time() + _UNLOAD_WAIT_S
     while True:
-        loras = await state.adapters.refresh()
+        loras = await state.loras()
         busy = [info for info in loras if info["name"] == name and info.get("unloading")]
         if not busy:
             return
@@ -78,11 +79,11 @@ async def unload_lora_adapter(body: UnloadLoRARequest, request: Request) -> dict
     state: ServerState = request.app.state.mmlora
     _require_runtime_update(state)
     name = body.lora_name
-    await state.adapters.refresh()
-    if name not in state.adapters.names():
+    names = await state.adapter_names()
+    if name not in names:
         raise APIError(
             404,
-            f"lora_name: no adapter named {name!r}; loaded: {state.adapters.names()}",
+            f"lora_name: no adapter named {name!r}; loaded: {names}",
             param="lora_name",
             code="lora_not_found",
         )
@@ -153,7 +154,7 @@ async def get_model_info(request: Request) -> dict[str, Any]:
         "max_loras_per_batch": getattr(lora_cfg, "max_loras_per_batch", None),
         "max_lora_rank": getattr(lora_cfg, "max_lora_rank", None),
         "lora_backend": getattr(eng, "lora_backend", None) or getattr(lora_cfg, "lora_backend", None),
-        "loras": await state.adapters.refresh(),
+        "loras": await state.loras(),
     }
 
 
