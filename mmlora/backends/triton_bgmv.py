@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
 from mmlora.backends.registry import register_backend
 from mmlora.backends.triton_common import (
@@ -240,12 +241,8 @@ def _expand(
 
 
 def bgmv_shrink(
-    x: torch.Tensor,
-    A: torch.Tensor,
-    info: LoRABatchInfo,
-    n_slices: int | None = None,
-    split_k: int | None = None,
-) -> torch.Tensor:
+    x: Tensor, A: Tensor, info: LoRABatchInfo, n_slices: int | None = None, split_k: int | None = None
+) -> Tensor:
     """``h[t] = x[t] @ A[token_slots[t]].T`` per token (zeros for base-only rows), in x.dtype.
 
     ``n_slices`` lets the kernel skip rank padding per slice (see :func:`sgmv_shrink`); ``split_k``

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
 from mmlora.backends.registry import register_backend
 from mmlora.backends.triton_common import (
@@ -230,12 +231,8 @@ def _expand_planes(
 
 
 def sgmv_shrink(
-    x: torch.Tensor,
-    A: torch.Tensor,
-    info: LoRABatchInfo,
-    n_slices: int | None = None,
-    split_k: int | None = None,
-) -> torch.Tensor:
+    x: Tensor, A: Tensor, info: LoRABatchInfo, n_slices: int | None = None, split_k: int | None = None
+) -> Tensor:
     """``h [T, n*R] = per-segment x @ A[slot].T`` (zeros for base-only rows), in x.dtype.
 
     ``n_slices`` (the number of slices packed in A) lets the kernel skip rank padding per slice; when

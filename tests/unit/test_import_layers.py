@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2] / "mmlora"
 
 # Bottom to top. Same-layer packages may not import each other either (that is how cycles start).
 LAYERS: list[set[str]] = [
-    {"forward", "config"},  # leaf data: what one forward reads; frozen config dataclasses
+    {"forward", "config", "registry"},  # leaf: forward data, frozen config, the by-name registry
     {"backends"},  # LoRA kernels behind add_lora
     {"layers", "multimodal"},  # attention, rotary, fused ops; image loading and processing
     {"lora"},  # adapters: read, registry, pool, LoRALinear, manager
