@@ -1,4 +1,4 @@
-"""The LoRA backend interface: two batched operations every kernel family implements.
+"""The LoRA backend interface: one batched call, ``add_lora(out, x, weights, info)``.
 
 Adapter weights live in the adapter pool as one pair of stacked tensors per (layer, target module):
 
@@ -15,6 +15,7 @@ Semantics, for every token t with slot s = info.token_slots[t] >= 0 and every sl
   h[t, i*R:(i+1)*R]                = x[t] @ A[s, i*R:(i+1)*R].T
   out[t, off[i]:off[i+1]]         += h[t, i*R:(i+1)*R] @ B[s, off[i]:off[i+1]].T * scalings[s, i]
 Rows with slot -1 are left untouched. Intermediate ``h`` has the dtype of ``x`` (as PEFT computes it).
+How a backend splits the work (shrink then expand, fused, per rank bucket) is its own business.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import ClassVar
 
 import torch
 
-from mmlora.lora.batch_info import LoRABatchInfo
+from mmlora.forward.lora import LoRABatchInfo, LoRAWeights
 
 
 class LoRABackend(ABC):
@@ -33,33 +34,6 @@ class LoRABackend(ABC):
     name: ClassVar[str]
 
     @abstractmethod
-    def shrink(self, x: torch.Tensor, A: torch.Tensor, info: LoRABatchInfo) -> torch.Tensor:
-        """x [T, in], A [S, n*R, in] -> h [T, n*R] in x.dtype; rows of base-only tokens are zero."""
-
-    @abstractmethod
-    def expand(
-        self,
-        h: torch.Tensor,
-        B: torch.Tensor,
-        scalings: torch.Tensor,
-        info: LoRABatchInfo,
-        out: torch.Tensor,
-        slice_offsets: tuple[int, ...],
-    ) -> None:
-        """h [T, n*R], B [S, out, R], scalings [S, n] -> out[T, out] += per-slice h_i @ B_i.T * scaling."""
-
-    def add_lora(
-        self,
-        out: torch.Tensor,
-        x: torch.Tensor,
-        A: torch.Tensor,
-        B: torch.Tensor,
-        scalings: torch.Tensor,
-        info: LoRABatchInfo,
-        slice_offsets: tuple[int, ...],
-    ) -> None:
-        """``out += lora(x)`` for the batch described by ``info``; a no-op when no row has an adapter."""
-        if not info.has_lora:
-            return
-        h = self.shrink(x, A, info)
-        self.expand(h, B, scalings, info, out, slice_offsets)
+    def add_lora(self, out: torch.Tensor, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo) -> None:
+        """``out [T, out] += lora(x [T, in])`` for the batch described by ``info`` (the semantics above);
+        a no-op when no row has an adapter."""

@@ -6,28 +6,17 @@ elsewhere (Triton off a GPU only runs in its slow interpreter)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from mmlora.backends.base import LoRABackend
+from mmlora.registry import NamedRegistry
 
-_REGISTRY: dict[str, Callable[[], LoRABackend]] = {}
-
-
-def register_backend(name: str) -> Callable[[type[LoRABackend]], type[LoRABackend]]:
-    def wrap(cls: type[LoRABackend]) -> type[LoRABackend]:
-        if name in _REGISTRY:
-            raise ValueError(f"LoRA backend {name!r} registered twice")
-        cls.name = name
-        _REGISTRY[name] = cls
-        return cls
-
-    return wrap
+_REGISTRY: NamedRegistry[LoRABackend] = NamedRegistry("LoRA backend", "lora_backend")
+register_backend = _REGISTRY.register
 
 
 def available_backends() -> list[str]:
-    return sorted(_REGISTRY)
+    return _REGISTRY.names()
 
 
 def resolve_backend_name(name: str, device: torch.device | str | None = None) -> str:
@@ -40,9 +29,4 @@ def resolve_backend_name(name: str, device: torch.device | str | None = None) ->
 
 def get_backend(name: str, device: torch.device | str | None = None) -> LoRABackend:
     """A new instance of the named backend (``"auto"``: the one for ``device``, see the module doc)."""
-    resolved = resolve_backend_name(name, device)
-    if resolved not in _REGISTRY:
-        raise ValueError(
-            f"unknown lora_backend {name!r}; registered backends: auto, {', '.join(available_backends())}"
-        )
-    return _REGISTRY[resolved]()
+    return _REGISTRY.get(resolve_backend_name(name, device), given=name)()

@@ -16,7 +16,76 @@ import torch
 
 from mmlora.backends.base import LoRABackend
 from mmlora.backends.registry import register_backend
-from mmlora.lora.batch_info import LoRABatchInfo
+from mmlora.forward.lora import LoRABatchInfo, LoRAWeights
+
+
+def _per_token(info: LoRABatchInfo) -> bool:
+    return info.num_segments == info.num_tokens
+
+
+def gather_shrink(x: torch.Tensor, A: torch.Tensor, info: LoRABatchInfo) -> torch.Tensor:
+    """x [T, in], A [S, n*R, in] -> h [T, n*R] in x.dtype: ``h[t] = x[t] @ A[slot(t)].T``, zero rows for
+    base-only tokens."""
+    T = info.num_tokens
+    if _per_token(info) and x.device.type == "cpu":
+        h = x.new_zeros(T, A.shape[1])
+        for slot, idx in _slot_groups(info):
+            h.index_copy_(0, idx, x.index_select(0, idx) @ A[slot].T)
+        return h
+    if _per_token(info):
+        slots = info.token_slots[:T].long()
+        mask = slots >= 0
+        a = A[slots.clamp(min=0)]  # [T, nR, in]
+        h = torch.bmm(a, x[:T].unsqueeze(-1)).squeeze(-1)
+        return h * mask.unsqueeze(-1).to(h.dtype)
+    h = x.new_zeros(T, A.shape[1])
+    start = 0
+    for n, slot in zip(info.seg_lens_host, info.seg_slots_host):
+        if slot >= 0:
+            h[start : start + n] = x[start : start + n] @ A[slot].T
+        start += n
+    return h
+
+
+def gather_expand(h: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo, out: torch.Tensor) -> None:
+    """h [T, n*R] -> ``out[t, slice i] += h[t, slice i] @ B[slot(t), slice i].T * scalings[slot(t), i]``
+    for every token with an adapter."""
+    B, scalings, offs = weights.B, weights.scalings, weights.slice_offsets
+    T = info.num_tokens
+    R = B.shape[2]
+    n_slices = weights.n_slices
+    if _per_token(info) and h.device.type == "cpu":
+        for slot, idx in _slot_groups(info):
+            hs = h.index_select(0, idx)
+            parts = [
+                (hs[:, i * R : (i + 1) * R] @ B[slot, offs[i] : offs[i + 1]].T)
+                * scalings[slot, i].to(h.dtype)
+                for i in range(n_slices)
+            ]
+            delta = parts[0] if n_slices == 1 else torch.cat(parts, dim=1)
+            out[:, offs[0] : offs[-1]].index_add_(0, idx, delta.to(out.dtype))
+        return
+    if _per_token(info):
+        slots = info.token_slots[:T].long()
+        mask = (slots >= 0).unsqueeze(-1)
+        idx = slots.clamp(min=0)
+        b = B[idx]  # [T, out, R]
+        scale = scalings[idx]  # [T, n]
+        for i in range(n_slices):
+            lo, hi = offs[i], offs[i + 1]
+            hi_ = h[:, i * R : (i + 1) * R].unsqueeze(-1)
+            delta = torch.bmm(b[:, lo:hi], hi_).squeeze(-1) * scale[:, i : i + 1].to(h.dtype)
+            out[:T, lo:hi] += (delta * mask).to(out.dtype)
+        return
+    start = 0
+    for n, slot in zip(info.seg_lens_host, info.seg_slots_host):
+        if slot >= 0:
+            rows = slice(start, start + n)
+            for i in range(n_slices):
+                lo, hi = offs[i], offs[i + 1]
+                delta = h[rows, i * R : (i + 1) * R] @ B[slot, lo:hi].T
+                out[rows, lo:hi] += (delta * scalings[slot, i].to(h.dtype)).to(out.dtype)
+        start += n
 
 
 @register_backend("torch-gather")
@@ -24,120 +93,43 @@ class TorchGatherBackend(LoRABackend):
     def __init__(self) -> None:
         self._expand_cache: dict[int, tuple] = {}
 
-    def shrink(self, x: torch.Tensor, A: torch.Tensor, info: LoRABatchInfo) -> torch.Tensor:
-        T = info.num_tokens
-        if self._per_token(info) and x.device.type == "cpu":
-            h = x.new_zeros(T, A.shape[1])
-            for slot, idx in _slot_groups(info):
-                h.index_copy_(0, idx, x.index_select(0, idx) @ A[slot].T)
-            return h
-        if self._per_token(info):
-            slots = info.token_slots[:T].long()
-            mask = slots >= 0
-            a = A[slots.clamp(min=0)]  # [T, nR, in]
-            h = torch.bmm(a, x[:T].unsqueeze(-1)).squeeze(-1)
-            return h * mask.unsqueeze(-1).to(h.dtype)
-        h = x.new_zeros(T, A.shape[1])
-        start = 0
-        for n, slot in zip(info.seg_lens_host, info.seg_slots_host):
-            if slot >= 0:
-                h[start : start + n] = x[start : start + n] @ A[slot].T
-            start += n
-        return h
-
-    def expand(
-        self,
-        h: torch.Tensor,
-        B: torch.Tensor,
-        scalings: torch.Tensor,
-        info: LoRABatchInfo,
-        out: torch.Tensor,
-        slice_offsets: tuple[int, ...],
-    ) -> None:
-        T = info.num_tokens
-        R = B.shape[2]
-        n_slices = len(slice_offsets) - 1
-        if self._per_token(info) and h.device.type == "cpu":
-            for slot, idx in _slot_groups(info):
-                hs = h.index_select(0, idx)
-                parts = [
-                    (hs[:, i * R : (i + 1) * R] @ B[slot, slice_offsets[i] : slice_offsets[i + 1]].T)
-                    * scalings[slot, i].to(h.dtype)
-                    for i in range(n_slices)
-                ]
-                delta = parts[0] if n_slices == 1 else torch.cat(parts, dim=1)
-                out[:, slice_offsets[0] : slice_offsets[-1]].index_add_(0, idx, delta.to(out.dtype))
+    def add_lora(self, out: torch.Tensor, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo) -> None:
+        """Shrink then expand; CPU decode batches over few slots take a dense path instead: two matmuls
+        over all slots, with the rows of other slots masked to exact zeros. At small batches the cost is
+        per torch call, not per FLOP, and this keeps the call count independent of the adapters."""
+        if not info.has_lora:
             return
-        if self._per_token(info):
-            slots = info.token_slots[:T].long()
-            mask = (slots >= 0).unsqueeze(-1)
-            idx = slots.clamp(min=0)
-            b = B[idx]  # [T, out, R]
-            scale = scalings[idx]  # [T, n]
-            for i in range(n_slices):
-                lo, hi = slice_offsets[i], slice_offsets[i + 1]
-                hi_ = h[:, i * R : (i + 1) * R].unsqueeze(-1)
-                delta = torch.bmm(b[:, lo:hi], hi_).squeeze(-1) * scale[:, i : i + 1].to(h.dtype)
-                out[:T, lo:hi] += (delta * mask).to(out.dtype)
-            return
-        start = 0
-        for n, slot in zip(info.seg_lens_host, info.seg_slots_host):
-            if slot >= 0:
-                rows = slice(start, start + n)
-                for i in range(n_slices):
-                    lo, hi = slice_offsets[i], slice_offsets[i + 1]
-                    delta = h[rows, i * R : (i + 1) * R] @ B[slot, lo:hi].T
-                    out[rows, lo:hi] += (delta * scalings[slot, i].to(h.dtype)).to(out.dtype)
-            start += n
-
-    def add_lora(
-        self,
-        out: torch.Tensor,
-        x: torch.Tensor,
-        A: torch.Tensor,
-        B: torch.Tensor,
-        scalings: torch.Tensor,
-        info: LoRABatchInfo,
-        slice_offsets: tuple[int, ...],
-    ) -> None:
-        """As the base class, but CPU decode batches over few slots take a dense path: two matmuls over
-        all slots, with the rows of other slots masked to exact zeros. At small batches the cost is per
-        torch call, not per FLOP, and this keeps the call count independent of the adapters."""
-        cpu_decode = info.has_lora and self._per_token(info) and x.device.type == "cpu"
+        cpu_decode = _per_token(info) and x.device.type == "cpu"
         if not cpu_decode or info.num_slots > _DENSE_MAX_SLOTS:
-            super().add_lora(out, x, A, B, scalings, info, slice_offsets)
+            gather_expand(gather_shrink(x, weights.A, info), weights, info, out)
             return
+        A = weights.A
         T = info.num_tokens
         h = x[:T] @ A.view(-1, A.shape[2]).T  # [T, S * n * R]: every slot's shrink
         h *= _slot_mask(info, A.shape[1], x.dtype)
-        lo, hi = slice_offsets[0], slice_offsets[-1]
-        out[:T, lo:hi].addmm_(h, self._expand_matrix(B, scalings, slice_offsets, info).to(out.dtype))
+        lo, hi = weights.slice_offsets[0], weights.slice_offsets[-1]
+        out[:T, lo:hi].addmm_(h, self._expand_matrix(weights).to(out.dtype))
 
-    def _expand_matrix(
-        self, B: torch.Tensor, scalings: torch.Tensor, slice_offsets: tuple[int, ...], info: LoRABatchInfo
-    ) -> torch.Tensor:
+    def _expand_matrix(self, weights: LoRAWeights) -> torch.Tensor:
         """[S * n * R, out]: row block (s, i) holds slot s's B for slice i (scaled), zero elsewhere.
 
         Cached per module; rebuilt only when the pool writes into B or the scalings (their version
         counters move with every in-place change, as a slot load makes)."""
+        B, scalings, offs = weights.B, weights.scalings, weights.slice_offsets
         cached = self._expand_cache.get(B.data_ptr())
         if cached is not None:
             b, b_version, sc, sc_version, W = cached
             if b is B and b_version == B._version and sc is scalings and sc_version == scalings._version:
                 return W
         S, out_features, R = B.shape
-        n = len(slice_offsets) - 1
+        n = weights.n_slices
         W = B.new_zeros(S * n * R, out_features)
         for s in range(S):
             for i in range(n):
-                lo, hi = slice_offsets[i], slice_offsets[i + 1]
+                lo, hi = offs[i], offs[i + 1]
                 W[(s * n + i) * R : (s * n + i + 1) * R, lo:hi] = (B[s, lo:hi] * scalings[s, i].to(B.dtype)).T
         self._expand_cache[B.data_ptr()] = (B, B._version, scalings, scalings._version, W)
         return W
-
-    @staticmethod
-    def _per_token(info: LoRABatchInfo) -> bool:
-        return info.num_segments == info.num_tokens
 
 
 _DENSE_MAX_SLOTS = 8

@@ -17,7 +17,7 @@ from mmlora.backends.base import LoRABackend
 from mmlora.backends.registry import register_backend
 from mmlora.backends.triton_bgmv import TritonBGMVBackend
 from mmlora.backends.triton_sgmv import TritonSGMVBackend
-from mmlora.lora.batch_info import LoRABatchInfo
+from mmlora.forward.lora import LoRABatchInfo, LoRAWeights
 
 
 @register_backend("triton-auto")
@@ -31,28 +31,5 @@ class TritonAutoBackend(LoRABackend):
     def pick(self, info: LoRABatchInfo) -> LoRABackend:
         return self.bgmv if info.num_tokens < 2 * info.num_segments else self.sgmv
 
-    def shrink(self, x: torch.Tensor, A: torch.Tensor, info: LoRABatchInfo) -> torch.Tensor:
-        return self.pick(info).shrink(x, A, info)
-
-    def expand(
-        self,
-        h: torch.Tensor,
-        B: torch.Tensor,
-        scalings: torch.Tensor,
-        info: LoRABatchInfo,
-        out: torch.Tensor,
-        slice_offsets: tuple[int, ...],
-    ) -> None:
-        self.pick(info).expand(h, B, scalings, info, out, slice_offsets)
-
-    def add_lora(
-        self,
-        out: torch.Tensor,
-        x: torch.Tensor,
-        A: torch.Tensor,
-        B: torch.Tensor,
-        scalings: torch.Tensor,
-        info: LoRABatchInfo,
-        slice_offsets: tuple[int, ...],
-    ) -> None:
-        self.pick(info).add_lora(out, x, A, B, scalings, info, slice_offsets)
+    def add_lora(self, out: torch.Tensor, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo) -> None:
+        self.pick(info).add_lora(out, x, weights, info)

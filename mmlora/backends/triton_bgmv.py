@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
 from mmlora.backends.registry import register_backend
 from mmlora.backends.triton_common import (
@@ -32,7 +33,7 @@ from mmlora.backends.triton_common import (
     slice_bound,
     sm_count,
 )
-from mmlora.lora.batch_info import LoRABatchInfo
+from mmlora.forward.lora import LoRABatchInfo, LoRAWeights
 
 #: Launch heuristics (read at every launch, so a benchmark can sweep them): elements per register
 #: tile of shrink and expand, warps per program, expand's per-slice reduction (else one selected h
@@ -217,15 +218,14 @@ def _shrink_partials(
 
 def _expand(
     p: torch.Tensor,
-    B: torch.Tensor,
-    scalings: torch.Tensor,
+    weights: LoRAWeights,
     info: LoRABatchInfo,
     out: torch.Tensor,
-    slice_offsets: tuple[int, ...],
     R: int,
     h_dtype: torch.dtype,
 ) -> None:
-    n = len(slice_offsets) - 1
+    B, scalings, slice_offsets = weights.B, weights.scalings, weights.slice_offsets
+    n = weights.n_slices
     n_out = B.shape[1]
     block_r = min(64, max(16, next_pow2(info.max_rank)))
     block_n = min(512, max(32, TUNING["expand_tile"] // block_r))
@@ -241,12 +241,8 @@ def _expand(
 
 
 def bgmv_shrink(
-    x: torch.Tensor,
-    A: torch.Tensor,
-    info: LoRABatchInfo,
-    n_slices: int | None = None,
-    split_k: int | None = None,
-) -> torch.Tensor:
+    x: Tensor, A: Tensor, info: LoRABatchInfo, n_slices: int | None = None, split_k: int | None = None
+) -> Tensor:
     """``h[t] = x[t] @ A[token_slots[t]].T`` per token (zeros for base-only rows), in x.dtype.
 
     ``n_slices`` lets the kernel skip rank padding per slice (see :func:`sgmv_shrink`); ``split_k``
@@ -259,53 +255,21 @@ def bgmv_shrink(
     return p.sum(0).to(x.dtype)
 
 
-def bgmv_expand(
-    h: torch.Tensor,
-    B: torch.Tensor,
-    scalings: torch.Tensor,
-    info: LoRABatchInfo,
-    out: torch.Tensor,
-    slice_offsets: tuple[int, ...],
-) -> None:
+def bgmv_expand(h: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo, out: torch.Tensor) -> None:
     """``out[t, slice] += h[t, slice] @ B[token_slots[t], slice].T * scalings[slot, slice]``, one launch."""
-    _, R = check_expand_args(h, B, scalings, info, out, slice_offsets)
+    _, R = check_expand_args(h, weights, info, out)
     if not info.has_lora or info.num_tokens == 0:
         return
-    _expand(h.unsqueeze(0), B, scalings, info, out, slice_offsets, R, h.dtype)
+    _expand(h.unsqueeze(0), weights, info, out, R, h.dtype)
 
 
 @register_backend("triton-bgmv")
 class TritonBGMVBackend(FusedTritonBackend):
     """Per-token Triton kernels; best for decode."""
 
-    def shrink(
-        self, x: torch.Tensor, A: torch.Tensor, info: LoRABatchInfo, n_slices: int | None = None
-    ) -> torch.Tensor:
-        return bgmv_shrink(x, A, info, n_slices, self.split_k)
-
-    def expand(
-        self,
-        h: torch.Tensor,
-        B: torch.Tensor,
-        scalings: torch.Tensor,
-        info: LoRABatchInfo,
-        out: torch.Tensor,
-        slice_offsets: tuple[int, ...],
-    ) -> None:
-        bgmv_expand(h, B, scalings, info, out, slice_offsets)
-
     def _fused(
-        self,
-        out: torch.Tensor,
-        x: torch.Tensor,
-        A: torch.Tensor,
-        B: torch.Tensor,
-        scalings: torch.Tensor,
-        info: LoRABatchInfo,
-        slice_offsets: tuple[int, ...],
-        n: int,
-        R: int,
+        self, out: torch.Tensor, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo, R: int
     ) -> None:
         """Partials unzeroed: shrink skips rank padding per slice and expand masks it out."""
-        p = _shrink_partials(x, A, info, n, R, True, self.split_k, zero=False)
-        _expand(p, B, scalings, info, out, slice_offsets, R, x.dtype)
+        p = _shrink_partials(x, weights.A, info, weights.n_slices, R, True, self.split_k, zero=False)
+        _expand(p, weights, info, out, R, x.dtype)

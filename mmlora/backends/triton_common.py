@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import functools
 import os
+from abc import abstractmethod
 
 import torch
 import triton
 import triton.language as tl
 
 from mmlora.backends.base import LoRABackend
-from mmlora.lora.batch_info import LoRABatchInfo
+from mmlora.forward.lora import LoRABatchInfo, LoRAWeights
 
 #: Packed modules in the supported models have at most 3 slices (q/k/v); 4 leaves room.
 MAX_SLICES = 4
@@ -122,31 +123,21 @@ def check_shrink_args(
 
 
 def check_expand_args(
-    h: torch.Tensor,
-    B: torch.Tensor,
-    scalings: torch.Tensor,
-    info: LoRABatchInfo,
-    out: torch.Tensor,
-    slice_offsets: tuple[int, ...],
+    h: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo, out: torch.Tensor
 ) -> tuple[int, int]:
     """Validate expand inputs; returns ``(n_slices, R)``."""
     _check_2d_rows("h", h, info.num_tokens)
     _check_dtype("h", h)
     _check_device(info, h=h)
-    return check_expand_weights(h.shape[1], h.dtype, B, scalings, info, out, slice_offsets)
+    return check_expand_weights(h.shape[1], h.dtype, weights, info, out)
 
 
 def check_expand_weights(
-    h_cols: int,
-    h_dtype: torch.dtype,
-    B: torch.Tensor,
-    scalings: torch.Tensor,
-    info: LoRABatchInfo,
-    out: torch.Tensor,
-    slice_offsets: tuple[int, ...],
+    h_cols: int, h_dtype: torch.dtype, weights: LoRAWeights, info: LoRABatchInfo, out: torch.Tensor
 ) -> tuple[int, int]:
     """Validate expand's B, scalings, out and offsets against an ``h`` of ``h_cols`` columns of
     ``h_dtype``; returns ``(n_slices, R)``."""
+    B, scalings, slice_offsets = weights.B, weights.scalings, weights.slice_offsets
     _check_2d_rows("out", out, info.num_tokens)
     _check_dtype("out", out)
     if B.dim() != 3:
@@ -190,39 +181,20 @@ class FusedTritonBackend(LoRABackend):
 
     split_k: int | None = None
 
-    def add_lora(
-        self,
-        out: torch.Tensor,
-        x: torch.Tensor,
-        A: torch.Tensor,
-        B: torch.Tensor,
-        scalings: torch.Tensor,
-        info: LoRABatchInfo,
-        slice_offsets: tuple[int, ...],
-    ) -> None:
+    def add_lora(self, out: torch.Tensor, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo) -> None:
         if not info.has_lora:
             return
-        n = len(slice_offsets) - 1
-        _, R = check_shrink_args(x, A, info, n)
-        check_expand_weights(A.shape[1], x.dtype, B, scalings, info, out, slice_offsets)
+        _, R = check_shrink_args(x, weights.A, info, weights.n_slices)
+        check_expand_weights(weights.A.shape[1], x.dtype, weights, info, out)
         if info.num_tokens == 0:
             return
-        self._fused(out, x, A, B, scalings, info, slice_offsets, n, R)
+        self._fused(out, x, weights, info, R)
 
+    @abstractmethod
     def _fused(
-        self,
-        out: torch.Tensor,
-        x: torch.Tensor,
-        A: torch.Tensor,
-        B: torch.Tensor,
-        scalings: torch.Tensor,
-        info: LoRABatchInfo,
-        slice_offsets: tuple[int, ...],
-        n: int,
-        R: int,
+        self, out: torch.Tensor, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo, R: int
     ) -> None:
-        """``out += lora(x)`` on validated inputs with ``n`` slices of pool rank ``R``."""
-        raise NotImplementedError
+        """``out += lora(x)`` on validated inputs, the pool rank being ``R``."""
 
 
 @triton.jit

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
 from mmlora.backends.registry import register_backend
 from mmlora.backends.triton_common import (
@@ -29,7 +30,7 @@ from mmlora.backends.triton_common import (
     select_bound,
     sm_count,
 )
-from mmlora.lora.batch_info import LoRABatchInfo
+from mmlora.forward.lora import LoRABatchInfo, LoRAWeights
 
 #: Launch heuristics (read at every launch, so a benchmark can sweep them): the largest token tile of
 #: shrink and of expand, expand's column tile, warps per program, the most splits of in_features, and
@@ -208,15 +209,10 @@ def _shrink_planes(
 
 
 def _expand_planes(
-    h: torch.Tensor,
-    B: torch.Tensor,
-    scalings: torch.Tensor,
-    info: LoRABatchInfo,
-    out: torch.Tensor,
-    slice_offsets: tuple[int, ...],
-    R: int,
+    h: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo, out: torch.Tensor, R: int
 ) -> None:
-    n = len(slice_offsets) - 1
+    B, scalings, slice_offsets = weights.B, weights.scalings, weights.slice_offsets
+    n = weights.n_slices
     widths = [b - a for a, b in zip(slice_offsets, slice_offsets[1:])]
     max_seg = max(info.seg_lens_host)
     block_m = _block_m(max_seg, TUNING["block_m"])
@@ -235,12 +231,8 @@ def _expand_planes(
 
 
 def sgmv_shrink(
-    x: torch.Tensor,
-    A: torch.Tensor,
-    info: LoRABatchInfo,
-    n_slices: int | None = None,
-    split_k: int | None = None,
-) -> torch.Tensor:
+    x: Tensor, A: Tensor, info: LoRABatchInfo, n_slices: int | None = None, split_k: int | None = None
+) -> Tensor:
     """``h [T, n*R] = per-segment x @ A[slot].T`` (zeros for base-only rows), in x.dtype.
 
     ``n_slices`` (the number of slices packed in A) lets the kernel skip rank padding per slice; when
@@ -254,53 +246,21 @@ def sgmv_shrink(
     return h[0] if h.shape[0] == 1 else h.sum(0).to(x.dtype)
 
 
-def sgmv_expand(
-    h: torch.Tensor,
-    B: torch.Tensor,
-    scalings: torch.Tensor,
-    info: LoRABatchInfo,
-    out: torch.Tensor,
-    slice_offsets: tuple[int, ...],
-) -> None:
+def sgmv_expand(h: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo, out: torch.Tensor) -> None:
     """``out[seg, slice] += h[seg, slice] @ B[slot, slice].T * scalings[slot, slice]`` in one launch."""
-    _, R = check_expand_args(h, B, scalings, info, out, slice_offsets)
+    _, R = check_expand_args(h, weights, info, out)
     if not info.has_lora or info.num_tokens == 0:
         return
-    _expand_planes(h.unsqueeze(0), B, scalings, info, out, slice_offsets, R)
+    _expand_planes(h.unsqueeze(0), weights, info, out, R)
 
 
 @register_backend("triton-sgmv")
 class TritonSGMVBackend(FusedTritonBackend):
     """Segment-tiled Triton kernels; best for prefill and chunked prefill (long runs on one adapter)."""
 
-    def shrink(
-        self, x: torch.Tensor, A: torch.Tensor, info: LoRABatchInfo, n_slices: int | None = None
-    ) -> torch.Tensor:
-        return sgmv_shrink(x, A, info, n_slices, self.split_k)
-
-    def expand(
-        self,
-        h: torch.Tensor,
-        B: torch.Tensor,
-        scalings: torch.Tensor,
-        info: LoRABatchInfo,
-        out: torch.Tensor,
-        slice_offsets: tuple[int, ...],
-    ) -> None:
-        sgmv_expand(h, B, scalings, info, out, slice_offsets)
-
     def _fused(
-        self,
-        out: torch.Tensor,
-        x: torch.Tensor,
-        A: torch.Tensor,
-        B: torch.Tensor,
-        scalings: torch.Tensor,
-        info: LoRABatchInfo,
-        slice_offsets: tuple[int, ...],
-        n: int,
-        R: int,
+        self, out: torch.Tensor, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo, R: int
     ) -> None:
         """Shrink knows the slice count, so it skips rank padding per slice."""
-        h = _shrink_planes(x, A, info, n, R, True, self.split_k)
-        _expand_planes(h, B, scalings, info, out, slice_offsets, R)
+        h = _shrink_planes(x, weights.A, info, weights.n_slices, R, True, self.split_k)
+        _expand_planes(h, weights, info, out, R)

@@ -20,7 +20,7 @@ from datetime import datetime, timezone
 
 import torch
 
-from mmlora.layers.attention.metadata import AttentionMetadata
+from mmlora.forward.attention import AttentionMetadata
 from mmlora.layers.attention.triton_backend import TritonAttention, auto_num_kv_splits
 
 logger = logging.getLogger(__name__)

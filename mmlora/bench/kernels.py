@@ -146,7 +146,7 @@ class _Point:
 
     def __init__(self, proj: str, in_f: int, widths: tuple[int, ...], rank: int, phase: str, T: int,
                  popularity: str, dtype: torch.dtype, device: torch.device, req_len: int, seed: int) -> None:  # fmt: skip
-        from mmlora.lora.batch_info import LoRABatchInfo
+        from mmlora.forward.lora import LoRABatchInfo, LoRAWeights
 
         self.meta = dict(proj=proj, in_features=in_f, out_features=sum(widths), n_slices=len(widths), rank=rank,
                          phase=phase, tokens=T, popularity=popularity)  # fmt: skip
@@ -161,7 +161,8 @@ class _Point:
         self.A = (torch.randn(S, n * rank, in_f, generator=g, device=device) / in_f**0.5).to(dtype)
         self.B = (torch.randn(S, out_f, rank, generator=g, device=device) / rank**0.5).to(dtype)
         self.scalings = torch.full((S, n), 2.0, device=device)
-        self.offsets = tuple([0] + [sum(widths[: i + 1]) for i in range(n)])
+        offsets = tuple([0] + [sum(widths[: i + 1]) for i in range(n)])
+        self.weights = LoRAWeights(self.A, self.B, self.scalings, offsets)
         self.infos = []
         for k in range(n_rot):
             info = LoRABatchInfo(T, S, device)
@@ -175,7 +176,7 @@ class _Point:
         self.meta.update(n_adapters=n_distinct, rotations=n_rot, bytes=self.bytes)
 
     def call(self, backend: object, out: torch.Tensor, k: int) -> None:
-        backend.add_lora(out, self.x, self.A, self.B, self.scalings, self.infos[k], self.offsets)
+        backend.add_lora(out, self.x, self.weights, self.infos[k])
 
 
 def _gemm_time(in_f: int, out_f: int, T: int, dtype: torch.dtype, device: torch.device) -> float:

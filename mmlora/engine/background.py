@@ -18,6 +18,7 @@ import collections
 import concurrent.futures
 import contextlib
 import copy
+import inspect
 import logging
 import threading
 import time
@@ -29,19 +30,6 @@ from mmlora.engine.sampling_params import RequestOutput
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-_ADD_REQUEST_KEYS = frozenset(
-    {
-        "prompt",
-        "input_ids",
-        "sampling_params",
-        "lora",
-        "images",
-        "request_id",
-        "return_logprob",
-        "top_logprobs_num",
-    }
-)
 
 
 class EngineUnavailableError(RuntimeError):
@@ -63,19 +51,17 @@ class RequestHandle:
         self._items: collections.deque[RequestOutput] = collections.deque()
         self._final: RequestOutput | None = None
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
-        self._sent_ids = 0  # ids and text characters already delivered (engine thread only)
-        self._sent_text = 0
+        self._sent_text = 0  # text characters already delivered (engine thread only)
 
     # -- producer side (engine thread) --
     def _fix_delta(self, out: RequestOutput) -> None:
-        """Guarantee that the deltas a consumer reads add up exactly to the final state.
+        """Guarantee that the text deltas a consumer reads add up exactly to the final text.
 
-        Ids are append-only, so their delta is what was not yet delivered. Text may be held back while
-        running (a partial character, a possible stop-string prefix): the engine's text delta is used
-        then, and the final output carries whatever was not yet delivered.
+        (Ids need nothing here: every output of a request reaches its handle, in order, so the engine's
+        ``delta_ids`` already add up.) Text may be held back while running (a partial character, a
+        possible stop-string prefix): the engine's text delta is used then, and the final output
+        carries whatever was not yet delivered.
         """
-        out.delta_ids = list(out.output_ids[self._sent_ids :])
-        self._sent_ids = len(out.output_ids)
         if out.finished:
             out.delta_text = out.text[self._sent_text :]
         self._sent_text += len(out.delta_text)
@@ -178,6 +164,8 @@ class BackgroundEngine:
 
     def __init__(self, engine: Any, *, max_in_flight: int | None = None, name: str = "mmlora-engine") -> None:
         self.engine = engine
+        # What submit accepts: exactly the engine's add_request keywords.
+        self._add_request_keys = frozenset(inspect.signature(engine.add_request).parameters)
         self.max_in_flight = max_in_flight
         self._cond = threading.Condition()
         self._commands: collections.deque[tuple[Callable[[Any], Any], concurrent.futures.Future]] = (
@@ -281,7 +269,7 @@ class BackgroundEngine:
 
     def _reserve_and_call(self, requests: list[dict[str, Any]]) -> concurrent.futures.Future:
         for kwargs in requests:
-            unknown = set(kwargs) - _ADD_REQUEST_KEYS
+            unknown = set(kwargs) - self._add_request_keys
             if unknown:
                 raise TypeError(f"submit: unknown argument(s) {sorted(unknown)}")
         n = len(requests)

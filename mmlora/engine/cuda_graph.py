@@ -6,10 +6,11 @@ cost rivals their run time; replaying a captured graph removes it. At start-up, 
 forward plus ``compute_logits`` over static buffers:
 
   input_ids, positions, slot_mapping       int64 [max_bs]
-  seq_lens, adapter slots                   int32 [max_bs]
+  seq_lens                                  int32 [max_bs]
   query_start_loc                           int32 [max_bs + 1] (0, 1, 2, ...; constant)
   block_tables                              int32 [max_bs, ceil(max_model_len / block_size)]
-  the LoRA manager's preallocated LoRABatchInfo (token_slots, weight_indices, seg_indptr, seg_lens)
+  the LoRA manager's preallocated LoRABatchInfo, which the manager itself prepares for capture and
+  replay (``LoRAManager.prepare_capture`` / ``prepare_replay``)
 
 Host ints that shape kernel launches are fixed per bucket at capture: ``num_tokens = num_seqs =
 num_segments = bucket`` (one segment per token: segments are never merged in a graph step),
@@ -35,9 +36,8 @@ from dataclasses import dataclass
 
 import torch
 
-from mmlora.engine.forward_batch import ForwardBatch
 from mmlora.engine.scheduler import ScheduledBatch
-from mmlora.layers.attention import AttentionMetadata
+from mmlora.forward import AttentionMetadata, ForwardBatch
 from mmlora.multimodal.mrope import decode_position
 
 logger = logging.getLogger(__name__)
@@ -104,18 +104,16 @@ class CudaGraphRunner:
         # A page only padding rows write to; out of the allocator for good (num_blocks shrinks by one).
         self.pad_page = alloc.allocate(1)[0]
         alloc.num_blocks -= 1
-        info = runner.lora.info
-        self.max_bs = min(max_batch_size, info.max_tokens)
+        self.max_bs = min(max_batch_size, runner.lora.info.max_tokens)
         self.buckets = batch_buckets(self.max_bs)
         self.max_blocks = -(-max_model_len // self.block_size)
         dev = dict(device=self.device)
         self.i64 = torch.zeros(3, self.max_bs, dtype=torch.int64, **dev)  # input_ids, positions, slot_mapping
-        self.i32 = torch.zeros(2, self.max_bs, dtype=torch.int32, **dev)  # seq_lens, adapter slots
+        self.seq_lens = torch.zeros(self.max_bs, dtype=torch.int32, **dev)
         self.block_tables = torch.full(
             (self.max_bs, self.max_blocks), self.pad_page, dtype=torch.int32, **dev
         )
         self.query_start_loc = torch.arange(self.max_bs + 1, dtype=torch.int32, **dev)
-        self.seg_lens_ones = torch.ones(self.max_bs, dtype=torch.int32, **dev)
         self.logits_rows = torch.arange(self.max_bs, dtype=torch.int64, **dev)
         self.graphs: dict[tuple[int, bool], _Graph] = {}
         self.num_replays = 0
@@ -129,13 +127,12 @@ class CudaGraphRunner:
         self.i64[0, :bs] = 0
         self.i64[1, :bs] = 0
         self.i64[2, :bs] = self.pad_page * self.block_size
-        self.i32[0, :bs] = 1
-        self.i32[1, :bs] = -1
+        self.seq_lens[:bs] = 1
 
     def _batch(self, bs: int) -> ForwardBatch:
         attn = AttentionMetadata(
             query_start_loc=self.query_start_loc[: bs + 1],
-            seq_lens=self.i32[0, :bs],
+            seq_lens=self.seq_lens[:bs],
             block_tables=self.block_tables[:bs],
             slot_mapping=self.i64[2, :bs],
             num_seqs=bs,
@@ -149,23 +146,8 @@ class CudaGraphRunner:
             input_ids=self.i64[0, :bs],
             positions=self.i64[1, :bs],
             attn=attn,
-            lora=self.runner.lora.info,
             logits_rows=self.logits_rows[:bs],
         )
-
-    def _set_lora(self, bs: int, with_lora: bool, slots_host: list[int] | None = None) -> None:
-        """Point the LoRA batch info at the static slots: one segment per row; fixed host ints."""
-        info = self.runner.lora.info
-        info.token_slots[:bs].copy_(self.i32[1, :bs])
-        info.weight_indices[:bs].copy_(self.i32[1, :bs])
-        info.seg_indptr[: bs + 1].copy_(self.query_start_loc[: bs + 1])
-        info.seg_lens[:bs].copy_(self.seg_lens_ones[:bs])
-        info.num_tokens = bs
-        info.num_segments = bs
-        info.max_rank = self.runner.lora.config.max_lora_rank if with_lora else 0
-        info.seg_lens_host = [1] * bs
-        # Host mirror of the rows' slots: read only by torch-gather's CPU path (never captured).
-        info.seg_slots_host = slots_host if slots_host is not None else [-1] * bs
 
     @torch.inference_mode()
     def eager_forward(self, bs: int) -> torch.Tensor:
@@ -178,13 +160,9 @@ class CudaGraphRunner:
     def _forward(self, bs: int) -> torch.Tensor:
         runner = self.runner
         batch = self._batch(bs)
-        ctx = runner.lora.ctx
-        ctx.info = runner.lora.info
-        try:
+        with runner.lora.prepared():
             hidden = runner.model(batch)
             return runner.model.compute_logits(hidden)
-        finally:
-            ctx.info = None
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
@@ -196,7 +174,7 @@ class CudaGraphRunner:
         stream = torch.cuda.Stream(device=self.device)
         for bs in reversed(self.buckets):  # largest first: later graphs reuse its pool memory
             for with_lora in (True, False):
-                self._set_lora(bs, with_lora)
+                self.runner.lora.prepare_capture(bs, with_lora)
                 stream.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(stream):
                     for _ in range(2):  # compile Triton kernels, build RoPE tables, settle the allocator
@@ -257,17 +235,15 @@ class CudaGraphRunner:
         pad = bs - n
         pad_slot = self.pad_page * bsz
         i64 = torch.tensor([ids + [0] * pad, pos + [0] * pad, slots_kv + [pad_slot] * pad], dtype=torch.int64)
-        i32 = torch.tensor([seq_lens + [1] * pad, lora_slots + [-1] * pad], dtype=torch.int32)
         # Only the columns in use are refreshed: kernels never read a row past its seq_len, and the
         # stale entries left beyond it are valid page ids (the torch reference gathers, then masks).
         rows = [t + [self.pad_page] * (max_blocks - len(t)) for t in tables] + [
             [self.pad_page] * max_blocks
         ] * pad
         self.i64[:, :bs].copy_(i64, non_blocking=True)
-        self.i32[:, :bs].copy_(i32, non_blocking=True)
+        self.seq_lens[:bs].copy_(torch.tensor(seq_lens + [1] * pad, dtype=torch.int32), non_blocking=True)
         self.block_tables[:bs, :max_blocks].copy_(torch.tensor(rows, dtype=torch.int32), non_blocking=True)
-        with_lora = any(s >= 0 for s in lora_slots)
-        self._set_lora(bs, with_lora, lora_slots + [-1] * pad)
+        with_lora = self.runner.lora.prepare_replay(lora_slots + [-1] * pad)
         entry = self.graphs[(bs, with_lora)]
         self.num_replays += 1
         if entry.graph is None:

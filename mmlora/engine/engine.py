@@ -24,6 +24,7 @@ from mmlora.engine.sampling_params import RequestOutput, SamplingParams
 from mmlora.engine.scheduler import Scheduler
 from mmlora.engine.setup import build_engine_parts
 from mmlora.hub import hub_root, resolve_adapter
+from mmlora.lora.manager import AdapterRef
 from mmlora.lora.registry import AdapterEntry
 from mmlora.multimodal.prompt import text_prompt_ids
 
@@ -72,7 +73,7 @@ class Engine:
         *,
         input_ids: Sequence[int] | None = None,
         sampling_params: SamplingParams | dict | None = None,
-        lora: str | None = None,
+        lora: str | AdapterRef | None = None,
         images: Sequence[Any] | None = None,
         request_id: str | None = None,
         return_logprob: bool = False,
@@ -99,7 +100,7 @@ class Engine:
             raise ValueError(f"prompt: {len(ids)} tokens do not fit in the KV cache")
         entry = self.lora.resolve(lora)
         if entry is not None:
-            self.lora.registry.acquire(entry)
+            self.lora.acquire(entry)
         req = Request(rid, ids, sp, entry, return_logprob, top_logprobs_num, mm_inputs)
         if sp.seed is not None:
             req.generator = torch.Generator(device=self.device).manual_seed(sp.seed)
@@ -180,7 +181,7 @@ class Engine:
             req.finish_time = time.monotonic()
             self.scheduler.remove(req)
             if req.lora is not None:
-                self.lora.registry.release(req.lora)
+                self.lora.release(req.lora)
             self._requests.pop(req.rid, None)
             self.counters["requests_finished_total"] += 1
 
@@ -225,16 +226,13 @@ class Engine:
                 raise ValueError("give texts or input_ids, not both")
             prompts = [None] * len(input_ids)
         count = len(prompts)
-        loras = _per_prompt(lora_paths, count, "lora_paths")
-        imgs = _per_prompt(images, count, "images", list_is_per_prompt=True)
-        params = _per_prompt(sampling_params, count, "sampling_params")
+        loras = per_prompt(lora_paths, count, "lora_paths")
+        imgs = per_prompt(images, count, "images", list_is_per_prompt=True)
+        params = per_prompt(sampling_params, count, "sampling_params")
         rids: list[str] = []
         try:
             for i in range(count):
-                sp = SamplingParams.from_any(params[i])
-                for j in range(sp.n):
-                    seed = sp.seed + j if sp.seed is not None else None
-                    one = SamplingParams(**{**sp.__dict__, "n": 1, "seed": seed})
+                for one in SamplingParams.from_any(params[i]).samples():
                     rid = self.add_request(
                         prompts[i],
                         input_ids=input_ids[i] if input_ids is not None else None,
@@ -294,7 +292,7 @@ class Engine:
 
     def unload_lora(self, name: str) -> None:
         """Refuse new requests for ``name`` now; free its slot and host copy once its requests finish."""
-        entry = self.lora.registry.mark_unloading(name)
+        entry = self.lora.begin_unload(name)
         self._pending_unloads.append(entry)
         self._finish_unloads()
 
@@ -305,26 +303,12 @@ class Engine:
                 self._pending_unloads.remove(entry)
 
     def list_loras(self) -> list[dict[str, Any]]:
-        pool = self.lora.pool
-        return [
-            {
-                "name": e.name,
-                "path": e.path,
-                "root": hub_root(e.path) or e.path,
-                "rank": e.rank,
-                "pinned": e.pinned,
-                "in_gpu_slot": pool.slot_of(e.uid) is not None,
-                "in_host_cache": pool.in_host(e.uid),
-                "active_requests": e.refcount,
-                "unloading": e.unloading,
-            }
-            for e in self.lora.registry.entries()
-        ]
+        return [{**a, "root": hub_root(a["path"]) or a["path"]} for a in self.lora.describe()]
 
     @property
     def lora_backend(self) -> str:
         """The LoRA kernel backend in use (``lora_backend="auto"`` resolved for this device)."""
-        return self.lora.ctx.backend.name
+        return self.lora.backend_name
 
     def stats(self) -> dict[str, Any]:
         sched, alloc = self.scheduler, self.kv_cache.allocator
@@ -335,8 +319,8 @@ class Engine:
             "kv_tokens_total": alloc.num_blocks * alloc.block_size,
             "running_loras": sorted({r.lora_name for r in sched.running if r.lora is not None}),
             "waiting_loras": sorted({r.lora_name for r in sched.waiting if r.lora is not None}),
-            "max_loras": self.lora.pool.num_slots,
-            "slots_used": self.lora.pool.slots_used,
+            "max_loras": self.lora.num_slots,
+            "slots_used": self.lora.slots_used,
             "num_preemptions_total": sched.num_preemptions,
             **self.counters,
         }
@@ -353,8 +337,9 @@ def _as_list(value: Any) -> list[Any] | None:
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
-def _per_prompt(value: Any, count: int, name: str, list_is_per_prompt: bool = False) -> list[Any]:
-    """One value for all prompts, or a list aligned with them (its length is checked)."""
+def per_prompt(value: Any, count: int, name: str, list_is_per_prompt: bool = False) -> list[Any]:
+    """One value for all prompts, or a list aligned with them (its length is checked). A string is one
+    value; with ``list_is_per_prompt`` any list is per prompt (images: a list of lists)."""
     if isinstance(value, (list, tuple)) and (list_is_per_prompt or not isinstance(value, str)):
         if len(value) != count:
             raise ValueError(f"{name}: has {len(value)} entries for {count} prompts")

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from mmlora.engine.forward_batch import ForwardBatch
 from mmlora.engine.scheduler import ScheduledBatch
+from mmlora.forward import AttentionMetadata, ForwardBatch
 from mmlora.kvcache.allocator import KVCache
-from mmlora.layers.attention import AttentionBackend, AttentionMetadata
+from mmlora.layers.attention import AttentionBackend
 from mmlora.lora.manager import LoRAManager
 from mmlora.models.base import CausalLM
 from mmlora.multimodal.features import batch_inputs
@@ -86,7 +86,6 @@ class ModelRunner:
             input_ids=torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True),
             positions=pos,
             attn=attn,
-            lora=self.lora.info,
             logits_rows=torch.tensor(logits_rows, dtype=torch.long).to(self.device, non_blocking=True),
             input_embeds=input_embeds,
             embed_rows=embed_rows,

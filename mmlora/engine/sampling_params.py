@@ -79,6 +79,14 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
 
+    def samples(self) -> list[SamplingParams]:
+        """``n`` samples as ``n`` requests of n=1 (the engine takes n == 1); with a seed, sample i uses
+        ``seed + i`` so that the samples differ yet the whole answer is reproducible."""
+        if self.n == 1:
+            return [self]
+        seeds = [None if self.seed is None else self.seed + i for i in range(self.n)]
+        return [dataclasses.replace(self, n=1, seed=seed) for seed in seeds]
+
     @classmethod
     def from_any(cls, value: SamplingParams | dict[str, Any] | None) -> SamplingParams:
         """Accept a SamplingParams, a dict with SGLang's field names, or None (defaults)."""

@@ -116,24 +116,21 @@ class Scheduler:
         for req in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.config.max_running_requests:
                 break
-            if req.lora is not None:
-                if head_blocked:
-                    continue
-                if not self.lora.pool.can_get_slot(req.lora.uid, busy):
-                    head_blocked = True
-                    continue
-                try:
-                    self.lora.ensure_host(req.lora)
-                except ValueError as e:  # the adapter's files changed since it was validated
-                    self.waiting.remove(req)
-                    req.error = str(e)
-                    failed.append(req)
-                    continue
+            if req.lora is not None and (head_blocked or not self.lora.can_admit(req.lora, busy)):
+                head_blocked = True
+                continue
             n = min(req.num_tokens - req.num_computed, budget)
             if not self._grow(req, n):
                 break  # out of pages: wait for running requests to finish
             if req.lora is not None:
-                req.slot = self.lora.pool.acquire_slot(req.lora.uid, busy)
+                try:
+                    req.slot = self.lora.admit(req.lora, busy)
+                except ValueError as e:  # the adapter's files changed since it was validated
+                    self.waiting.remove(req)
+                    self.release(req)
+                    req.error = str(e)
+                    failed.append(req)
+                    continue
                 busy.add(req.lora.uid)
             self.waiting.remove(req)
             req.status = Status.RUNNING

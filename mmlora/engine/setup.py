@@ -103,7 +103,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         config.cache.block_size,
         config.lora.max_loras_per_batch,
         config.lora.max_lora_rank,
-        lora.pool.nbytes() / 2**20,
+        lora.nbytes() / 2**20,
     )
     attention = get_attention_backend(sched.attention_backend, device)
     return EngineParts(

@@ -1,4 +1,10 @@
-"""LoRAManager: ties the registry, the host cache / device slots and the model's LoRALinear wrappers."""
+"""LoRAManager: the one entry point to adapters. It owns the registry (names, ids, refcounts), the pool
+(host cache, device slots), the per-forward LoRABatchInfo and the model's LoRALinear wrappers.
+
+The engine and scheduler call ``resolve`` (a request's adapter, once, at add_request), ``acquire`` /
+``release`` (the request's reference), ``can_admit`` / ``admit`` (a device slot), and ``activate`` (eager
+forwards) or ``prepare_capture`` / ``prepare_replay`` (CUDA-graph forwards, the buffers being ours).
+"""
 
 from __future__ import annotations
 
@@ -6,29 +12,70 @@ import contextlib
 import logging
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
 from mmlora.backends import get_backend
 from mmlora.config import LoRAConfig, split_lora_spec
-from mmlora.lora.adapter import load_adapter
-from mmlora.lora.batch_info import LoRABatchInfo
+from mmlora.forward.lora import LoRABatchInfo, LoRAWeights
+from mmlora.lora.adapter import LoadedAdapter, load_adapter
 from mmlora.lora.layer import LoRAContext, LoRALinear
+from mmlora.lora.paths import confine_adapter_path
 from mmlora.lora.pool import LoRAPool
 from mmlora.lora.registry import AdapterEntry, AdapterRegistry
-from mmlora.models.base import CausalLM
+from mmlora.lora.spec import LoRATargetModel
 
 logger = logging.getLogger(__name__)
 
 
+class UnknownAdapterError(ValueError):
+    """A request named an adapter that is neither registered nor a folder it may load."""
+
+    def __init__(self, param: str, key: str, registered: list[str]) -> None:
+        known = ", ".join(registered) or "none"
+        super().__init__(
+            f"{param}: unknown adapter {key!r} (not a registered name nor a folder); registered: {known}"
+        )
+        self.param, self.key, self.registered = param, key, registered
+
+
+@dataclass(frozen=True)
+class AdapterRef:
+    """A request's adapter as its client named it; :meth:`LoRAManager.resolve` resolves it once, on the
+    engine thread, when the request is added (a plain string is ``AdapterRef(key)``).
+
+    key             a registered name, a registered path, or a folder to load on first use
+    param           the request field that named it (errors name it)
+    allow_folders   whether an unregistered folder may be loaded (the server: only with run-time updates)
+    lora_root       when set (the server), unregistered folders must name a path confined to it
+                    (:func:`mmlora.lora.paths.confine_adapter_path`; ``confine`` without a root refuses)
+    confine         whether ``lora_root`` applies (True for anything that arrives over the network)
+    same_as         (param, key) of a second field that must name the same adapter (OpenAI ``model``
+                    next to the ``lora_path`` extra)
+    """
+
+    key: str
+    param: str = "lora_path"
+    allow_folders: bool = True
+    confine: bool = False
+    lora_root: str | None = None
+    same_as: tuple[str, str] | None = None
+
+
 class LoRAManager:
     def __init__(
-        self, model: CausalLM, config: LoRAConfig, max_tokens: int, dtype: torch.dtype, device: torch.device
+        self,
+        model: LoRATargetModel,
+        config: LoRAConfig,
+        max_tokens: int,
+        dtype: torch.dtype,
+        device: torch.device,
     ) -> None:
         self.config = config
         self.spec = model.lora_model_spec()
         self.info = LoRABatchInfo(max_tokens, config.max_loras_per_batch, device)
-        self.pool = LoRAPool(
+        self._pool = LoRAPool(
             self.spec,
             config.max_loras_per_batch,
             config.max_lora_rank,
@@ -37,26 +84,65 @@ class LoRAManager:
             device,
             on_slot_change=self.info.set_slot_rank,
         )
-        self.ctx = LoRAContext(backend=get_backend(config.lora_backend, device))
-        self.registry = AdapterRegistry()
+        self._ctx = LoRAContext(backend=get_backend(config.lora_backend, device))
+        self._registry = AdapterRegistry()
         self.dtype = dtype
         self._wrap(model)
         for spec in config.lora_paths:
             name, path = split_lora_spec(spec)
             self.load(name, path)
 
-    def _wrap(self, model: CausalLM) -> None:
+    def _wrap(self, model: LoRATargetModel) -> None:
         for i, layer in enumerate(model.layers):
             for target in self.spec.targets:
                 parent_path, attr = model.lora_target_paths[target.name].rsplit(".", 1)
                 parent = layer.get_submodule(parent_path)
-                A, B, scalings = self.pool.buffers[(i, target.name)]
-                wrapper = LoRALinear(getattr(parent, attr), A, B, scalings, target.slice_offsets, self.ctx)
-                setattr(parent, attr, wrapper)
+                A, B, scalings = self._pool.buffers[(i, target.name)]
+                weights = LoRAWeights(A, B, scalings, target.slice_offsets)
+                setattr(parent, attr, LoRALinear(getattr(parent, attr), weights, self._ctx))
+
+    # ---- what the engine reports ----------------------------------------------------------------
+
+    @property
+    def backend_name(self) -> str:
+        return self._ctx.backend.name
+
+    @property
+    def num_slots(self) -> int:
+        return self._pool.num_slots
+
+    @property
+    def slots_used(self) -> int:
+        return self._pool.slots_used
+
+    def nbytes(self) -> int:
+        return self._pool.nbytes()
+
+    def entry(self, name: str) -> AdapterEntry | None:
+        return self._registry.get(name)
+
+    def slot_of(self, entry: AdapterEntry) -> int | None:
+        return self._pool.slot_of(entry.uid)
+
+    def describe(self) -> list[dict[str, object]]:
+        """One dict per registered adapter (what ``Engine.list_loras`` answers)."""
+        return [
+            {
+                "name": e.name,
+                "path": e.path,
+                "rank": e.rank,
+                "pinned": e.pinned,
+                "in_gpu_slot": self._pool.slot_of(e.uid) is not None,
+                "in_host_cache": self._pool.in_host(e.uid),
+                "active_requests": e.refcount,
+                "unloading": e.unloading,
+            }
+            for e in self._registry.entries()
+        ]
 
     # ---- adapters -------------------------------------------------------------------------------
 
-    def _read(self, path: str):
+    def _read(self, path: str) -> LoadedAdapter:
         return load_adapter(
             path,
             self.spec,
@@ -67,21 +153,21 @@ class LoRAManager:
 
     def _check_can_pin(self, name: str) -> None:
         # At least one slot must stay free of pins, or unpinned adapters could never be served.
-        if len(self.pool.pinned) + 1 >= self.pool.num_slots:
+        if len(self._pool.pinned) + 1 >= self._pool.num_slots:
             raise ValueError(
-                f"cannot pin {name!r}: at most max_loras_per_batch - 1 = {self.pool.num_slots - 1} adapters may be pinned"
+                f"cannot pin {name!r}: at most max_loras_per_batch - 1 = {self._pool.num_slots - 1} adapters may be pinned"
             )
 
     def load(self, name: str, path: str, pinned: bool = False) -> AdapterEntry:
         """Validate fully, then register and cache on the host. Errors leave every state unchanged."""
-        if name in self.registry:
+        if name in self._registry:
             raise ValueError(f"lora name {name!r} is already registered")
         if pinned:
             self._check_can_pin(name)
         adapter = self._read(path)
-        entry = self.registry.register(name, path)
+        entry = self._registry.register(name, path)
         entry.rank = adapter.rank
-        self.pool.put_host(entry.uid, adapter, self._protected())
+        self._pool.put_host(entry.uid, adapter, self._protected())
         if pinned:
             self.set_pinned(name, True)
         logger.info("loaded adapter %s (rank %d) from %s", name, adapter.rank, path)
@@ -89,61 +175,118 @@ class LoRAManager:
 
     def set_pinned(self, name: str, pinned: bool) -> None:
         """A pinned adapter is never evicted from the host cache nor, once loaded, from its device slot."""
-        entry = self.registry.get(name)
+        entry = self._registry.get(name)
         if entry is None or entry.unloading:
             raise ValueError(
-                f"unknown adapter {name!r}; registered: {', '.join(self.registry.names()) or 'none'}"
+                f"unknown adapter {name!r}; registered: {', '.join(self._registry.names()) or 'none'}"
             )
         if pinned and not entry.pinned:
             self._check_can_pin(name)
         entry.pinned = pinned
         if pinned:
-            self.pool.pinned.add(entry.uid)
+            self._pool.pinned.add(entry.uid)
         else:
-            self.pool.pinned.discard(entry.uid)
+            self._pool.pinned.discard(entry.uid)
 
-    def resolve(self, lora: str | None) -> AdapterEntry | None:
-        """None (base), a registered name, or a path (registered under its own path on first use)."""
+    def resolve(self, lora: str | AdapterRef | None) -> AdapterEntry | None:
+        """None (base) or the adapter ``lora`` names (see :class:`AdapterRef`); a folder is registered
+        under its own path on first use. Raises :class:`UnknownAdapterError` or ValueError."""
         if lora is None:
             return None
-        if not isinstance(lora, str) or not lora:
-            raise ValueError(f"lora_path: expected a name, a path or None, got {lora!r}")
-        entry = self.registry.lookup(lora)
-        if entry is not None:
-            if entry.unloading:
-                raise ValueError(f"lora {entry.name!r} is being unloaded")
-            return entry
-        if os.path.isdir(lora):
-            return self.load(lora, lora)
-        known = ", ".join(self.registry.names()) or "none"
-        raise ValueError(
-            f"lora_path: unknown adapter {lora!r} (not a registered name nor a folder); registered: {known}"
-        )
+        ref = lora if isinstance(lora, AdapterRef) else AdapterRef(lora)
+        entry = self._resolve_key(ref, ref.key, ref.param)
+        if ref.same_as is not None:
+            param, key = ref.same_as
+            if self._resolve_key(ref, key, param) is not entry:
+                raise ValueError(f"{ref.param}: {param} and {ref.param} name different adapters")
+        return entry
 
-    def ensure_host(self, entry: AdapterEntry) -> None:
-        """Bring an adapter back into the host cache if it was evicted (re-validated from disk)."""
-        if self.pool.in_host(entry.uid):
-            self.pool.touch_host(entry.uid)
-        else:
-            self.pool.put_host(entry.uid, self._read(entry.path), self._protected())
+    def _resolve_key(self, ref: AdapterRef, key: str, param: str) -> AdapterEntry:
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"{param}: expected a name, a path or None, got {key!r}")
+        path = key
+        entry = self._registry.lookup(key)
+        if entry is None and ref.allow_folders and (not ref.confine or "/" in key or os.sep in key):
+            if ref.confine:
+                path = confine_adapter_path(key, ref.lora_root, param=param)
+                entry = self._registry.lookup(path)
+            if entry is None and os.path.isdir(path):
+                return self.load(path, path)
+        if entry is None:
+            raise UnknownAdapterError(param, key, self.names())
+        if entry.unloading:
+            raise ValueError(f"lora {entry.name!r} is being unloaded")
+        return entry
+
+    def names(self) -> list[str]:
+        """Adapters that take requests (those being unloaded are left out)."""
+        return [e.name for e in self._registry.entries() if not e.unloading]
+
+    def acquire(self, entry: AdapterEntry) -> None:
+        """A request holds ``entry`` (unload waits for every holder to release it)."""
+        self._registry.acquire(entry)
+
+    def release(self, entry: AdapterEntry) -> None:
+        self._registry.release(entry)
 
     def _protected(self) -> set[int]:
-        return {e.uid for e in self.registry.entries() if e.refcount > 0}
+        return {e.uid for e in self._registry.entries() if e.refcount > 0}
+
+    def begin_unload(self, name: str) -> AdapterEntry:
+        """Refuse new requests for ``name``; :meth:`finish_unload` once its refcount reaches zero."""
+        return self._registry.mark_unloading(name)
 
     def finish_unload(self, entry: AdapterEntry) -> None:
-        self.pool.drop(entry.uid)
-        self.registry.remove(entry)
+        self._pool.drop(entry.uid)
+        self._registry.remove(entry)
         logger.info("unloaded adapter %s", entry.name)
+
+    # ---- admission ------------------------------------------------------------------------------
+
+    def can_admit(self, entry: AdapterEntry, busy: set[int]) -> bool:
+        """Whether ``entry`` has, or can take without evicting an adapter in ``busy``, a device slot."""
+        return self._pool.can_get_slot(entry.uid, busy)
+
+    def admit(self, entry: AdapterEntry, busy: set[int]) -> int:
+        """Bring ``entry`` into the host cache (re-validated from disk if it was evicted: a ValueError if
+        its files changed) and a device slot; returns the slot. Call after ``can_admit``."""
+        if self._pool.in_host(entry.uid):
+            self._pool.touch_host(entry.uid)
+        else:
+            self._pool.put_host(entry.uid, self._read(entry.path), self._protected())
+        slot = self._pool.acquire_slot(entry.uid, busy)
+        if slot is None:
+            raise RuntimeError(f"admit: no device slot for {entry.name!r} (can_admit was not asked)")
+        return slot
 
     # ---- per forward ----------------------------------------------------------------------------
 
     @contextlib.contextmanager
     def activate(self, seq_lens: list[int], seq_slots: list[int]) -> Iterator[LoRABatchInfo]:
-        if self.ctx.info is not None:
-            raise RuntimeError("nested LoRA forwards are not allowed")
+        """An eager forward: route per-request token counts to their slots (-1 = base)."""
         self.info.fill(seq_lens, seq_slots)
-        self.ctx.info = self.info
+        with self.prepared() as info:
+            yield info
+
+    def prepare_capture(self, rows: int, with_lora: bool) -> None:
+        """Before capturing a ``rows``-row decode graph: every row base-only, and the host ints the graph
+        bakes in (one segment per row; ``max_rank`` = the pool's rank when ``with_lora``, else 0)."""
+        self.info.fill_rows([-1] * rows, self.config.max_lora_rank if with_lora else 0)
+
+    def prepare_replay(self, row_slots: list[int]) -> bool:
+        """Before replaying a graph captured by :meth:`prepare_capture`: each row's slot (-1 = base or
+        padding), written into the captured buffers. Returns whether the LoRA graph is the one to replay."""
+        with_lora = any(s >= 0 for s in row_slots)
+        self.info.fill_rows(row_slots, self.config.max_lora_rank if with_lora else 0)
+        return with_lora
+
+    @contextlib.contextmanager
+    def prepared(self) -> Iterator[LoRABatchInfo]:
+        """A forward over the routing last filled (by activate, prepare_capture or prepare_replay)."""
+        if self._ctx.info is not None:
+            raise RuntimeError("nested LoRA forwards are not allowed")
+        self._ctx.info = self.info
         try:
             yield self.info
         finally:
-            self.ctx.info = None
+            self._ctx.info = None

@@ -9,7 +9,11 @@ and builds a ``LoRAModelSpec`` from its config with the in/out sizes of every ta
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
+
+from torch import nn
 
 
 @dataclass(frozen=True)
@@ -63,3 +67,14 @@ class LoRAModelSpec:
     @property
     def module_names(self) -> tuple[str, ...]:
         return tuple(m for t in self.targets for m in t.slices)
+
+
+class LoRATargetModel(Protocol):
+    """What the LoRA manager needs of a model (``mmlora.models.base.CausalLM`` provides it): its decoder
+    layers, where each target sits in a layer, and its spec. A protocol, so that lora never imports
+    models (models sit above lora in the layer order)."""
+
+    layers: Sequence[nn.Module]
+    lora_target_paths: dict[str, str]
+
+    def lora_model_spec(self) -> LoRAModelSpec: ...

@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from mmlora.engine.forward_batch import ForwardBatch
+from mmlora.forward.batch import ForwardBatch
 from mmlora.lora.spec import LoRAModelSpec, LoRATarget
 from mmlora.models.arch_config import ArchConfig
 

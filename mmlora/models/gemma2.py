@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mmlora.engine.forward_batch import ForwardBatch
+from mmlora.forward.batch import ForwardBatch
 from mmlora.layers.fused_ops import gelu_tanh_and_mul
 from mmlora.layers.norms import RMSNorm
 from mmlora.layers.rotary import share_rotary

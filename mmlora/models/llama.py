@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mmlora.engine.forward_batch import ForwardBatch
+from mmlora.forward.batch import ForwardBatch
 from mmlora.layers.attention import AttentionBackend
 from mmlora.layers.fused_ops import silu_and_mul
 from mmlora.layers.norms import RMSNorm

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mmlora.engine.forward_batch import ForwardBatch
+from mmlora.forward.batch import ForwardBatch
 from mmlora.models.base import CausalLM
 from mmlora.models.llama import LlamaForCausalLM, LlamaModel
 from mmlora.models.qwen2_vl_vision import Qwen2VLVisionTower

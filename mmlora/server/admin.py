@@ -18,7 +18,7 @@ from fastapi.responses import Response
 
 from mmlora.engine.sampling_params import SamplingParams
 from mmlora.hub import HubError, parse_hub_ref, resolve_adapter
-from mmlora.server.adapters import confine_adapter_path
+from mmlora.lora.paths import AdapterPathError, confine_adapter_path
 from mmlora.server.errors import APIError, to_api_error
 from mmlora.server.metrics import CONTENT_TYPE
 from mmlora.server.protocol import LoadLoRARequest, UnloadLoRARequest
@@ -48,14 +48,12 @@ async def load_lora_adapter(body: LoadLoRARequest, request: Request) -> dict[str
         raise APIError(400, f"lora_name: {name!r} clashes with the served model name", param="lora_name")
     real = await _runtime_adapter_folder(state, body.lora_path)
     await _wait_unloaded(state, name)
-    if name in state.adapters.names():
+    if name in await state.adapter_names():
         raise APIError(400, f"lora_name: an adapter named {name!r} is already loaded", param="lora_name")
     try:
         await state.bg.run_async(lambda eng: eng.load_lora(name, real, pinned=body.pinned))
     except Exception as e:
         raise to_api_error(e) from None
-    finally:
-        await state.adapters.refresh()
     return {"success": True, "message": f"loaded adapter {name!r}", "lora_name": name}
 
 
@@ -64,7 +62,10 @@ async def _runtime_adapter_folder(state: ServerState, path: str) -> str:
     root = state.config.lora_root
     ref = parse_hub_ref(path)
     if ref is None or (root and os.path.isdir(os.path.join(os.path.realpath(root), path))):
-        return confine_adapter_path(path, root)
+        try:
+            return confine_adapter_path(path, root)
+        except AdapterPathError as e:
+            raise APIError(400, str(e), param="lora_path") from None
     config = state.engine.config
     if not config.lora.allow_hub_adapters:
         raise APIError(
@@ -90,7 +91,7 @@ async def _wait_unloaded(state: ServerState, name: str) -> None:
     """A name being unloaded is free again once its in-flight requests end: wait for that (bounded)."""
     deadline = asyncio.get_running_loop().time() + _UNLOAD_WAIT_S
     while True:
-        loras = await state.adapters.refresh()
+        loras = await state.loras()
         busy = [info for info in loras if info["name"] == name and info.get("unloading")]
         if not busy:
             return
@@ -109,11 +110,11 @@ async def unload_lora_adapter(body: UnloadLoRARequest, request: Request) -> dict
     state: ServerState = request.app.state.mmlora
     _require_runtime_update(state)
     name = body.lora_name
-    await state.adapters.refresh()
-    if name not in state.adapters.names():
+    names = await state.adapter_names()
+    if name not in names:
         raise APIError(
             404,
-            f"lora_name: no adapter named {name!r}; loaded: {state.adapters.names()}",
+            f"lora_name: no adapter named {name!r}; loaded: {names}",
             param="lora_name",
             code="lora_not_found",
         )
@@ -184,7 +185,7 @@ async def get_model_info(request: Request) -> dict[str, Any]:
         "max_loras_per_batch": getattr(lora_cfg, "max_loras_per_batch", None),
         "max_lora_rank": getattr(lora_cfg, "max_lora_rank", None),
         "lora_backend": getattr(eng, "lora_backend", None) or getattr(lora_cfg, "lora_backend", None),
-        "loras": await state.adapters.refresh(),
+        "loras": await state.loras(),
     }
 
 

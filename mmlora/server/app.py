@@ -11,7 +11,6 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from mmlora.engine.background import BackgroundEngine
 from mmlora.server import admin, native, openai_api, residency
-from mmlora.server.adapters import AdapterDirectory
 from mmlora.server.config import ServerConfig
 from mmlora.server.engine_io import ClientDisconnected, TokenText
 from mmlora.server.errors import APIKeyMiddleware, error_response, install_error_handlers
@@ -37,7 +36,6 @@ def build_app(bg: BackgroundEngine, server_config: ServerConfig | None = None) -
         bg=bg,
         config=config,
         served_name=served_name,
-        adapters=AdapterDirectory(bg, served_name, config),
         token_text=TokenText(engine.tokenizer),
         metrics=ServerMetrics(bg, served_name, config.max_adapter_metric_labels),
     )

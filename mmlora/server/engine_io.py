@@ -7,7 +7,6 @@ goes away (the watcher below for plain answers; Starlette cancels streaming gene
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -30,14 +29,6 @@ def parse_sampling(value: dict[str, Any] | None, *, param: str = "sampling_param
         message = str(e)
         field = message.partition(":")[0]  # "sampling_params.top_p: must be ..." names the field
         raise APIError(400, message, param=field if field.startswith(param + ".") else param) from None
-
-
-def expand_n(sp: SamplingParams) -> list[SamplingParams]:
-    """``n`` samples become ``n`` engine requests (the engine takes n == 1); with a seed, sample i
-    uses ``seed + i`` so that the samples differ yet the whole answer is reproducible."""
-    if sp.n == 1:
-        return [sp]
-    return [dataclasses.replace(sp, n=1, seed=None if sp.seed is None else sp.seed + i) for i in range(sp.n)]
 
 
 async def submit(bg: BackgroundEngine, items: list[dict[str, Any]]) -> list[RequestHandle]:

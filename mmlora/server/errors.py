@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from mmlora.engine.background import EngineUnavailableError, QueueFullError
+from mmlora.lora.manager import UnknownAdapterError
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +78,12 @@ def to_api_error(exc: BaseException) -> APIError:
         return APIError(429, str(exc), code="too_many_requests")
     if isinstance(exc, EngineUnavailableError):
         return APIError(503, str(exc), code="unavailable")
+    if isinstance(exc, UnknownAdapterError):
+        if exc.param == "model":
+            available = ", ".join(exc.registered) or "none"
+            message = f"model {exc.key!r} not found; loaded adapters: {available}"
+            return APIError(404, message, param="model", code="model_not_found")
+        return APIError(404, str(exc), param=exc.param, code="lora_not_found")
     if isinstance(exc, (ValueError, TypeError)):
         msg = str(exc)
         return APIError(400, msg, param=_param_of(msg))

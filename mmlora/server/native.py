@@ -15,12 +15,12 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
+from mmlora.engine.engine import per_prompt
 from mmlora.engine.sampling_params import RequestOutput
 from mmlora.server.engine_io import (
     SSE_DONE,
     check_failures,
     collect,
-    expand_n,
     failure_error,
     merge,
     parse_sampling,
@@ -37,13 +37,12 @@ router = APIRouter()
 
 def _aligned(value: Any, n: int, name: str, batch: bool) -> list[Any]:
     """A per-prompt list of ``value``: a scalar is repeated; a list must have one entry per prompt."""
-    if isinstance(value, list):
-        if not batch:
-            raise APIError(400, f"{name}: a list is only allowed when text/input_ids is a list", param=name)
-        if len(value) != n:
-            raise APIError(400, f"{name}: has {len(value)} entries but there are {n} prompts", param=name)
-        return list(value)
-    return [value] * n
+    if isinstance(value, list) and not batch:
+        raise APIError(400, f"{name}: a list is only allowed when text/input_ids is a list", param=name)
+    try:
+        return per_prompt(value, n, name)
+    except ValueError as e:
+        raise APIError(400, str(e), param=name) from None
 
 
 def _images(value: Any, n: int, batch: bool, state: ServerState) -> list[list[bytes] | None]:
@@ -96,23 +95,19 @@ async def _build(body: GenerateRequest, state: ServerState) -> tuple[list[dict[s
     if batch and isinstance(body.rid, str):
         raise APIError(400, "rid: for a batch give a list with one id per prompt", param="rid")
     images = _images(body.image_data, n, batch, state)
-    resolved: dict[Any, str | None] = {}
-    for lp in loras:
-        if lp not in resolved:
-            resolved[lp] = await state.adapters.resolve(lp, param="lora_path")
     items, named = [], []
     for i in range(n):
         sp = parse_sampling(sampling[i], param="sampling_params")
         if top_n[i] < 0:
             raise APIError(400, "top_logprobs_num: must be >= 0", param="top_logprobs_num")
-        copies = expand_n(sp)
+        copies = sp.samples()
         for j, one in enumerate(copies):
             rid = rids[i] if len(copies) == 1 or rids[i] is None else f"{rids[i]}-{j}"
             items.append(
                 {
                     key: prompts[i],
                     "sampling_params": one,
-                    "lora": resolved[loras[i]],
+                    "lora": state.adapter(loras[i]),
                     "images": images[i],
                     "request_id": rid,
                     "return_logprob": bool(logprob[i]),

@@ -11,14 +11,14 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from mmlora.engine.sampling_params import RequestOutput
-from mmlora.server.engine_io import check_failures, collect, expand_n, submit
+from mmlora.server.engine_io import check_failures, collect, submit
 from mmlora.server.errors import APIError
 from mmlora.server.media import load_image_bytes
 from mmlora.server.openai_common import (
+    adapter_of,
     base_fields,
     finish_reason,
     max_tokens_for,
-    resolve_lora,
     sampling_from_openai,
     sse_response,
     usage_of,
@@ -34,8 +34,7 @@ _MAX_TOP_LOGPROBS = 20
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict[str, Any]:
     state: ServerState = request.app.state.mmlora
-    await state.adapters.refresh()
-    loras = state.adapters.live()
+    loras = [info for info in await state.loras() if not info["unloading"]]
     created = int(state.started)
     root = str(getattr(state.engine, "model_root", state.served_name))
     data = [_model_card(state.served_name, root, None, created, state)]
@@ -107,11 +106,11 @@ async def completions(req: CompletionRequest, request: Request) -> Any:
         raise APIError(400, "echo with logprobs is not supported (no prompt logprobs)", param="echo")
     prompts = _completion_prompts(req.prompt)
     sp = sampling_from_openai(req, max_tokens_for(state, 0, req.max_tokens, param="max_tokens"))
-    lora = await resolve_lora(state, req)
+    lora = adapter_of(state, req)
     want_logprobs = req.logprobs is not None
     items = []
     for p in prompts:
-        for one in expand_n(sp):
+        for one in sp.samples():
             items.append(
                 {
                     **p,
@@ -241,7 +240,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
         and (req.max_tokens != req.max_completion_tokens)
     ):
         raise APIError(400, "max_tokens and max_completion_tokens differ", param="max_completion_tokens")
-    lora = await resolve_lora(state, req)
+    lora = adapter_of(state, req)
     messages, images = _chat_messages(state, req)
     try:
         prompt = state.engine.apply_chat_template(messages)
@@ -260,7 +259,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
             "return_logprob": req.logprobs,
             "top_logprobs_num": req.top_logprobs or 0,
         }
-        for one in expand_n(sp)
+        for one in sp.samples()
     ]
     handles = await submit(state.bg, items)
     model = req.model or state.served_name

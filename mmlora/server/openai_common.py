@@ -11,6 +11,7 @@ from fastapi.responses import StreamingResponse
 
 from mmlora.engine.background import RequestHandle
 from mmlora.engine.sampling_params import RequestOutput, SamplingParams
+from mmlora.lora.manager import AdapterRef
 from mmlora.server.engine_io import SSE_DONE, failure_error, merge, parse_sampling, sse
 from mmlora.server.errors import APIError
 from mmlora.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -56,15 +57,16 @@ def sampling_from_openai(req: CompletionRequest | ChatCompletionRequest, max_tok
         raise APIError(400, message, param=field) from None
 
 
-async def resolve_lora(state: ServerState, req: CompletionRequest | ChatCompletionRequest) -> str | None:
-    """The adapter a request selects through ``model`` (and optionally the ``lora_path`` extra)."""
-    by_model = await state.adapters.resolve_model(req.model)
+def adapter_of(state: ServerState, req: CompletionRequest | ChatCompletionRequest) -> AdapterRef | None:
+    """The adapter a request selects through ``model`` (the served name: none; ``<served>:<adapter>``
+    or an adapter) and optionally the ``lora_path`` extra, which must then name the same one."""
+    by_model = None
+    if req.model not in (None, "", state.served_name):
+        prefix = state.served_name + ":"
+        by_model = req.model[len(prefix) :] if req.model.startswith(prefix) else req.model
     if req.lora_path:
-        by_path = await state.adapters.resolve(req.lora_path, param="lora_path")
-        if by_model is not None and by_path != by_model:
-            raise APIError(400, "model and lora_path name different adapters", param="lora_path")
-        return by_path
-    return by_model
+        return state.adapter(req.lora_path, same_as=("model", by_model) if by_model else None)
+    return state.adapter(by_model, param="model")
 
 
 def max_tokens_for(state: ServerState, prompt_tokens: int, requested: int | None, *, param: str) -> int:

@@ -17,7 +17,8 @@ from dataclasses import dataclass  # noqa: E402
 
 import pytest  # noqa: E402
 
-from mmlora.layers.attention import AttentionMetadata, get_attention_backend  # noqa: E402
+from mmlora.forward import AttentionMetadata
+from mmlora.layers.attention import get_attention_backend  # noqa: E402
 from mmlora.layers.attention.triton_backend import TritonAttention, store_kv_triton  # noqa: E402
 from mmlora.layers.attention.triton_decode import _decode_split_kernel  # noqa: E402
 

@@ -17,18 +17,27 @@ if not torch.cuda.is_available():  # must precede the first triton import of the
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import random  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
+from dataclasses import dataclass, replace  # noqa: E402
 
 import pytest  # noqa: E402
 
 from mmlora.backends import get_backend  # noqa: E402
-from mmlora.lora.batch_info import LoRABatchInfo  # noqa: E402
+from mmlora.backends.torch_gather import gather_expand, gather_shrink  # noqa: E402
+from mmlora.backends.triton_bgmv import bgmv_expand, bgmv_shrink  # noqa: E402
+from mmlora.backends.triton_sgmv import sgmv_expand, sgmv_shrink  # noqa: E402
+from mmlora.forward.lora import LoRABatchInfo, LoRAWeights  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 DEV = torch.device("cuda" if HAS_CUDA else "cpu")
 gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 BACKENDS = ["torch-gather", "triton-sgmv", "triton-bgmv"]
 TRITON = ["triton-sgmv", "triton-bgmv"]
+# Each backend's two kernel entry points (its private split of add_lora), tested on their own too.
+SHRINK_EXPAND = {
+    "torch-gather": (gather_shrink, gather_expand),
+    "triton-sgmv": (sgmv_shrink, sgmv_expand),
+    "triton-bgmv": (bgmv_shrink, bgmv_expand),
+}
 # (atol, rtol) on out, relative to the fp64 oracle that rounds h to the input dtype like the kernels.
 TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (2e-2, 2e-2), torch.bfloat16: (6e-2, 4e-2)}
 
@@ -74,6 +83,10 @@ class Case:
     info: LoRABatchInfo
     ranks: list[int]
     token_slots: list[int]
+
+    @property
+    def weights(self) -> LoRAWeights:
+        return LoRAWeights(self.A, self.B, self.scalings, self.offsets)
 
 
 def make_case(
@@ -186,7 +199,7 @@ def test_add_lora_matches_reference(backend: str, name: str, dtype: torch.dtype)
     c = make_case(*CPU_CASES[name], dtype=dtype, seed=sum(map(ord, name)), spare_rows=2)
     _, want = reference(c)
     out0 = c.out.clone()
-    get_backend(backend).add_lora(c.out, c.x, c.A, c.B, c.scalings, c.info, c.offsets)
+    get_backend(backend).add_lora(c.out, c.x, c.weights, c.info)
     assert_out(c, c.out, want, out0)
 
 
@@ -196,12 +209,12 @@ def test_shrink_then_expand(backend: str, name: str) -> None:
     """The two interface calls separately: h matches (zeros on base rows), and expand adds it."""
     c = make_case(*CPU_CASES[name], dtype=torch.float32, seed=7)
     want_h, want = reference(c)
-    be = get_backend(backend)
-    h = be.shrink(c.x, c.A, c.info)
+    shrink, expand = SHRINK_EXPAND[backend]
+    h = shrink(c.x, c.A, c.info)
     assert h.shape == want_h.shape and h.dtype == c.x.dtype
     torch.testing.assert_close(h.double().cpu(), want_h, atol=1e-5, rtol=1e-5)
     out0 = c.out.clone()
-    be.expand(h, c.B, c.scalings, c.info, c.out, c.offsets)
+    expand(h, c.weights, c.info, c.out)
     assert_out(c, c.out, want, out0)
 
 
@@ -216,7 +229,7 @@ def test_rank_padding_is_never_read(backend: str, name: str) -> None:
     c = make_case(*CPU_CASES[name], dtype=torch.float32, seed=3, pad_value=1e30)
     _, want = reference(c)
     out0 = c.out.clone()
-    get_backend(backend).add_lora(c.out, c.x, c.A, c.B, c.scalings, c.info, c.offsets)
+    get_backend(backend).add_lora(c.out, c.x, c.weights, c.info)
     assert_out(c, c.out, want, out0)
 
 
@@ -229,7 +242,7 @@ def test_auto_picks_bgmv_for_decode_and_sgmv_otherwise(name: str, picked: str) -
     out0 = c.out.clone()
     be = get_backend("triton-auto")
     assert be.pick(c.info).name == picked
-    be.add_lora(c.out, c.x, c.A, c.B, c.scalings, c.info, c.offsets)
+    be.add_lora(c.out, c.x, c.weights, c.info)
     assert_out(c, c.out, want, out0)
 
 
@@ -239,11 +252,12 @@ def test_no_lora_batch_leaves_out_unchanged(backend: str) -> None:
     assert not c.info.has_lora
     out0 = c.out.clone()
     be = get_backend(backend)
-    be.add_lora(c.out, c.x, c.A, c.B, c.scalings, c.info, c.offsets)
+    be.add_lora(c.out, c.x, c.weights, c.info)
     assert torch.equal(c.out, out0)
-    h = be.shrink(c.x, c.A, c.info)
+    shrink, expand = SHRINK_EXPAND[backend]
+    h = shrink(c.x, c.A, c.info)
     assert h.shape == (7, c.A.shape[1]) and not h.any()
-    be.expand(h, c.B, c.scalings, c.info, c.out, c.offsets)
+    expand(h, c.weights, c.info, c.out)
     assert torch.equal(c.out, out0)
 
 
@@ -257,9 +271,9 @@ def test_split_k_values_agree(backend: str, split_k: int, name: str) -> None:
     out0 = c.out.clone()
     be = get_backend(backend)
     be.split_k = split_k
-    be.add_lora(c.out, c.x, c.A, c.B, c.scalings, c.info, c.offsets)
+    be.add_lora(c.out, c.x, c.weights, c.info)
     assert_out(c, c.out, want, out0)
-    h = be.shrink(c.x, c.A, c.info)
+    h = SHRINK_EXPAND[backend][0](c.x, c.A, c.info, split_k=split_k)
     torch.testing.assert_close(h.double().cpu(), want_h, atol=2e-2, rtol=2e-2)
 
 
@@ -269,19 +283,19 @@ def test_bad_inputs_raise_value_errors(backend: str) -> None:
     be = get_backend(backend)
     add = be.add_lora
     with pytest.raises(ValueError, match="in_features"):
-        add(c.out, c.x[:, :-1], c.A, c.B, c.scalings, c.info, c.offsets)
+        add(c.out, c.x[:, :-1], c.weights, c.info)
     with pytest.raises(ValueError, match="dtype"):
-        add(c.out, c.x.half(), c.A, c.B, c.scalings, c.info, c.offsets)
+        add(c.out, c.x.half(), c.weights, c.info)
     with pytest.raises(ValueError, match="contiguous"):
-        add(c.out, c.x.t().contiguous().t(), c.A, c.B, c.scalings, c.info, c.offsets)
+        add(c.out, c.x.t().contiguous().t(), c.weights, c.info)
     with pytest.raises(ValueError, match="slice_offsets"):
-        add(c.out, c.x, c.A, c.B, c.scalings, c.info, (0, 48, 90))
+        add(c.out, c.x, replace(c.weights, slice_offsets=(0, 48, 90)), c.info)
     with pytest.raises(ValueError, match="scalings"):
-        add(c.out, c.x, c.A, c.B, c.scalings.double(), c.info, c.offsets)
+        add(c.out, c.x, replace(c.weights, scalings=c.scalings.double()), c.info)
     with pytest.raises(ValueError, match="rows"):
-        add(c.out[:1], c.x, c.A, c.B, c.scalings, c.info, c.offsets)
+        add(c.out[:1], c.x, c.weights, c.info)
     with pytest.raises(ValueError, match="columns"):
-        be.expand(c.x.new_zeros(3, 5), c.B, c.scalings, c.info, c.out, c.offsets)
+        SHRINK_EXPAND[backend][1](c.x.new_zeros(3, 5), c.weights, c.info, c.out)
 
 
 # Mistral-7B projections on CUDA: (in, slice widths), ranks mixed up to R = 64.
@@ -304,7 +318,7 @@ def test_real_shapes_on_gpu(
     c = make_case(T, in_f, widths, 64, ranks, pattern, mode, dtype, seed=T)
     _, want = reference_fast(c)
     out0 = c.out.clone()
-    get_backend(backend).add_lora(c.out, c.x, c.A, c.B, c.scalings, c.info, c.offsets)
+    get_backend(backend).add_lora(c.out, c.x, c.weights, c.info)
     assert_out(c, c.out, want, out0)
 
 

@@ -78,7 +78,7 @@ def test_mixed_adapter_batch_matches_hf_peft(tiny_arch, expected):
     assert outs[0].output_ids != outs[1].output_ids or outs[0].logprobs != pytest.approx(
         outs[1].logprobs, abs=1e-3
     )
-    assert engine.lora.pool.slots_used <= 2
+    assert engine.lora.slots_used <= 2
     assert engine.stats()["num_running"] == 0 and engine.kv_cache.allocator.usage == 0.0
 
 

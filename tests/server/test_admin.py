@@ -27,9 +27,9 @@ def assert_no_leak(served, expected_names: set[str]) -> None:
     else survives."""
     assert served.bg.wait_idle(30)
 
-    def inspect(eng):
-        pool = eng.lora.pool
-        uids = {e.uid for e in eng.lora.registry.entries()}
+    def inspect(eng):  # white-box: the manager's private pool and registry
+        pool = eng.lora._pool
+        uids = {e.uid for e in eng.lora._registry.entries()}
         return (
             eng.list_loras(),
             eng.stats(),

@@ -46,14 +46,14 @@ def test_batch_never_holds_more_adapters_than_slots_and_fifo(tiny):
         for r in eng.scheduler.running:
             first_scheduled.setdefault(r.rid, step)
             if r.lora is not None:
-                assert eng.lora.pool.slot_of(r.lora.uid) == r.slot  # its slot really holds its adapter
+                assert eng.lora.slot_of(r.lora) == r.slot  # its slot really holds its adapter
         step += 1
     adapter_rids = [rid for rid, name in zip(rids, order) if name is not None]
     starts = [first_scheduled[rid] for rid in adapter_rids]
     assert starts == sorted(starts)  # adapters are served in arrival order
     base_rids = [rid for rid, name in zip(rids, order) if name is None]
     assert first_scheduled[base_rids[0]] == 0  # base-only requests need no slot and do not wait
-    assert eng.lora.registry.get("a0").refcount == 0 and eng.kv_cache.allocator.usage == 0.0
+    assert eng.lora.entry("a0").refcount == 0 and eng.kv_cache.allocator.usage == 0.0
 
 
 def test_results_do_not_depend_on_slots_or_batching(tiny):
@@ -127,7 +127,7 @@ def test_streaming_increments_add_up_and_abort(tiny):
     eng.abort(rid)
     outs = eng.step()
     assert any(o.request_id == rid and o.finish_reason == "abort" for o in outs)
-    assert not eng.has_unfinished() and eng.lora.registry.get("a2").refcount == 0
+    assert not eng.has_unfinished() and eng.lora.entry("a2").refcount == 0
 
 
 @pytest.mark.parametrize(
@@ -193,7 +193,7 @@ def test_load_unload_and_reused_name(tiny):
             break
     assert not eng.has_unfinished(), "a 20-token request did not finish within 500 steps"
     assert finished[rid].finish_reason == "length" and len(finished[rid].output_ids) == 20  # not cut short
-    assert eng.list_loras() == [] and eng.lora.pool.slots_used == 0 and not eng.lora.pool.host
+    assert eng.list_loras() == [] and eng.lora.slots_used == 0 and not eng.lora._pool.host
     eng.load_lora("x", str(adapters["a1"]))  # the name again, another adapter: no stale state
     x1 = eng.generate(["Hello world"], ["x"], sampling_params=GREEDY)[0].output_ids
     y1 = (

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mmlora.forward.lora import LoRABatchInfo
 from mmlora.lora.adapter import LoadedAdapter, LoRAModuleWeights
-from mmlora.lora.batch_info import LoRABatchInfo
 from mmlora.lora.pool import LoRAPool
 from mmlora.lora.spec import LoRAModelSpec, LoRATarget
 

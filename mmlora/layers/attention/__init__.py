@@ -8,11 +8,9 @@ from mmlora.layers.attention.base import (
     register_attention_backend,
     store_kv,
 )
-from mmlora.layers.attention.metadata import AttentionMetadata
 
 __all__ = [
     "AttentionBackend",
-    "AttentionMetadata",
     "available_attention_backends",
     "get_attention_backend",
     "register_attention_backend",

@@ -3,12 +3,25 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
+from torch import Tensor
 
-from mmlora.layers.attention.metadata import AttentionMetadata
+from mmlora.forward.attention import AttentionMetadata
+from mmlora.registry import NamedRegistry
+
+
+class AttentionOptions(NamedTuple):
+    """One attention layer's constants: score scale, sliding window and soft-cap (None: off)."""
+
+    scale: float
+    sliding_window: int | None
+    logit_softcap: float | None
+
+
+#: A layer's paged cache: (k_cache, v_cache), each [num_blocks, block_size, Hkv, D].
+KVPages = tuple[torch.Tensor, torch.Tensor]
 
 
 class AttentionBackend(ABC):
@@ -24,7 +37,6 @@ class AttentionBackend(ABC):
 
     name: ClassVar[str]
 
-    @abstractmethod
     def forward(
         self,
         q: torch.Tensor,
@@ -37,7 +49,16 @@ class AttentionBackend(ABC):
         scale: float,
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
-    ) -> torch.Tensor: ...
+    ) -> torch.Tensor:
+        return self._attend(
+            q, k, v, (k_cache, v_cache), meta, AttentionOptions(scale, sliding_window, logit_softcap)
+        )
+
+    @abstractmethod
+    def _attend(
+        self, q: Tensor, k: Tensor, v: Tensor, kv: KVPages, meta: AttentionMetadata, opts: AttentionOptions
+    ) -> torch.Tensor:
+        """``forward`` with the layer's caches and constants bundled."""
 
 
 def store_kv(
@@ -49,30 +70,16 @@ def store_kv(
     v_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
-_REGISTRY: dict[str, Callable[[], AttentionBackend]] = {}
-
-
-def register_attention_backend(name: str) -> Callable[[type[AttentionBackend]], type[AttentionBackend]]:
-    def wrap(cls: type[AttentionBackend]) -> type[AttentionBackend]:
-        if name in _REGISTRY:
-            raise ValueError(f"attention backend {name!r} registered twice")
-        cls.name = name
-        _REGISTRY[name] = cls
-        return cls
-
-    return wrap
+_REGISTRY: NamedRegistry[AttentionBackend] = NamedRegistry("attention backend", "attention_backend")
+register_attention_backend = _REGISTRY.register
 
 
 def available_attention_backends() -> list[str]:
-    return sorted(_REGISTRY)
+    return _REGISTRY.names()
 
 
 def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
     """``"auto"`` picks ``triton`` on CUDA when registered, ``torch`` otherwise."""
     if name == "auto":
         name = "triton" if device.type == "cuda" and "triton" in _REGISTRY else "torch"
-    if name not in _REGISTRY:
-        raise ValueError(
-            f"unknown attention_backend {name!r}; registered: auto, {', '.join(available_attention_backends())}"
-        )
-    return _REGISTRY[name]()
+    return _REGISTRY.get(name)()

@@ -8,9 +8,16 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
-from mmlora.layers.attention.base import AttentionBackend, register_attention_backend, store_kv
-from mmlora.layers.attention.metadata import AttentionMetadata
+from mmlora.forward.attention import AttentionMetadata
+from mmlora.layers.attention.base import (
+    AttentionBackend,
+    AttentionOptions,
+    KVPages,
+    register_attention_backend,
+    store_kv,
+)
 
 
 def _gather_pages(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> torch.Tensor:
@@ -22,7 +29,7 @@ def _gather_pages(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int)
     return cache.view(-1, *cache.shape[2:])[flat]
 
 
-def _attend(
+def _masked_attention(
     q: torch.Tensor,  # [B, Tq, Hq, D]
     k: torch.Tensor,  # [B, L, Hkv, D]
     v: torch.Tensor,
@@ -57,26 +64,18 @@ def _attend(
 
 @register_attention_backend("torch")
 class TorchAttention(AttentionBackend):
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        *,
-        scale: float,
-        sliding_window: int | None = None,
-        logit_softcap: float | None = None,
+    def _attend(
+        self, q: Tensor, k: Tensor, v: Tensor, kv: KVPages, meta: AttentionMetadata, opts: AttentionOptions
     ) -> torch.Tensor:
+        k_cache, v_cache = kv
+        scale, sliding_window, logit_softcap = opts
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         B = meta.num_seqs
         if meta.is_decode:
             kk = _gather_pages(k_cache, meta.block_tables[:B], meta.max_seq_len)
             vv = _gather_pages(v_cache, meta.block_tables[:B], meta.max_seq_len)
             q_pos = (meta.seq_lens[:B] - 1).long().unsqueeze(1)
-            out = _attend(
+            out = _masked_attention(
                 q[:B].unsqueeze(1),
                 kk,
                 vv,
@@ -97,7 +96,7 @@ class TorchAttention(AttentionBackend):
             vv = _gather_pages(v_cache, meta.block_tables[b : b + 1], L)
             q_pos = torch.arange(L - n, L, device=q.device).unsqueeze(0)
             kv_len = torch.tensor([L], device=q.device)
-            o = _attend(
+            o = _masked_attention(
                 q[start : start + n].unsqueeze(0), kk, vv, q_pos, kv_len, scale, sliding_window, logit_softcap
             )
             out[start : start + n] = o[0]

@@ -19,9 +19,15 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
-from mmlora.layers.attention.base import AttentionBackend, register_attention_backend
-from mmlora.layers.attention.metadata import AttentionMetadata
+from mmlora.forward.attention import AttentionMetadata
+from mmlora.layers.attention.base import (
+    AttentionBackend,
+    AttentionOptions,
+    KVPages,
+    register_attention_backend,
+)
 from mmlora.layers.attention.triton_common import interpreting
 from mmlora.layers.attention.triton_decode import decode_attention
 from mmlora.layers.attention.triton_prefill import prefill_attention
@@ -102,15 +108,10 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 
 def _validate(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    sliding_window: int | None,
-    logit_softcap: float | None,
+    q: Tensor, k: Tensor, v: Tensor, kv: KVPages, meta: AttentionMetadata, opts: AttentionOptions
 ) -> None:
+    k_cache, v_cache = kv
+    sliding_window, logit_softcap = opts.sliding_window, opts.logit_softcap
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         raise ValueError(
             f"q, k, v must be [T, H, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
@@ -165,20 +166,12 @@ class TritonAttention(AttentionBackend):
             raise ValueError(f"num_kv_splits must be >= 1, got {num_kv_splits}")
         self.num_kv_splits = num_kv_splits
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        *,
-        scale: float,
-        sliding_window: int | None = None,
-        logit_softcap: float | None = None,
+    def _attend(
+        self, q: Tensor, k: Tensor, v: Tensor, kv: KVPages, meta: AttentionMetadata, opts: AttentionOptions
     ) -> torch.Tensor:
-        _validate(q, k, v, k_cache, v_cache, meta, sliding_window, logit_softcap)
+        _validate(q, k, v, kv, meta, opts)
+        k_cache, v_cache = kv
+        scale, sliding_window, logit_softcap = opts
         q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
         store_kv_triton(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)

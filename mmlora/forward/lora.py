@@ -1,4 +1,4 @@
-"""LoRABatchInfo: which adapter slot each token of one forward uses.
+"""LoRABatchInfo: which adapter slot each token of one forward uses; LoRAWeights: one module's adapters.
 
 Preallocated once at the engine's maximum batch (so CUDA graphs can capture the tensors) and filled in
 place every step by :meth:`LoRABatchInfo.fill`. Tokens are grouped into *segments*: runs of consecutive
@@ -9,8 +9,29 @@ means the base model only: kernels leave those rows untouched.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
+
+
+@dataclass(frozen=True)
+class LoRAWeights:
+    """One LoRA target module's views into the adapter pool (layout in :mod:`mmlora.backends.base`).
+
+    A              [num_slots, n_slices * R, in_features]  shrink weights
+    B              [num_slots, out_features, R]             expand weights
+    scalings       [num_slots, n_slices] float32            alpha / r (or alpha / sqrt(r)) per slice
+    slice_offsets  n_slices + 1 ints                       output columns of each slice (packed qkv, gate_up)
+    """
+
+    A: torch.Tensor
+    B: torch.Tensor
+    scalings: torch.Tensor
+    slice_offsets: tuple[int, ...]
+
+    @property
+    def n_slices(self) -> int:
+        return len(self.slice_offsets) - 1
 
 
 class LoRABatchInfo:
@@ -99,3 +120,21 @@ class LoRABatchInfo:
         self.seg_slots_host = seg_slots
         self.host_derived = {}
         self.max_rank = max((self.ranks_host[s] for s in seg_slots if s >= 0), default=0)
+
+    def fill_rows(self, slots: Sequence[int], max_rank: int) -> None:
+        """One segment per row, never merged, with a fixed ``max_rank``: the shape of a CUDA-graph step,
+        whose host ints are baked in at capture (so kernels loop to each slot's rank on the device)."""
+        n = len(slots)
+        if n > self.max_tokens:
+            raise ValueError(f"fill_rows: {n} rows exceed the preallocated {self.max_tokens}")
+        device_slots = torch.tensor(slots, dtype=torch.int32)
+        self.token_slots[:n].copy_(device_slots, non_blocking=True)
+        self.weight_indices[:n].copy_(device_slots, non_blocking=True)
+        self.seg_indptr[: n + 1].copy_(torch.arange(n + 1, dtype=torch.int32), non_blocking=True)
+        self.seg_lens[:n].fill_(1)
+        self.num_tokens = n
+        self.num_segments = n
+        self.max_rank = max_rank
+        self.seg_lens_host = [1] * n
+        self.seg_slots_host = list(slots)
+        self.host_derived = {}
