@@ -105,6 +105,20 @@ class SchedulerConfig:
     max_num_batched_tokens: int = _f(2048, "Token budget of one forward (prefill chunks + decode tokens).")
     max_queued_requests: int = _f(4096, "Waiting requests beyond which new ones are refused.")
     disable_cuda_graph: bool = _f(False, "Run decode steps eagerly instead of replaying CUDA graphs.")
+    schedule_policy: str = _f(
+        "fcfs",
+        'Admission order: "fcfs" (arrival order) or "vtc" (the Virtual Token Counter: the least-served '
+        "client first, where a client is a request's client_id / OpenAI user, else its adapter).",
+    )
+    vtc_prefill_weight: float = _f(1.0, "VTC: service charged per prompt token admitted.")
+    vtc_decode_weight: float = _f(2.0, "VTC: service charged per generated token.")
+    max_running_per_client: int = _f(0, "Most running requests per client (0: no limit).")
+    max_queued_per_client: int = _f(
+        0, "Most waiting requests per client; more are refused with 429 (0: no limit)."
+    )
+    client_limits_file: str | None = _f(
+        None, 'JSON file of per-client limits: {"client": {"max_running": n, "max_queued": m}, ...}.'
+    )
     attention_backend: str = _f(
         "auto", 'Attention kernels: "auto" (triton on CUDA, torch otherwise), "torch", "triton".'
     )
@@ -130,6 +144,14 @@ class EngineConfig:
         _check(0.0 < cache.mem_fraction_static <= 1.0, "mem_fraction_static", "must be in (0, 1]")
         _check(sched.max_running_requests >= 1, "max_running_requests", "must be >= 1")
         _check(sched.max_num_batched_tokens >= 16, "max_num_batched_tokens", "must be >= 16")
+        _check(sched.schedule_policy in ("fcfs", "vtc"), "schedule_policy", 'must be "fcfs" or "vtc"')
+        _check(
+            sched.vtc_prefill_weight > 0 and sched.vtc_decode_weight > 0,
+            "vtc_prefill_weight / vtc_decode_weight",
+            "must be > 0",
+        )
+        _check(sched.max_running_per_client >= 0, "max_running_per_client", "must be >= 0")
+        _check(sched.max_queued_per_client >= 0, "max_queued_per_client", "must be >= 0")
         _check(
             self.model.dtype in ("auto", "float32", "float16", "bfloat16"),
             "dtype",

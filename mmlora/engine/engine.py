@@ -78,8 +78,11 @@ class Engine:
         request_id: str | None = None,
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
+        client_id: str | None = None,
     ) -> str:
-        """Validate and queue one request; raises ValueError naming what is wrong."""
+        """Validate and queue one request; raises ValueError naming what is wrong.
+
+        ``client_id`` names who the request is billed to for fair scheduling (default: its adapter)."""
         sp = SamplingParams.from_any(sampling_params)
         if sp.n != 1:
             raise ValueError("sampling_params.n: add_request takes n=1; generate() expands n")
@@ -98,10 +101,13 @@ class Engine:
         blocks = self.kv_cache.allocator.blocks_needed(len(ids) + 1, 0)
         if blocks > self.kv_cache.allocator.num_blocks:
             raise ValueError(f"prompt: {len(ids)} tokens do not fit in the KV cache")
+        if client_id is not None and not (isinstance(client_id, str) and 0 < len(client_id) <= 256):
+            raise ValueError("client_id: must be a non-empty string of at most 256 characters")
         entry = self.lora.resolve(lora)
+        req = Request(rid, ids, sp, entry, return_logprob, top_logprobs_num, client_id, mm_inputs)
+        self.scheduler.check_client_queue(self.scheduler.client_of(req))
         if entry is not None:
             self.lora.acquire(entry)
-        req = Request(rid, ids, sp, entry, return_logprob, top_logprobs_num, mm_inputs)
         if sp.seed is not None:
             req.generator = torch.Generator(device=self.device).manual_seed(sp.seed)
         self._requests[rid] = req

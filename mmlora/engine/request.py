@@ -33,6 +33,7 @@ class Request:
     lora: AdapterEntry | None
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    client_id: str | None = None  # who the request is billed to for fair scheduling (OpenAI's `user`)
     mm_inputs: ImageInputs | None = None  # its images (mmlora.multimodal), prepared at add_request
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)

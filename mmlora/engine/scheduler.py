@@ -6,6 +6,10 @@ waiting requests in arrival order. A waiting request with an adapter is admitted
 holds, or can take, a device slot without evicting an adapter of the running batch. When the head of
 the queue waits for a slot, only base-only requests may pass it, so slots drain and the head gets one:
 adapters are served in arrival order.
+
+Which waiting request goes first is the policy's choice (``schedule_policy``): ``fcfs`` takes them in
+arrival order; ``vtc`` takes the head of the least-served backlogged client first (see fairness.py), and a
+client at its running cap is skipped without losing its place.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import logging
 from dataclasses import dataclass, field
 
 from mmlora.config import SchedulerConfig
+from mmlora.engine.fairness import BASE_CLIENT, VirtualTokenCounter, load_client_limits
 from mmlora.engine.request import Request, Status
 from mmlora.kvcache.allocator import BlockAllocator
 from mmlora.lora.manager import LoRAManager
@@ -49,9 +54,25 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.vtc = VirtualTokenCounter(config.vtc_prefill_weight, config.vtc_decode_weight)
+        self.client_limits = load_client_limits(
+            config.client_limits_file, config.max_running_per_client, config.max_queued_per_client
+        )
+
+    @staticmethod
+    def client_of(req: Request) -> str:
+        """Who a request is billed to: its client id, else its adapter, else the base model."""
+        return req.client_id or req.lora_name or BASE_CLIENT
+
+    def check_client_queue(self, client: str) -> None:
+        """Raise OverflowError when ``client`` already has its cap of waiting requests."""
+        cap = self.client_limits.queued_cap(client)
+        if cap and self.vtc.clients[client].waiting >= cap:
+            raise OverflowError(f"client {client!r} has {cap} waiting requests, its limit")
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
+        self.vtc.on_arrival(self.client_of(req))
 
     def _busy_adapters(self) -> set[int]:
         return {r.lora.uid for r in self.running if r.lora is not None}
@@ -78,6 +99,7 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
+        self.vtc.on_preempt(self.client_of(req))
         logger.info("preempted %s (KV cache full); it will be recomputed", req.rid)
 
     def schedule(self) -> tuple[ScheduledBatch, list[Request]]:
@@ -94,6 +116,7 @@ class Scheduler:
                     f"request needs more KV cache than the engine has ({self.allocator.num_blocks} pages)"
                 )
                 self.running.remove(req)
+                self.vtc.on_finish(self.client_of(req))
                 self.release(req)
                 failed.append(req)
                 continue
@@ -108,12 +131,40 @@ class Scheduler:
                 batch.add(req, n)
                 budget -= n
         self._admit(batch, budget, failed)
+        for req, n in zip(batch.requests, batch.num_new):
+            if req.num_computed + n == req.num_tokens:  # this forward samples a token for it
+                self.vtc.on_decode(self.client_of(req))
         return batch, failed
+
+    def _admission_order(self):
+        """Waiting requests in the order the policy admits them, decided lazily: under ``vtc`` the order
+        after each admission depends on what was just charged. A request still waiting after it was
+        offered was skipped, and its client is not offered again in this pass."""
+        if self.config.schedule_policy == "fcfs":
+            yield from list(self.waiting)
+            return
+        passed: set[str] = set()
+        while True:
+            heads: dict[str, Request] = {}
+            for req in self.waiting:
+                client = self.client_of(req)
+                if client not in passed and client not in heads:
+                    heads[client] = req
+            if not heads:
+                return
+            client = self.vtc.order(heads)[0]
+            cap = self.client_limits.running_cap(client)
+            if cap and self.vtc.clients[client].running >= cap:
+                passed.add(client)
+                continue
+            yield heads[client]
+            if heads[client] in self.waiting:
+                passed.add(client)
 
     def _admit(self, batch: ScheduledBatch, budget: int, failed: list[Request]) -> None:
         head_blocked = False
         busy = self._busy_adapters()  # kept up to date as requests join below
-        for req in list(self.waiting):
+        for req in self._admission_order():
             if budget <= 0 or len(self.running) >= self.config.max_running_requests:
                 break
             if req.lora is not None and (head_blocked or not self.lora.can_admit(req.lora, busy)):
@@ -127,12 +178,14 @@ class Scheduler:
                     req.slot = self.lora.admit(req.lora, busy)
                 except ValueError as e:  # the adapter's files changed since it was validated
                     self.waiting.remove(req)
+                    self.vtc.on_leave_queue(self.client_of(req))
                     self.release(req)
                     req.error = str(e)
                     failed.append(req)
                     continue
                 busy.add(req.lora.uid)
             self.waiting.remove(req)
+            self.vtc.on_admit(self.client_of(req), len(req.prompt_ids), charge=req.num_preemptions == 0)
             req.status = Status.RUNNING
             self.running.append(req)
             batch.add(req, n)
@@ -142,6 +195,8 @@ class Scheduler:
         """Drop a finished or aborted request from the queues and free its pages."""
         if req in self.running:
             self.running.remove(req)
+            self.vtc.on_finish(self.client_of(req))
         elif req in self.waiting:
             self.waiting.remove(req)
+            self.vtc.on_leave_queue(self.client_of(req))
         self.release(req)
