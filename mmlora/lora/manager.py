@@ -15,7 +15,7 @@ from mmlora.lora.adapter import load_adapter
 from mmlora.lora.batch_info import LoRABatchInfo
 from mmlora.lora.layer import LoRAContext, LoRALinear
 from mmlora.lora.pool import LoRAPool
-from mmlora.lora.registry import AdapterEntry, AdapterRegistry
+from mmlora.lora.registry import AdapterEntry, AdapterRegistry, UnknownAdapterError
 from mmlora.models.base import CausalLM
 
 logger = logging.getLogger(__name__)
@@ -111,12 +111,12 @@ class LoRAManager:
         entry = self.registry.lookup(lora)
         if entry is not None:
             if entry.unloading:
-                raise ValueError(f"lora {entry.name!r} is being unloaded")
+                raise UnknownAdapterError(f"lora_path: unknown adapter {entry.name!r} (it is being unloaded)")
             return entry
         if os.path.isdir(lora):
             return self.load(lora, lora)
-        known = ", ".join(self.registry.names()) or "none"
-        raise ValueError(
+        known = ", ".join(self.registry.live_names()) or "none"
+        raise UnknownAdapterError(
             f"lora_path: unknown adapter {lora!r} (not a registered name nor a folder); registered: {known}"
         )
 

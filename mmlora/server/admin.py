@@ -21,7 +21,7 @@ from mmlora.hub import HubError, parse_hub_ref, resolve_adapter
 from mmlora.server.adapters import confine_adapter_path
 from mmlora.server.errors import APIError, to_api_error
 from mmlora.server.metrics import CONTENT_TYPE
-from mmlora.server.protocol import LoadLoRARequest, UnloadLoRARequest
+from mmlora.server.schemas import LoadLoRARequest, UnloadLoRARequest
 from mmlora.server.state import ServerState
 
 router = APIRouter()
