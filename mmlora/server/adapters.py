@@ -11,16 +11,19 @@ import os
 from typing import Any
 
 from mmlora.engine.background import BackgroundEngine
-from mmlora.lora.paths import AdapterPathError
+from mmlora.lora.paths import AdapterFolderMissing, AdapterPathError
 from mmlora.lora.paths import confine_adapter_path as confine
 from mmlora.server.config import ServerConfig
 from mmlora.server.errors import APIError
 
 
 def confine_adapter_path(path: str, lora_root: str | None, *, param: str = "lora_path") -> str:
-    """The real path of an adapter folder inside ``lora_root``, or ``APIError(400)`` naming the problem."""
+    """The real path of an adapter folder inside ``lora_root``, or ``APIError`` naming the problem: 404
+    for a folder that does not exist there, 400 for a path that may not be read."""
     try:
         return confine(path, lora_root, param=param)
+    except AdapterFolderMissing as e:
+        raise APIError(404, str(e), param=param, code="lora_not_found") from None
     except AdapterPathError as e:
         raise APIError(400, str(e), param=param) from None
 

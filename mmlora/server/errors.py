@@ -30,8 +30,9 @@ logger = logging.getLogger(__name__)
 _TYPES = {429: "requests", 503: "service_unavailable_error"}
 # pydantic error types -> OpenAI's codes for a parameter that is missing, unknown or of the wrong type
 _VALIDATION_CODES = {"missing": "missing_required_parameter", "extra_forbidden": "unknown_parameter"}
-# loc entries pydantic adds for the member of a union that was tried: not field names
-_UNION_TAGS = ("str", "int", "float", "bool", "list", "dict", "none", "is-instance", "function-")
+# loc entries pydantic adds for the member of a union that was tried ("list[str]", "constrained-int",
+# a model's class name): not field names, which are snake_case
+_PLAIN_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
 
 
 class APIError(Exception):
@@ -95,10 +96,14 @@ def _loc(loc: tuple[Any, ...]) -> str:
     """``("body", "messages", 0, "role")`` -> ``"messages[0].role"`` (union member tags left out)."""
     out = ""
     for part in loc:
-        if part in ("body", "query", "path") or (isinstance(part, str) and part.startswith(_UNION_TAGS)):
+        if part in ("body", "query", "path") or (isinstance(part, str) and _is_union_tag(part)):
             continue
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
     return out or "body"
+
+
+def _is_union_tag(part: str) -> bool:
+    return part in _PLAIN_TAGS or "[" in part or "-" in part or part[:1].isupper()
 
 
 def _validation_code(error: dict[str, Any]) -> str:

@@ -6,21 +6,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from server_fixtures import ADAPTER_SPECS, Served, TinyModel, make_server_checkpoint, serve, tiny_engine
-from tiny_models import make_adapter
+from server_fixtures import Served, TinyModel, build_tiny, serve, tiny_engine
 
 
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
-    root = tmp_path_factory.mktemp("tiny")
-    folder = root / "base"
-    make_server_checkpoint(folder)
-    lora_root = root / "loras"
-    adapters = {}
-    for name, (rank, alpha, targets, seed) in ADAPTER_SPECS.items():
-        adapters[name] = lora_root / name
-        make_adapter(folder, adapters[name], seed, r=rank, lora_alpha=alpha, target_modules=targets)
-    return TinyModel(folder, adapters, lora_root)
+    return build_tiny(tmp_path_factory.mktemp("tiny"))
 
 
 @pytest.fixture(scope="module")

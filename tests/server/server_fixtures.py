@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from tiny_models import ALL_SEVEN, make_checkpoint
+from tiny_models import ALL_SEVEN, make_adapter, make_checkpoint
 
 T = TypeVar("T")
 
@@ -34,6 +34,18 @@ class TinyModel:
     folder: Path
     adapters: dict[str, Path]
     root: Path  # the folder holding the adapters (a --lora-root)
+
+
+def build_tiny(root: Path) -> TinyModel:
+    """The tiny checkpoint under ``root/base`` and the ``ADAPTER_SPECS`` adapters under ``root/loras``."""
+    folder = root / "base"
+    make_server_checkpoint(folder)
+    lora_root = root / "loras"
+    adapters = {}
+    for name, (rank, alpha, targets, seed) in ADAPTER_SPECS.items():
+        adapters[name] = lora_root / name
+        make_adapter(folder, adapters[name], seed, r=rank, lora_alpha=alpha, target_modules=targets)
+    return TinyModel(folder, adapters, lora_root)
 
 
 def free_port() -> int:
