@@ -19,12 +19,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from mmlora.engine.request import Request
 from mmlora.engine.sampler import BadSamplingRows, sample
 from mmlora.engine.scheduler import ScheduledBatch
+
+if TYPE_CHECKING:
+    from mmlora.engine.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +68,7 @@ def describe_fault(error: BaseException) -> str:
 class StepGuard:
     """Forward and sample one scheduled batch; a request that raises fails alone."""
 
-    def __init__(self, runner, generator: torch.Generator) -> None:  # runner: ModelRunner
+    def __init__(self, runner: ModelRunner, generator: torch.Generator) -> None:
         self.runner = runner
         self.generator = generator
         self.faults: FaultInjector | None = None

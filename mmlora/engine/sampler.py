@@ -8,20 +8,23 @@ from mmlora.engine.request import Request
 
 
 class BadSamplingRows(ValueError):
-    """Rows whose logits or sampling probabilities are NaN/Inf (``rows``: indices into the batch).
+    """Rows whose logits or sampling probabilities are NaN/Inf: ``rows`` maps a batch index to why;
+    ``model_rows`` are those whose raw logits were already bad (the model's fault, not the request's).
 
     Raised before ``torch.multinomial`` sees them: on CUDA a NaN there is a device-side assert that
     poisons the whole process, not just the request.
     """
 
-    def __init__(self, rows: dict[int, str]) -> None:
+    def __init__(self, rows: dict[int, str], model_rows: set[int]) -> None:
         super().__init__("; ".join(f"row {i}: {why}" for i, why in rows.items()))
         self.rows = rows
+        self.model_rows = model_rows
 
 
 def _check_rows(logits: torch.Tensor, probs: torch.Tensor | None, requests: list[Request]) -> None:
     bad_logits = (torch.isnan(logits) | torch.isposinf(logits)).any(dim=-1).tolist()
-    rows = {i: "the model produced NaN or Inf logits" for i, bad in enumerate(bad_logits) if bad}
+    model_rows = {i for i, bad in enumerate(bad_logits) if bad}
+    rows = dict.fromkeys(model_rows, "the model produced NaN or Inf logits")
     if probs is not None:
         ok = torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)
         for i, good in enumerate(ok.tolist()):
@@ -32,7 +35,7 @@ def _check_rows(logits: torch.Tensor, probs: torch.Tensor | None, requests: list
                     f"(temperature={sp.temperature:g}, repetition_penalty={sp.repetition_penalty:g})"
                 )
     if rows:
-        raise BadSamplingRows(rows)
+        raise BadSamplingRows(rows, model_rows)
 
 
 def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:

@@ -237,11 +237,11 @@ def _check_config(config: dict, fail) -> None:
         )
     r = config.get("r", 8)
     if not _is_rank(r):
-        raise fail(f"config field r must be an integer in [1, {MAX_CONFIG_RANK}], got {r!r}")
+        raise fail(f"config field r must be a positive integer (at most {MAX_CONFIG_RANK}), got {r!r}")
     alpha = config.get("lora_alpha", 8)
     if not _is_alpha(alpha):
         raise fail(
-            f"config field lora_alpha must be a finite number in (0, {MAX_LORA_ALPHA:g}], got {alpha!r}"
+            f"config field lora_alpha must be a number, finite and in (0, {MAX_LORA_ALPHA:g}], got {alpha!r}"
         )
     for field, value_ok, what in (
         ("rank_pattern", _is_rank, f"integers in [1, {MAX_CONFIG_RANK}]"),

@@ -231,3 +231,54 @@ def test_engine_refuses_an_adapter_being_unloaded_as_unknown(server):
     assert err.status == 404 and "racing" in err.message and err.code == "lora_not_found"
     assert "racing" not in [e["name"] for e in server.bg.run(lambda eng: eng.list_loras())]
     assert engine.lora.registry.get("racing") is None
+
+
+def test_injected_adapter_fault_is_a_500_for_its_request_only(server):
+    """Over HTTP: the request on the failing adapter gets a 500 naming the fault; its neighbours, in the
+    same batch, answer exactly what they answer without it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from mmlora.engine.fault_isolation import FaultInjector
+
+    url = server.url
+    bodies = [
+        {
+            "text": t,
+            "lora_path": lora,
+            "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True},
+        }
+        for t, lora in [("Hello world", "a0"), ("The cat", None), ("One two", "a1"), ("Boom", "a4")]
+    ]
+
+    def send(body):
+        return requests.post(url + "/generate", json=body, timeout=120)
+
+    alone = [send(b).json()["output_ids"] for b in bodies[:3]]
+    server.engine.step_guard.faults = FaultInjector(adapters={"a4"})
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(send, bodies))
+    finally:
+        server.engine.step_guard.faults = None
+    err = check_envelope(answers[3])
+    assert (
+        answers[3].status_code == 500 and err["type"] == "server_error" and "InjectedFault" in err["message"]
+    )
+    assert [r.json()["output_ids"] for r in answers[:3]] == alone
+
+
+def test_a_client_leaving_a_plain_request_logs_no_noise(server, caplog):
+    """A non-streaming client that disconnects: its request is aborted, and asyncio logs nothing about a
+    future whose exception was never retrieved."""
+    import gc
+
+    body = {"text": "Hello", "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}
+    with caplog.at_level("ERROR"):
+        for _ in range(3):
+            with pytest.raises(requests.exceptions.ReadTimeout):
+                requests.post(server.url + "/generate", json=body, timeout=0.3)
+        assert server.bg.wait_idle(60)
+        time.sleep(0.3)
+        gc.collect()
+        time.sleep(0.3)
+    assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]

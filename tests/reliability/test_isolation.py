@@ -111,3 +111,26 @@ def test_bad_values_are_refused_before_queueing(engine):
     with pytest.raises(ValueError, match="input_ids"):
         engine.add_request(input_ids=[True, False])
     assert not engine.has_unfinished()
+
+
+def test_nan_logits_from_the_model_are_named_per_row():
+    """The sampler refuses rows with NaN/Inf logits before multinomial sees them (on CUDA a NaN there is a
+    device-side assert), naming them as the model's fault, apart from rows whose parameters overflow."""
+    import torch
+
+    from mmlora.engine.request import Request
+    from mmlora.engine.sampler import BadSamplingRows, sample
+    from mmlora.engine.sampling_params import SamplingParams
+
+    reqs = [
+        Request("ok", [1], SamplingParams(temperature=0.0), None),
+        Request("model", [1], SamplingParams(temperature=0.7), None),
+        Request("params", [1], SamplingParams(temperature=0.7, repetition_penalty=1e-50), None),
+    ]
+    logits = torch.randn(3, 16)
+    logits[1, 3] = float("nan")
+    logits[2, 1] = 5.0  # the prompt token: penalised by 1e-50 it overflows to Inf
+    with pytest.raises(BadSamplingRows) as e:
+        sample(logits, reqs, torch.Generator().manual_seed(0))
+    assert set(e.value.rows) == {1, 2} and e.value.model_rows == {1}
+    assert "repetition_penalty=1e-50" in e.value.rows[2]
