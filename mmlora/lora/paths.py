@@ -36,7 +36,9 @@ def confine_adapter_path(path: str, lora_root: str | None, *, param: str = "lora
     if not _inside(real, root):
         raise AdapterPathError(f"{param}: {path!r} is outside the allowed adapter root")
     if not os.path.exists(real):
-        raise AdapterFolderMissing(f"{param}: no adapter folder {path!r} under the adapter root")
+        raise AdapterFolderMissing(
+            f"{param}: {path!r} is not an adapter folder under the adapter root (no such folder)"
+        )
     if not os.path.isdir(real):
         raise AdapterPathError(f"{param}: {path!r} is not an adapter folder under the adapter root")
     for name in ADAPTER_FILES:

@@ -190,7 +190,7 @@ def test_unknown_and_unloaded_adapters_are_404_everywhere(server, tiny):
         requests.post(url + "/unload_lora_adapter", json={"lora_name": "nope"}, timeout=30), 404, "nope"
     )
     load = {"lora_name": "gone", "lora_path": "does_not_exist"}
-    assert_error(requests.post(url + "/load_lora_adapter", json=load, timeout=30), 404, "no adapter folder")
+    assert_error(requests.post(url + "/load_lora_adapter", json=load, timeout=30), 404, "no such folder")
     # loaded, then unloaded: 404 on every endpoint, and unloading again is 404 too
     load = {"lora_name": "gone", "lora_path": str(tiny.adapters["a1"])}
     assert requests.post(url + "/load_lora_adapter", json=load, timeout=60).status_code == 200
