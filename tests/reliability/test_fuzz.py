@@ -1,4 +1,4 @@
-"""Schema-driven fuzzing of every endpoint (hypothesis, fixed seed, 520 cases a run).
+"""Schema-driven fuzzing of every endpoint (hypothesis, fixed seed, 525 cases a run).
 
 Each body mixes, field by field: a valid value, an edge of its range, a value of another JSON type,
 or a nested structure; plus unknown fields and raw bytes that are not JSON at all. After every case a
@@ -219,39 +219,25 @@ def url(server):
     return server.url
 
 
+def as_json(path: str, body: st.SearchStrategy) -> st.SearchStrategy:
+    return body.map(lambda b: (path, json.dumps(b).encode()))
+
+
+ENDPOINTS = {  # name -> strategy of (path, request body bytes)
+    "generate": as_json("/generate", GENERATE),
+    "completions": as_json("/v1/completions", COMPLETIONS),
+    "chat": as_json("/v1/chat/completions", CHAT),
+    "adapter_admin": ADMIN.map(lambda case: (case[0], json.dumps(case[1]).encode())),
+    "raw_bytes": RAW,
+}
+
+
+@pytest.mark.parametrize("endpoint", list(ENDPOINTS))
 @seed(SEED)
-@fuzz(180)
-@given(body=GENERATE)
-def test_fuzz_generate(url, body):
-    check(url, "/generate", json.dumps(body).encode())
-
-
-@seed(SEED)
-@fuzz(110)
-@given(body=COMPLETIONS)
-def test_fuzz_completions(url, body):
-    check(url, "/v1/completions", json.dumps(body).encode())
-
-
-@seed(SEED)
-@fuzz(110)
-@given(body=CHAT)
-def test_fuzz_chat(url, body):
-    check(url, "/v1/chat/completions", json.dumps(body).encode())
-
-
-@seed(SEED)
-@fuzz(60)
-@given(case=ADMIN)
-def test_fuzz_adapter_admin(url, case):
-    check(url, case[0], json.dumps(case[1]).encode())
-
-
-@seed(SEED)
-@fuzz(60)
-@given(case=RAW)
-def test_fuzz_raw_bytes(url, case):
-    check(url, *case)
+@fuzz(105)
+@given(data=st.data())
+def test_fuzz(url, endpoint, data):
+    check(url, *data.draw(ENDPOINTS[endpoint], label=endpoint))
 
 
 def test_fuzz_summary(url):

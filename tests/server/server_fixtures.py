@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+import pytest
 from tiny_models import ALL_SEVEN, make_adapter, make_checkpoint
 
 T = TypeVar("T")
@@ -142,3 +143,15 @@ def tiny_engine(tiny: TinyModel, **kwargs: Any) -> Any:
     }
     opts.update(kwargs)
     return Engine(**opts)
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
+    """The tiny checkpoint with five PEFT adapters (a conftest imports this fixture to use it)."""
+    return build_tiny(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def server(tiny: TinyModel) -> Iterator[Served]:
+    """A server over the tiny model with its five adapters, run-time updates on under the adapter root."""
+    yield from serve(tiny_engine(tiny), enable_lora_runtime_update=True, lora_root=str(tiny.root))
