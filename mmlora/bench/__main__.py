@@ -18,6 +18,7 @@ SUBCOMMANDS: dict[str, str] = {
     "adapters": "mmlora.bench.adapters",
     "profile": "mmlora.bench.profile",
     "cluster": "mmlora.bench.cluster",
+    "soak": "mmlora.bench.soak",
 }
 
 

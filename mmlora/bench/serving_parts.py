@@ -130,7 +130,7 @@ def start_decode_batch(engine: Any, names: list[str | None], context: int, rng: 
         engine.add_request(
             input_ids=rng.integers(0, vocab, context - 1).tolist(),
             lora=name,
-            sampling_params={"max_new_tokens": 10_000, "temperature": 0.0, "ignore_eos": True},
+            sampling_params={"max_new_tokens": engine.max_model_len, "temperature": 0.0, "ignore_eos": True},
         )
         for name in names
     ]

@@ -371,30 +371,33 @@ class BackgroundEngine:
     def _deliver(self, handle: RequestHandle, out: RequestOutput, now: float) -> None:
         snap = _snapshot(out)
         handle._fix_delta(snap)
-        for fn in self._listeners:
-            try:
-                fn(snap, now)
-            except Exception:
-                logger.exception("output listener failed")
+        self._notify(snap, now)
         handle._push(snap)
         if snap.finished:
             del self._handles[handle.request_id]
             self._release(1)
 
+    def _notify(self, out: RequestOutput, now: float) -> None:
+        for fn in self._listeners:
+            try:
+                fn(out, now)
+            except Exception:
+                logger.exception("output listener failed")
+
     def _fail(self, handle: RequestHandle, message: str) -> None:
         """Finish ``handle`` with an abort carrying ``message`` and stop its request in the engine."""
         self._engine_abort(handle.request_id)
-        handle._push(
-            RequestOutput(
-                request_id=handle.request_id,
-                prompt_tokens=0,
-                lora_name=None,
-                finish_reason="abort",
-                error=message,
-                arrival_time=handle.submit_time,
-                finish_time=time.monotonic(),
-            )
+        out = RequestOutput(
+            request_id=handle.request_id,
+            prompt_tokens=0,
+            lora_name=None,
+            finish_reason="abort",
+            error=message,
+            arrival_time=handle.submit_time,
+            finish_time=time.monotonic(),
         )
+        self._notify(out, time.monotonic())  # a failed request is counted like any other that ends
+        handle._push(out)
         if self._handles.pop(handle.request_id, None) is not None:
             self._release(1)
 

@@ -17,9 +17,9 @@ import torch
 
 from mmlora.config import EngineConfig
 from mmlora.engine.detokenizer import take_delta, update_text
+from mmlora.engine.fault_isolation import StepGuard, describe_fault
 from mmlora.engine.model_runner import ModelRunner
 from mmlora.engine.request import Request, Status
-from mmlora.engine.sampler import sample
 from mmlora.engine.sampling_params import RequestOutput, SamplingParams
 from mmlora.engine.scheduler import Scheduler
 from mmlora.engine.setup import build_engine_parts
@@ -29,6 +29,8 @@ from mmlora.lora.registry import AdapterEntry
 from mmlora.multimodal.prompt import text_prompt_ids
 
 logger = logging.getLogger(__name__)
+
+PreparedPrompt = tuple[list[int], Any]  # (token ids, the model's multimodal inputs or None)
 
 
 class Engine:
@@ -59,6 +61,7 @@ class Engine:
         # Unseeded requests sample from the engine's own generator, not the process-wide one: results
         # then do not depend on what else in the process draws random numbers.
         self.generator = torch.Generator(device=self.device).manual_seed(config.model.seed)
+        self.step_guard = StepGuard(self.runner, self.generator)  # a failing request fails alone
         self._requests: dict[str, Request] = {}
         self._aborts: set[str] = set()
         self._pending_unloads: list[AdapterEntry] = []
@@ -79,13 +82,21 @@ class Engine:
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
         client_id: str | None = None,
+        prepared: PreparedPrompt | None = None,
     ) -> str:
         """Validate and queue one request; raises ValueError naming what is wrong.
 
-        ``client_id`` names who the request is billed to for fair scheduling (default: its adapter)."""
+        ``client_id`` names who the request is billed to for fair scheduling (default: its adapter).
+        ``prepared`` is what ``prepare_prompt`` returned for this request's prompt (tokenized ahead,
+        off this thread, by the server); prompt, input_ids and images are then not read again.
+        """
         sp = SamplingParams.from_any(sampling_params)
         if sp.n != 1:
             raise ValueError("sampling_params.n: add_request takes n=1; generate() expands n")
+        if sp.max_new_tokens > self.max_model_len:
+            raise ValueError(
+                f"sampling_params.max_new_tokens: {sp.max_new_tokens} is more than max_model_len={self.max_model_len}"
+            )
         if not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= 20:
             raise ValueError("top_logprobs_num: must be an integer in [0, 20]")
         rid = request_id if request_id is not None else uuid.uuid4().hex
@@ -95,7 +106,7 @@ class Engine:
             raise OverflowError(
                 f"the queue is full ({self.config.scheduler.max_queued_requests} waiting requests)"
             )
-        ids, mm_inputs = self._prepare_prompt(prompt, input_ids, images)
+        ids, mm_inputs = prepared if prepared is not None else self.prepare_prompt(prompt, input_ids, images)
         if len(ids) + 1 > self.max_model_len:
             raise ValueError(f"prompt: {len(ids)} tokens leave no room in max_model_len={self.max_model_len}")
         blocks = self.kv_cache.allocator.blocks_needed(len(ids) + 1, 0)
@@ -114,9 +125,11 @@ class Engine:
         self.scheduler.add(req)
         return rid
 
-    def _prepare_prompt(
+    def prepare_prompt(
         self, prompt: str | None, input_ids: Sequence[int] | None, images: Any
-    ) -> tuple[list[int], Any]:
+    ) -> PreparedPrompt:
+        """Token ids and multimodal inputs of a prompt; reads only the tokenizer and image processor, so
+        any thread may call it while the engine steps."""
         if (prompt is None) == (input_ids is None):
             raise ValueError("give exactly one of text (prompt) and input_ids")
         if images and not self.is_multimodal:
@@ -145,16 +158,19 @@ class Engine:
             self._finish(req, "abort")
         outputs = [self._output(req) for req in ended + failed]
         if len(batch):
-            logits, sampling = self.runner.forward(batch)
-            for req, n in zip(batch.requests, batch.num_new):
-                req.num_computed += n
-            if sampling:
-                reqs = [batch.requests[i] for i in sampling]
-                tokens, logprobs = sample(logits, reqs, self.generator)
-                now = time.monotonic()
-                for row, (req, tok) in enumerate(zip(reqs, tokens)):
-                    self._append_token(req, tok, logprobs[row], now)
-                    outputs.append(self._output(req))
+            sampled, faulty = self.step_guard.run(batch)
+            now = time.monotonic()
+            for req, token, logprobs in sampled:
+                try:
+                    self._append_token(req, token, logprobs, now)
+                except Exception as e:  # e.g. detokenizing: this request's fault only
+                    faulty.append((req, describe_fault(e)))
+                    continue
+                outputs.append(self._output(req))
+            for req, message in faulty:
+                req.error, req.finish_reason = message, "abort"
+                self._finish(req, "abort")
+                outputs.append(self._output(req))
         self._finish_unloads()
         return outputs
 

@@ -7,6 +7,37 @@ import torch
 from mmlora.engine.request import Request
 
 
+class BadSamplingRows(ValueError):
+    """Rows whose logits or sampling probabilities are NaN/Inf: ``rows`` maps a batch index to why;
+    ``model_rows`` are those whose raw logits were already bad (the model's fault, not the request's).
+
+    Raised before ``torch.multinomial`` sees them: on CUDA a NaN there is a device-side assert that
+    poisons the whole process, not just the request.
+    """
+
+    def __init__(self, rows: dict[int, str], model_rows: set[int]) -> None:
+        super().__init__("; ".join(f"row {i}: {why}" for i, why in rows.items()))
+        self.rows = rows
+        self.model_rows = model_rows
+
+
+def _check_rows(logits: torch.Tensor, probs: torch.Tensor | None, requests: list[Request]) -> None:
+    bad_logits = (torch.isnan(logits) | torch.isposinf(logits)).any(dim=-1).tolist()
+    model_rows = {i for i, bad in enumerate(bad_logits) if bad}
+    rows = dict.fromkeys(model_rows, "the model produced NaN or Inf logits")
+    if probs is not None:
+        ok = torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)
+        for i, good in enumerate(ok.tolist()):
+            sp = requests[i].sampling
+            if not good and i not in rows and not sp.greedy:
+                rows[i] = (
+                    "sampling probabilities are NaN or Inf with these sampling parameters "
+                    f"(temperature={sp.temperature:g}, repetition_penalty={sp.repetition_penalty:g})"
+                )
+    if rows:
+        raise BadSamplingRows(rows, model_rows)
+
+
 def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     """Repetition penalty (HF style, over prompt + output) and OpenAI frequency / presence penalties (output)."""
     for i, req in enumerate(requests):
@@ -48,16 +79,21 @@ def sample(
     """logits [B, V] fp32 -> (next token ids, log_softmax of the raw logits [B, V]).
 
     Requests without a seed draw from ``default_generator`` (the engine's own, seeded from its config).
+    Raises ``BadSamplingRows`` naming the rows with NaN/Inf logits or probabilities.
     """
+    raw = logits
     logprobs = torch.log_softmax(logits, dim=-1)
     logits = _apply_penalties(logits.clone(), requests)
     greedy = [r.sampling.greedy for r in requests]
     tokens = logits.argmax(dim=-1)
-    if not all(greedy):
+    if all(greedy):
+        _check_rows(raw, None, requests)
+    else:
         temps = torch.tensor(
             [1.0 if g else r.sampling.temperature for r, g in zip(requests, greedy)], device=logits.device
         )
         probs = _filter(logits / temps.unsqueeze(1), requests).softmax(dim=-1)
+        _check_rows(raw, probs, requests)
         for i, req in enumerate(requests):
             if greedy[i]:
                 continue

@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
+
+GREEDY_TEMPERATURE = 1e-5
+"""Temperatures below this are treated as 0 (greedy), as SGLang and vLLM do: dividing logits by a tinier
+temperature overflows to Inf/NaN probabilities."""
+MAX_REPETITION_PENALTY = 10.0
+INT64_LIMIT = 2**63
 
 
 @dataclass(frozen=True)
@@ -35,49 +42,45 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        _require(_int(self.max_new_tokens, 0), "max_new_tokens", f"must be an integer in [0, {INT64_LIMIT})")
         _require(
-            isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 0,
-            "max_new_tokens",
-            "must be an integer >= 0",
+            _num(self.temperature) and self.temperature >= 0, "temperature", "must be a finite number >= 0"
         )
-        _require(_num(self.temperature) and self.temperature >= 0, "temperature", "must be >= 0")
         _require(_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
         _require(
-            isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1),
+            _int(self.top_k, -1) and (self.top_k == -1 or self.top_k >= 1),
             "top_k",
-            "must be -1 (off) or >= 1",
+            "must be -1 (off) or an integer >= 1",
         )
         _require(_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
         _require(
-            _num(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty", "must be > 0"
+            _num(self.repetition_penalty) and 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY,
+            "repetition_penalty",
+            f"must be in (0, {MAX_REPETITION_PENALTY:g}]",
         )
-        _require(
-            _num(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
-            "frequency_penalty",
-            "must be in [-2, 2]",
-        )
-        _require(
-            _num(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
-            "presence_penalty",
-            "must be in [-2, 2]",
-        )
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            _require(_num(value) and -2 <= value <= 2, name, "must be in [-2, 2]")
         _require(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         _require(
-            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            all(_int(t, 0) for t in self.stop_token_ids),
             "stop_token_ids",
-            "must be token ids >= 0",
+            "must be token ids (integers >= 0)",
         )
-        _require(self.seed is None or isinstance(self.seed, int), "seed", "must be an integer")
-        _require(isinstance(self.n, int) and 1 <= self.n <= 128, "n", "must be an integer in [1, 128]")
+        for name in ("ignore_eos", "skip_special_tokens"):
+            _require(isinstance(getattr(self, name), bool), name, "must be true or false")
         _require(
-            isinstance(self.min_new_tokens, int) and self.min_new_tokens >= 0,
-            "min_new_tokens",
-            "must be >= 0",
+            self.seed is None or _int(self.seed, 0),
+            "seed",
+            f"must be an integer in [0, {INT64_LIMIT}) or null",
         )
+        _require(_int(self.n, 1) and self.n <= 128, "n", "must be an integer in [1, 128]")
+        _require(_int(self.min_new_tokens, 0), "min_new_tokens", f"must be an integer in [0, {INT64_LIMIT})")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        """Temperature below ``GREEDY_TEMPERATURE`` (1e-5) or top_k 1: the most likely token, no sampling."""
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     def samples(self) -> list[SamplingParams]:
         """``n`` samples as ``n`` requests of n=1 (the engine takes n == 1); with a seed, sample i uses
@@ -112,7 +115,13 @@ class SamplingParams:
 
 
 def _num(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x
+    """A finite int or float (bool, NaN and +-Inf are not numbers here)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _int(x: Any, low: int) -> bool:
+    """An int (not a bool) in [low, 2**63): what fits the engine's int64 tensors."""
+    return isinstance(x, int) and not isinstance(x, bool) and low <= x < INT64_LIMIT
 
 
 def _require(ok: bool, name: str, message: str) -> None:

@@ -38,6 +38,8 @@ CONFIG_NAME = "adapter_config.json"
 SAFETENSORS_NAME = "adapter_model.safetensors"
 PICKLE_NAME = "adapter_model.bin"
 _PEFT_PREFIX = "base_model.model."
+MAX_CONFIG_RANK = 65536  # r and rank_pattern values; the tensors are checked against max_lora_rank too
+MAX_LORA_ALPHA = 1e6  # lora_alpha and alpha_pattern values: scaling alpha / r stays far from overflow
 # <module path>.lora_A[.<adapter name>].weight, as PEFT saves it (older files keep the adapter name)
 _KEY_RE = re.compile(
     r"^(?P<module>.+)\.(?P<kind>lora_A|lora_B)(?:\.(?P<adapter>[^.]+))?\.(?P<param>weight|bias)$"
@@ -234,17 +236,22 @@ def _check_config(config: dict, fail) -> None:
             "PEFT's save_pretrained(path_initial_model_for_weight_conversion=...) first"
         )
     r = config.get("r", 8)
-    if not _is_pos_int(r):
-        raise fail(f"config field r must be a positive integer, got {r!r}")
+    if not _is_rank(r):
+        raise fail(f"config field r must be a positive integer (at most {MAX_CONFIG_RANK}), got {r!r}")
     alpha = config.get("lora_alpha", 8)
-    if not _is_number(alpha):
-        raise fail(f"config field lora_alpha must be a number, got {alpha!r}")
-    for field, value_ok in (("rank_pattern", _is_pos_int), ("alpha_pattern", _is_number)):
+    if not _is_alpha(alpha):
+        raise fail(
+            f"config field lora_alpha must be a number, finite and in (0, {MAX_LORA_ALPHA:g}], got {alpha!r}"
+        )
+    for field, value_ok, what in (
+        ("rank_pattern", _is_rank, f"integers in [1, {MAX_CONFIG_RANK}]"),
+        ("alpha_pattern", _is_alpha, f"finite numbers in (0, {MAX_LORA_ALPHA:g}]"),
+    ):
         pattern = config.get(field) or {}
         if not isinstance(pattern, dict) or not all(
             isinstance(k, str) and value_ok(v) for k, v in pattern.items()
         ):
-            raise fail(f"config field {field} must map module-name patterns to numbers, got {pattern!r}")
+            raise fail(f"config field {field} must map module-name patterns to {what}, got {pattern!r}")
         for key in pattern:
             _compile(key, field, fail)
     for field in ("target_modules", "exclude_modules"):
@@ -442,12 +449,18 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _is_pos_int(v: Any) -> bool:
-    return _is_int(v) and v > 0
+def _is_rank(v: Any) -> bool:
+    return _is_int(v) and 1 <= v <= MAX_CONFIG_RANK
 
 
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+def _is_alpha(v: Any) -> bool:
+    """Finite and positive: NaN, Inf or 1e300 would make every output of the adapter NaN or Inf."""
+    return (
+        isinstance(v, (int, float))
+        and not isinstance(v, bool)
+        and math.isfinite(v)
+        and 0 < v <= MAX_LORA_ALPHA
+    )
 
 
 def _is_str_list(v: Any) -> bool:

@@ -29,14 +29,15 @@ from mmlora.lora.spec import LoRATargetModel
 logger = logging.getLogger(__name__)
 
 
-class UnknownAdapterError(ValueError):
-    """A request named an adapter that is neither registered nor a folder it may load."""
+class UnknownAdapterError(LookupError, ValueError):
+    """A request named an adapter that is neither registered nor a folder it may load, or one being
+    unloaded (which answers as if it were already gone: 404)."""
 
-    def __init__(self, param: str, key: str, registered: list[str]) -> None:
+    def __init__(
+        self, param: str, key: str, registered: list[str], reason: str = "not a registered name nor a folder"
+    ) -> None:
         known = ", ".join(registered) or "none"
-        super().__init__(
-            f"{param}: unknown adapter {key!r} (not a registered name nor a folder); registered: {known}"
-        )
+        super().__init__(f"{param}: unknown adapter {key!r} ({reason}); registered: {known}")
         self.param, self.key, self.registered = param, key, registered
 
 
@@ -215,7 +216,7 @@ class LoRAManager:
         if entry is None:
             raise UnknownAdapterError(param, key, self.names())
         if entry.unloading:
-            raise ValueError(f"lora {entry.name!r} is being unloaded")
+            raise UnknownAdapterError(param, entry.name, self.names(), reason="it is being unloaded")
         return entry
 
     def names(self) -> list[str]:

@@ -15,6 +15,10 @@ class AdapterPathError(ValueError):
     """A run-time adapter path that may not be read; the message names the parameter."""
 
 
+class AdapterFolderMissing(AdapterPathError):
+    """The path lies inside the root but no such folder exists (servers answer 404, as vLLM does)."""
+
+
 def _inside(path: str, root: str) -> bool:
     return os.path.commonpath([path, root]) == root
 
@@ -31,6 +35,10 @@ def confine_adapter_path(path: str, lora_root: str | None, *, param: str = "lora
     real = os.path.realpath(os.path.join(root, path))  # an absolute `path` replaces root here
     if not _inside(real, root):
         raise AdapterPathError(f"{param}: {path!r} is outside the allowed adapter root")
+    if not os.path.exists(real):
+        raise AdapterFolderMissing(
+            f"{param}: {path!r} is not an adapter folder under the adapter root (no such folder)"
+        )
     if not os.path.isdir(real):
         raise AdapterPathError(f"{param}: {path!r} is not an adapter folder under the adapter root")
     for name in ADAPTER_FILES:

@@ -12,6 +12,11 @@ import os
 from dataclasses import dataclass
 
 
+class UnknownAdapterError(LookupError, ValueError):
+    """No such adapter. One rule for unloading: an adapter being unloaded is refused as if it were
+    already gone, while requests accepted before the unload finish normally (servers answer 404)."""
+
+
 @dataclass
 class AdapterEntry:
     name: str
@@ -40,6 +45,10 @@ class AdapterRegistry:
     def names(self) -> list[str]:
         return list(self._by_name)
 
+    def live_names(self) -> list[str]:
+        """Adapters that take requests (those being unloaded are left out)."""
+        return [name for name, e in self._by_name.items() if not e.unloading]
+
     def register(self, name: str, path: str, pinned: bool = False) -> AdapterEntry:
         if not name:
             raise ValueError("lora name must be a non-empty string")
@@ -65,7 +74,7 @@ class AdapterRegistry:
 
     def acquire(self, entry: AdapterEntry) -> None:
         if entry.unloading:
-            raise ValueError(f"lora {entry.name!r} is being unloaded")
+            raise UnknownAdapterError(f"lora_path: unknown adapter {entry.name!r} (it is being unloaded)")
         entry.refcount += 1
 
     def release(self, entry: AdapterEntry) -> None:
@@ -75,9 +84,9 @@ class AdapterRegistry:
 
     def mark_unloading(self, name: str) -> AdapterEntry:
         entry = self._by_name.get(name)
-        if entry is None:
-            raise ValueError(
-                f"lora {name!r} is not registered; registered: {', '.join(self._by_name) or 'none'}"
+        if entry is None or entry.unloading:
+            raise UnknownAdapterError(
+                f"lora {name!r} is not registered; registered: {', '.join(self.live_names()) or 'none'}"
             )
         entry.unloading = True
         return entry

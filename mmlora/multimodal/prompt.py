@@ -39,7 +39,7 @@ def checked_text(tokenizer: Any, prompt: Any) -> str:
 def checked_ids(input_ids: Sequence[Any], vocab_size: int) -> list[int]:
     """``input_ids`` as a list if every id is an integer in [0, vocab_size); a ValueError otherwise."""
     ids = list(input_ids)
-    if not all(isinstance(t, int) and 0 <= t < vocab_size for t in ids):
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in ids):
         raise ValueError(f"input_ids: every id must be an integer in [0, {vocab_size})")
     return ids
 

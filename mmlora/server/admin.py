@@ -18,10 +18,10 @@ from fastapi.responses import Response
 
 from mmlora.engine.sampling_params import SamplingParams
 from mmlora.hub import HubError, parse_hub_ref, resolve_adapter
-from mmlora.lora.paths import AdapterPathError, confine_adapter_path
+from mmlora.lora.paths import AdapterFolderMissing, AdapterPathError, confine_adapter_path
 from mmlora.server.errors import APIError, to_api_error
 from mmlora.server.metrics import CONTENT_TYPE
-from mmlora.server.protocol import LoadLoRARequest, UnloadLoRARequest
+from mmlora.server.schemas import LoadLoRARequest, UnloadLoRARequest
 from mmlora.server.state import ServerState
 
 router = APIRouter()
@@ -64,6 +64,8 @@ async def _runtime_adapter_folder(state: ServerState, path: str) -> str:
     if ref is None or (root and os.path.isdir(os.path.join(os.path.realpath(root), path))):
         try:
             return confine_adapter_path(path, root)
+        except AdapterFolderMissing as e:
+            raise APIError(404, str(e), param="lora_path", code="lora_not_found") from None
         except AdapterPathError as e:
             raise APIError(400, str(e), param="lora_path") from None
     config = state.engine.config

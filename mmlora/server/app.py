@@ -11,10 +11,12 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from mmlora.engine.background import BackgroundEngine
 from mmlora.server import admin, native, openai_api, residency
+from mmlora.server.body_limit import BodyLimit
 from mmlora.server.config import ServerConfig
 from mmlora.server.engine_io import ClientDisconnected, TokenText
 from mmlora.server.errors import APIKeyMiddleware, error_response, install_error_handlers
 from mmlora.server.metrics import ServerMetrics
+from mmlora.server.preprocess import Preprocessor
 from mmlora.server.state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -38,6 +40,7 @@ def build_app(bg: BackgroundEngine, server_config: ServerConfig | None = None) -
         served_name=served_name,
         token_text=TokenText(engine.tokenizer),
         metrics=ServerMetrics(bg, served_name, config.max_adapter_metric_labels),
+        preprocess=Preprocessor(engine, config),
     )
     app = FastAPI(title="mmlora", version="0.1.0", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.mmlora = state
@@ -49,6 +52,7 @@ def build_app(bg: BackgroundEngine, server_config: ServerConfig | None = None) -
 
     for module in (native, openai_api, admin, residency):
         app.include_router(module.router)
+    app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
     app.add_middleware(IntakeGate, bg=bg)
     if config.api_key:  # added last = runs first: unauthenticated callers learn nothing
         app.add_middleware(APIKeyMiddleware, api_key=config.api_key)

@@ -32,6 +32,16 @@ class ServerConfig:
         "Requests accepted and not yet finished beyond which new ones get 429; "
         "defaults to max_running_requests + max_queued_requests.",
     )
+    max_request_bytes: int = _f(
+        16 * 1024 * 1024, "Largest request body in bytes; a larger one is answered 413 before it is parsed."
+    )
+    max_images_per_request: int = _f(16, "Most images one request may carry.")
+    max_image_pixels: int = _f(
+        4096 * 4096, "Most pixels (width x height) of one image, checked on its header before decoding."
+    )
+    preprocess_workers: int = _f(
+        2, "Threads that tokenize prompts and decode images, off the engine thread and the event loop."
+    )
     health_timeout: float = _f(
         60.0, "Seconds /health waits for its one-token generation before answering 503."
     )
@@ -52,6 +62,9 @@ class ServerConfig:
             )
         if self.max_in_flight_requests is not None and self.max_in_flight_requests < 1:
             raise ValueError("max_in_flight_requests: must be >= 1")
+        for name in ("max_request_bytes", "max_images_per_request", "max_image_pixels", "preprocess_workers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1")
         if self.health_timeout <= 0:
             raise ValueError("health_timeout: must be > 0")
         if self.log_level.lower() not in ("critical", "error", "warning", "info", "debug", "trace"):

@@ -60,7 +60,15 @@ async def collect(request: Request, handles: list[RequestHandle]) -> list[Reques
         watcher.cancel()
         if not results.done():
             results.cancel()
+        # Read the outcome even when nobody waits for it any more: else asyncio logs
+        # "_GatheringFuture exception was never retrieved" when a client goes away.
+        results.add_done_callback(_retrieve)
         abort_unfinished(handles)
+
+
+def _retrieve(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()
 
 
 def abort_unfinished(handles: list[RequestHandle]) -> None:

@@ -1,8 +1,14 @@
 """OpenAI's error envelope for every error the server answers, and the API-key guard.
 
+Every error is ``{"error": {"message", "type", "param", "code"}}`` with OpenAI's types: ``type`` is
+``invalid_request_error`` for a client error, ``requests`` for 429, ``server_error`` for 500 and
+``service_unavailable_error`` for 503; ``param`` names the field at fault or is null; ``code`` is a string
+(``model_not_found``, ``invalid_type``, ...) or null, never a number.
+
 Bad input is always a 4xx: 400 for a request the server understands but refuses (bad values, mismatched
-lengths, malformed JSON), 404 for an unknown model, adapter or route, 422 for a body that does not
-match the schema; 401 for a missing or wrong key; 429/503 when the server cannot take more work.
+lengths, malformed JSON), 404 for an unknown model, adapter or route, 413 for a body over
+``--max-request-bytes``, 422 for a body that does not match the schema; 401 for a missing or wrong key;
+429/503 when the server cannot take more work.
 """
 
 from __future__ import annotations
@@ -19,22 +25,16 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from mmlora.engine.background import EngineUnavailableError, QueueFullError
 from mmlora.lora.manager import UnknownAdapterError
+from mmlora.lora.paths import AdapterFolderMissing
 
 logger = logging.getLogger(__name__)
 
-_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    409: "conflict_error",
-    413: "invalid_request_error",
-    422: "invalid_request_error",
-    429: "rate_limit_exceeded",
-    500: "internal_server_error",
-    503: "service_unavailable",
-}
+_TYPES = {429: "requests", 503: "service_unavailable_error"}
+# pydantic error types -> OpenAI's codes for a parameter that is missing, unknown or of the wrong type
+_VALIDATION_CODES = {"missing": "missing_required_parameter", "extra_forbidden": "unknown_parameter"}
+# loc entries pydantic adds for the member of a union that was tried ("list[str]", "constrained-int",
+# a model's class name): not field names, which are snake_case
+_PLAIN_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
 
 
 class APIError(Exception):
@@ -59,9 +59,9 @@ def error_body(
     return {
         "error": {
             "message": message,
-            "type": _TYPES.get(status, "invalid_request_error" if status < 500 else "internal_server_error"),
+            "type": _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error"),
             "param": param,
-            "code": code if code is not None else status,
+            "code": code,
         }
     }
 
@@ -75,7 +75,7 @@ def to_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, (QueueFullError, OverflowError)):  # the engine's own waiting queue is full
-        return APIError(429, str(exc), code="too_many_requests")
+        return APIError(429, str(exc), code="rate_limit_exceeded")
     if isinstance(exc, EngineUnavailableError):
         return APIError(503, str(exc), code="unavailable")
     if isinstance(exc, UnknownAdapterError):
@@ -84,6 +84,11 @@ def to_api_error(exc: BaseException) -> APIError:
             message = f"model {exc.key!r} not found; loaded adapters: {available}"
             return APIError(404, message, param="model", code="model_not_found")
         return APIError(404, str(exc), param=exc.param, code="lora_not_found")
+    if isinstance(exc, AdapterFolderMissing):
+        return APIError(404, str(exc), param=_param_of(str(exc)), code="lora_not_found")
+    if isinstance(exc, LookupError):  # an adapter being unloaded answers as if it were already gone
+        msg = str(exc).strip("'\"")
+        return APIError(404, msg, param=_param_of(msg), code="lora_not_found")
     if isinstance(exc, (ValueError, TypeError)):
         msg = str(exc)
         return APIError(400, msg, param=_param_of(msg))
@@ -98,8 +103,35 @@ def _param_of(message: str) -> str | None:
 
 
 def _loc(loc: tuple[Any, ...]) -> str:
-    parts = [str(p) for p in loc if p not in ("body", "query", "path")]
-    return ".".join(parts) if parts else "body"
+    """``("body", "messages", 0, "role")`` -> ``"messages[0].role"`` (union member tags left out)."""
+    out = ""
+    for part in loc:
+        if part in ("body", "query", "path") or (isinstance(part, str) and _is_union_tag(part)):
+            continue
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "body"
+
+
+def _is_union_tag(part: str) -> bool:
+    return part in _PLAIN_TAGS or "[" in part or "-" in part or part[:1].isupper()
+
+
+def _validation_code(error: dict[str, Any]) -> str:
+    kind = str(error.get("type", ""))
+    if kind in _VALIDATION_CODES:
+        return _VALIDATION_CODES[kind]
+    return "invalid_type" if kind.endswith(("_type", "_parsing")) else "invalid_value"
+
+
+def body_parse_error(cause: BaseException | None) -> APIError:
+    """Why a body could not be read as JSON, in words (FastAPI only says 'error parsing the body')."""
+    if isinstance(cause, UnicodeDecodeError):
+        where = f"byte {cause.start}: {cause.object[cause.start : cause.start + 1]!r}"
+        return APIError(400, f"malformed JSON body: not valid UTF-8 at {where}", code="json_invalid")
+    if isinstance(cause, RecursionError):
+        return APIError(400, "malformed JSON body: nested too deeply", code="json_invalid")
+    reason = f"{type(cause).__name__}: {cause}" if cause is not None else "unreadable body"
+    return APIError(400, f"malformed JSON body: {reason}", code="json_invalid")
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -113,8 +145,10 @@ def install_error_handlers(app: FastAPI) -> None:
         if any(e.get("type") == "json_invalid" for e in errors):
             detail = next(e for e in errors if e.get("type") == "json_invalid")
             ctx = detail.get("ctx") or {}
+            loc = tuple(detail.get("loc", ()))
+            at = f" at character {loc[1]}" if len(loc) > 1 and isinstance(loc[1], int) else ""
             return error_response(
-                400, f"malformed JSON body: {ctx.get('error', detail.get('msg'))}", code="json_invalid"
+                400, f"malformed JSON body: {ctx.get('error', detail.get('msg'))}{at}", code="json_invalid"
             )
         if any(tuple(e.get("loc", ())) == ("body",) for e in errors):
             # The body as a whole is not a JSON object (no JSON content type, a list, a string, ...).
@@ -122,14 +156,17 @@ def install_error_handlers(app: FastAPI) -> None:
         first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
         param = _loc(tuple(first.get("loc", ())))
         messages = "; ".join(f"{_loc(tuple(e.get('loc', ())))}: {e.get('msg')}" for e in errors[:5])
-        return error_response(422, messages, param=param, code="validation_error")
+        return error_response(422, messages, param=param, code=_validation_code(first))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        if exc.status_code == 400 and message == "There was an error parsing the body":
+            err = body_parse_error(exc.__cause__)
+            return JSONResponse(err.body(), status_code=err.status)
         if exc.status_code == 404 and message == "Not Found":
             message = f"no such endpoint: {request.method} {request.url.path}"
-        return error_response(exc.status_code, message, code=exc.status_code)
+        return error_response(exc.status_code, message)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:

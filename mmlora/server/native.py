@@ -29,7 +29,7 @@ from mmlora.server.engine_io import (
 )
 from mmlora.server.errors import APIError
 from mmlora.server.media import load_image_bytes
-from mmlora.server.protocol import GenerateRequest
+from mmlora.server.schemas import GenerateRequest
 from mmlora.server.state import ServerState
 
 router = APIRouter()
@@ -97,7 +97,9 @@ async def _build(body: GenerateRequest, state: ServerState) -> tuple[list[dict[s
     images = _images(body.image_data, n, batch, state)
     items, named = [], []
     for i in range(n):
-        sp = parse_sampling(sampling[i], param="sampling_params")
+        sp = parse_sampling(
+            sampling[i].as_dict() if sampling[i] is not None else None, param="sampling_params"
+        )
         if top_n[i] < 0:
             raise APIError(400, "top_logprobs_num: must be >= 0", param="top_logprobs_num")
         copies = sp.samples()
@@ -115,6 +117,7 @@ async def _build(body: GenerateRequest, state: ServerState) -> tuple[list[dict[s
                 }
             )
             named.append(loras[i])
+    await state.preprocess.prepare(items, param="text" if key == "prompt" else "input_ids")
     return items, named, batch or len(items) > 1
 
 

@@ -23,7 +23,7 @@ from mmlora.server.openai_common import (
     sse_response,
     usage_of,
 )
-from mmlora.server.protocol import ChatCompletionRequest, CompletionRequest
+from mmlora.server.schemas import ChatCompletionRequest, CompletionRequest
 from mmlora.server.state import ServerState
 
 router = APIRouter()
@@ -121,6 +121,7 @@ async def completions(req: CompletionRequest, request: Request) -> Any:
                 }
             )
     echo = [_echo_text(state, items[i]) if req.echo else "" for i in range(len(items))]
+    await state.preprocess.prepare(items, param="prompt")
     handles = await submit(state.bg, items)
     model = req.model or state.served_name
     base = base_fields("text_completion", model)
@@ -242,20 +243,24 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
         raise APIError(400, "max_tokens and max_completion_tokens differ", param="max_completion_tokens")
     lora = adapter_of(state, req)
     messages, images = _chat_messages(state, req)
+    pre = state.preprocess
+    for i, msg in enumerate(messages):
+        if isinstance(msg["content"], str):
+            pre.check_text(msg["content"], f"messages[{i}].content")
     try:
-        prompt = state.engine.apply_chat_template(messages)
+        prompt = await pre.run(state.engine.apply_chat_template, messages)
     except Exception as e:  # template errors (e.g. roles that must alternate) are the client's to fix
         raise APIError(400, f"messages: the chat template failed: {e}", param="messages") from None
+    first = {"prompt": prompt, "images": images or None}
+    await pre.prepare([first], param="messages")
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    prompt_tokens = len(state.engine.tokenizer.encode(prompt, add_special_tokens=False))
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    sp = sampling_from_openai(req, max_tokens_for(state, prompt_tokens, requested, param=param))
+    sp = sampling_from_openai(req, max_tokens_for(state, len(first["prepared"][0]), requested, param=param))
     items = [
         {
-            "prompt": prompt,
+            "prepared": (list(first["prepared"][0]), first["prepared"][1]),
             "sampling_params": one,
             "lora": lora,
-            "images": images or None,
             "return_logprob": req.logprobs,
             "top_logprobs_num": req.top_logprobs or 0,
         }

@@ -14,7 +14,7 @@ from mmlora.engine.sampling_params import RequestOutput, SamplingParams
 from mmlora.lora.manager import AdapterRef
 from mmlora.server.engine_io import SSE_DONE, failure_error, merge, parse_sampling, sse
 from mmlora.server.errors import APIError
-from mmlora.server.protocol import ChatCompletionRequest, CompletionRequest
+from mmlora.server.schemas import ChatCompletionRequest, CompletionRequest
 from mmlora.server.state import ServerState
 
 _RENAMED = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
@@ -80,6 +80,8 @@ def max_tokens_for(state: ServerState, prompt_tokens: int, requested: int | None
         return max(1, limit - prompt_tokens) if limit else 128
     if requested < 0:
         raise APIError(400, f"{param}: must be >= 0", param=param)
+    if limit and requested > limit:
+        raise APIError(400, f"{param}: {requested} is more than max_model_len={limit}", param=param)
     return requested
 
 

@@ -12,6 +12,7 @@ from mmlora.server.config import ServerConfig
 from mmlora.server.engine_io import TokenText
 from mmlora.server.errors import APIError
 from mmlora.server.metrics import ServerMetrics
+from mmlora.server.preprocess import Preprocessor
 
 
 @dataclass
@@ -21,6 +22,7 @@ class ServerState:
     served_name: str
     token_text: TokenText
     metrics: ServerMetrics
+    preprocess: Preprocessor
     started: float = field(default_factory=time.time)
 
     @property

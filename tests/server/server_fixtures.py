@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from tiny_models import ALL_SEVEN, make_checkpoint
+import pytest
+from tiny_models import ALL_SEVEN, make_adapter, make_checkpoint
 
 T = TypeVar("T")
 
@@ -34,6 +35,18 @@ class TinyModel:
     folder: Path
     adapters: dict[str, Path]
     root: Path  # the folder holding the adapters (a --lora-root)
+
+
+def build_tiny(root: Path) -> TinyModel:
+    """The tiny checkpoint under ``root/base`` and the ``ADAPTER_SPECS`` adapters under ``root/loras``."""
+    folder = root / "base"
+    make_server_checkpoint(folder)
+    lora_root = root / "loras"
+    adapters = {}
+    for name, (rank, alpha, targets, seed) in ADAPTER_SPECS.items():
+        adapters[name] = lora_root / name
+        make_adapter(folder, adapters[name], seed, r=rank, lora_alpha=alpha, target_modules=targets)
+    return TinyModel(folder, adapters, lora_root)
 
 
 def free_port() -> int:
@@ -130,3 +143,15 @@ def tiny_engine(tiny: TinyModel, **kwargs: Any) -> Any:
     }
     opts.update(kwargs)
     return Engine(**opts)
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
+    """The tiny checkpoint with five PEFT adapters (a conftest imports this fixture to use it)."""
+    return build_tiny(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def server(tiny: TinyModel) -> Iterator[Served]:
+    """A server over the tiny model with its five adapters, run-time updates on under the adapter root."""
+    yield from serve(tiny_engine(tiny), enable_lora_runtime_update=True, lora_root=str(tiny.root))

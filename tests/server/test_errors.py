@@ -141,7 +141,7 @@ def test_adapter_admin_refusals(server, tiny, tmp_path):
         shutil.rmtree(wrong)
     assert_error(load("a0", "a1"), 400, "already")
     assert_error(load("tiny", "a1"), 400, "served model")
-    assert_error(load("x8", "does_not_exist"), 400, "not an adapter folder")
+    assert_error(load("x8", "does_not_exist"), 404, "no such folder")
     assert_error(requests.post(url, json={"lora_name": "", "lora_path": "a1"}, timeout=30), 422, "lora_name")
     r = requests.post(server.url + "/unload_lora_adapter", json={"lora_name": "nope"}, timeout=30)
     assert_error(r, 404, "no adapter")

@@ -105,7 +105,7 @@ def test_past_the_queue_limit_the_answer_is_429_then_503_while_draining(small_qu
     # draining: new requests get 503 at once, the ones in flight go on
     small_queue.bg.stop_intake()
     r = requests.post(url + "/v1/completions", json={"prompt": "x"}, timeout=30)
-    assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+    assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable_error"
     assert requests.get(url + "/metrics", timeout=30).status_code == 200
     assert small_queue.bg.num_in_flight == 2
     for s in socks:
