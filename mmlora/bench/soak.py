@@ -150,7 +150,7 @@ def idle_state(bg: Any) -> dict[str, Any]:
             "running": stats["num_running"],
             "waiting": stats["num_waiting"],
             "pages_in_use": alloc.num_blocks - alloc.num_free,
-            "adapter_refcounts": sum(e.refcount for e in eng.lora.registry.entries()),
+            "adapter_refcounts": sum(a["active_requests"] for a in eng.list_loras()),
             "unfinished": int(eng.has_unfinished()),
         }
 

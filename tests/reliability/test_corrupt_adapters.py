@@ -118,7 +118,7 @@ def test_corrupt_adapter_is_refused_and_harmless(server, tiny, outside, case):
     folder = tiny.root / f"corrupt_{case}"
     shutil.copytree(tiny.adapters["a0"], folder)
     breaker(folder, outside)
-    before = server.bg.run(lambda eng: sorted(eng.lora.registry.names()))
+    before = server.bg.run(lambda eng: sorted(a["name"] for a in eng.list_loras()))
     try:
         r = requests.post(
             server.url + "/load_lora_adapter", json={"lora_name": case, "lora_path": folder.name}, timeout=60
@@ -130,7 +130,7 @@ def test_corrupt_adapter_is_refused_and_harmless(server, tiny, outside, case):
             err["code"] is None or isinstance(err["code"], str)
         )
         # nothing registered; a request naming it is a 404; the neighbours still work
-        assert server.bg.run(lambda eng: sorted(eng.lora.registry.names())) == before
+        assert server.bg.run(lambda eng: sorted(a["name"] for a in eng.list_loras())) == before
         body = {"text": "Hello", "sampling_params": {"max_new_tokens": 2}}
         assert (
             requests.post(server.url + "/generate", json={**body, "lora_path": case}, timeout=60).status_code

@@ -215,22 +215,22 @@ def test_engine_refuses_an_adapter_being_unloaded_as_unknown(server):
     engine = server.engine
 
     def race(eng):
-        eng.load_lora("racing", str(eng.lora.registry.get("a0").path))
-        entry = eng.lora.registry.get("racing")
-        eng.lora.registry.acquire(entry)  # an accepted request still holds it
+        eng.load_lora("racing", str(eng.lora.entry("a0").path))
+        entry = eng.lora.entry("racing")
+        eng.lora.acquire(entry)  # an accepted request still holds it
         eng.unload_lora("racing")
         try:
             eng.add_request("Hello", lora="racing")
         except Exception as e:  # noqa: BLE001 - inspected below
             error = e
-        eng.lora.registry.release(entry)
+        eng.lora.release(entry)
         eng._finish_unloads()
         return error
 
     err = to_api_error(server.bg.run(race))
     assert err.status == 404 and "racing" in err.message and err.code == "lora_not_found"
     assert "racing" not in [e["name"] for e in server.bg.run(lambda eng: eng.list_loras())]
-    assert engine.lora.registry.get("racing") is None
+    assert engine.lora.entry("racing") is None
 
 
 def test_injected_adapter_fault_is_a_500_for_its_request_only(server):

@@ -43,8 +43,8 @@ def assert_neighbours_unchanged(engine, done):
     for i in range(len(NEIGHBOURS)):
         assert done[f"n{i}"].finish_reason == "length" and done[f"n{i}"].error is None
         assert done[f"n{i}"].output_ids == alone[f"n{i}"].output_ids, f"neighbour n{i} changed"
-    assert engine.lora.pool.slots_used <= engine.lora.pool.num_slots
-    assert all(e.refcount == 0 for e in engine.lora.registry.entries())
+    assert engine.lora.slots_used <= engine.lora.num_slots
+    assert all(a["active_requests"] == 0 for a in engine.list_loras())
     assert engine.kv_cache.allocator.num_free == engine.kv_cache.allocator.num_blocks
 
 
