@@ -15,7 +15,7 @@ import time
 import torch
 
 from mmlora.backends import get_backend
-from mmlora.lora.batch_info import LoRABatchInfo
+from mmlora.forward import LoRABatchInfo, LoRAWeights
 
 
 def per_call(fn, n: int = 300) -> tuple[float, float, float]:
@@ -47,17 +47,16 @@ def layout_rows(name, lens, slots, A, B, sc, W, offs) -> list[dict]:  # noqa: AN
     info.fill(lens, slots)
     x = torch.randn(T, A.shape[2], device=dev).to(dt)
     out = torch.zeros(T, B.shape[1], device=dev, dtype=dt)
+    weights = LoRAWeights(A, B, sc, offs)
     host, wall, gpu = per_call(lambda: torch.matmul(x, W.t()))
     rows = [{"layout": name, "what": "base-gemm", "host_us": host, "wall_us": wall, "gpu_us": gpu}]
     for bname in ("triton-bgmv", "triton-sgmv", "triton-auto", "torch-gather"):
         b = get_backend(bname)
-        host, wall, gpu = per_call(lambda b=b: b.add_lora(out, x, A, B, sc, info, offs))
+        host, wall, gpu = per_call(lambda b=b: b.add_lora(out, x, weights, info))
         row = {"layout": name, "what": bname, "host_us": host, "wall_us": wall, "gpu_us": gpu}
         inner = b.pick(info) if hasattr(b, "pick") else b
         if hasattr(inner, "_fused"):
-            row["launch_only_host_us"] = per_call(
-                lambda f=inner._fused: f(out, x, A, B, sc, info, offs, 3, R)
-            )[0]
+            row["launch_only_host_us"] = per_call(lambda f=inner._fused: f(out, x, weights, info, R))[0]
         rows.append(row)
         print(row, flush=True)
     return rows

@@ -25,7 +25,7 @@ import triton.language as tl
 from mmlora.backends.registry import register_backend
 from mmlora.backends.triton_common import dot_upcast, next_pow2, offset_args, select_bound
 from mmlora.backends.triton_sgmv import TritonSGMVBackend
-from mmlora.lora.batch_info import LoRABatchInfo
+from mmlora.forward import LoRABatchInfo, LoRAWeights
 
 #: Launch settings: rows per head, columns per program (a slice is split into chunks of this many),
 #: column tile inside a chunk, in_features tile, warps. Unmeasured guesses.
@@ -101,17 +101,12 @@ def _fused_decode_kernel(
 
 
 def fused_decode_add_lora(
-    out: torch.Tensor,
-    x: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    scalings: torch.Tensor,
-    info: LoRABatchInfo,
-    slice_offsets: tuple[int, ...],
+    out: torch.Tensor, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo
 ) -> None:
     """``out += lora(x)`` in one launch (contract in :mod:`mmlora.backends.base`); inputs already validated
     (e.g. by :class:`~mmlora.backends.triton_common.FusedTritonBackend`). Best when rows sharing an
     adapter are adjacent; right for any batch."""
+    A, B, scalings, slice_offsets = weights.A, weights.B, weights.scalings, weights.slice_offsets
     n = len(slice_offsets) - 1
     R = B.shape[2]
     widths = [b - a for a, b in zip(slice_offsets, slice_offsets[1:])]
@@ -134,18 +129,9 @@ class TritonFusedDecodeBackend(TritonSGMVBackend):
     """The fused decode kernel when most segments are single tokens (decode, decode graphs), SGMV else."""
 
     def _fused(
-        self,
-        out: torch.Tensor,
-        x: torch.Tensor,
-        A: torch.Tensor,
-        B: torch.Tensor,
-        scalings: torch.Tensor,
-        info: LoRABatchInfo,
-        slice_offsets: tuple[int, ...],
-        n: int,
-        R: int,
+        self, out: torch.Tensor, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo, R: int
     ) -> None:
         if info.num_tokens < 2 * info.num_segments:
-            fused_decode_add_lora(out, x, A, B, scalings, info, slice_offsets)
+            fused_decode_add_lora(out, x, weights, info)
         else:
-            super()._fused(out, x, A, B, scalings, info, slice_offsets, n, R)
+            super()._fused(out, x, weights, info, R)

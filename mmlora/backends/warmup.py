@@ -17,7 +17,7 @@ from collections.abc import Iterable
 import torch
 
 from mmlora.backends.base import LoRABackend
-from mmlora.lora.batch_info import LoRABatchInfo
+from mmlora.forward import LoRABatchInfo, LoRAWeights
 
 #: Segment lengths of the warm-up batches: decode rows (BGMV under triton-auto), then one run of
 #: each token-tile class of SGMV (up to 16, 32, 64 tokens, and longer: its tile table), and a mixed
@@ -25,30 +25,24 @@ from mmlora.lora.batch_info import LoRABatchInfo
 LAYOUTS: tuple[tuple[int, ...], ...] = ((1, 1), (2,), (17,), (33,), (65,), (1, 1, 65))
 
 
-def warm_up_lora_kernels(
-    backend: LoRABackend,
-    weights: Iterable[tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, ...]]],
-    max_tokens: int,
-) -> int:
-    """Run ``backend.add_lora`` on every distinct module shape of ``weights`` (A, B, scalings, slice
-    offsets: pool views) for each layout of :data:`LAYOUTS` that fits ``max_tokens``; returns the
-    number of calls. Reads slot 0 of the pool (whatever it holds) and writes only scratch outputs."""
-    shapes: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, ...]]] = {}
-    for A, B, scalings, offsets in weights:
-        shapes.setdefault(
-            (tuple(A.shape), tuple(B.shape), A.dtype, tuple(offsets)), (A, B, scalings, offsets)
-        )
+def warm_up_lora_kernels(backend: LoRABackend, weights: Iterable[LoRAWeights], max_tokens: int) -> int:
+    """Run ``backend.add_lora`` on every distinct module shape of ``weights`` (pool views) for each
+    layout of :data:`LAYOUTS` that fits ``max_tokens``; returns the number of calls. Reads slot 0 of
+    the pool (whatever it holds) and writes only scratch outputs."""
+    shapes: dict[tuple, LoRAWeights] = {}
+    for w in weights:
+        shapes.setdefault((tuple(w.A.shape), tuple(w.B.shape), w.A.dtype, tuple(w.slice_offsets)), w)
     calls = 0
-    for A, B, scalings, offsets in shapes.values():
-        info = LoRABatchInfo(max_tokens, A.shape[0], A.device)
-        info.set_slot_rank(0, B.shape[2])
+    for w in shapes.values():
+        info = LoRABatchInfo(max_tokens, w.A.shape[0], w.A.device)
+        info.set_slot_rank(0, w.B.shape[2])
         for lens in LAYOUTS:
             n_tokens = sum(lens)
             if n_tokens > max_tokens:
                 continue
             info.fill(list(lens), [0] * len(lens))
-            x = torch.zeros(n_tokens, A.shape[2], dtype=A.dtype, device=A.device)
-            out = torch.zeros(n_tokens, B.shape[1], dtype=A.dtype, device=A.device)
-            backend.add_lora(out, x, A, B, scalings, info, offsets)
+            x = torch.zeros(n_tokens, w.A.shape[2], dtype=w.A.dtype, device=w.A.device)
+            out = torch.zeros(n_tokens, w.B.shape[1], dtype=w.A.dtype, device=w.A.device)
+            backend.add_lora(out, x, w, info)
             calls += 1
     return calls

@@ -14,7 +14,7 @@ wrapping the instance attributes a step goes through (nothing in the engine know
   kernels, so ``decode_graph`` has none: compare its GPU span with the base-only run's);
 - host phases: schedule, build inputs (eager ``ModelRunner.build``; a graph step's static-input
   refresh is in its kind's ``forward_launch_s`` with the replay launch), LoRA batch info
-  (``LoRABatchInfo.fill`` / the graph runner's ``_set_lora``), LoRA host time (Python and Triton
+  (``LoRABatchInfo.fill`` / the graph runner's ``prepare_replay``), LoRA host time (Python and Triton
   launches inside ``add_lora``), sample, postprocess (append token, stop checks, detokenize);
 - adapter uploads into device slots: count, host seconds, GPU seconds, bytes;
 - Triton compiles (``knobs.runtime.jit_post_compile_hook``): a timed run should have none.
@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 import mmlora.engine.engine as engine_module
+from mmlora.lora.layer import LoRALinear
 
 KINDS = ("prefill", "mixed", "decode_graph", "decode_eager")
 PHASES = ("schedule", "build_inputs", "lora_batch_info", "lora_host", "sample", "postprocess")
@@ -152,11 +153,14 @@ class StepBreakdown:
         self._wrap(eng, "_append_token", _Timer(self.host, "postprocess", eng._append_token))
         self._wrap(eng, "step", self._timed_step(eng.step))
         self._wrap(runner, "forward", self._timed_forward(runner.forward))
-        backend = eng.lora.ctx.backend
+        backend = next(m for m in eng.model.modules() if isinstance(m, LoRALinear)).ctx.backend
         self._wrap(backend, "add_lora", self._timed_lora(backend.add_lora))
-        self._wrap(eng.lora.pool, "_write_slot", self._timed_upload(eng.lora.pool._write_slot))
+        pool = eng.lora._pool  # a benchmark instrument: the pool's slot writes are the uploads
+        self._wrap(pool, "_write_slot", self._timed_upload(pool._write_slot))
         if graphs is not None:
-            self._wrap(graphs, "_set_lora", _Timer(self.host, "lora_batch_info", graphs._set_lora))
+            self._wrap(
+                eng.lora, "prepare_replay", _Timer(self.host, "lora_batch_info", eng.lora.prepare_replay)
+            )
         sample = engine_module.sample
         engine_module.sample = _Timer(self.host, "sample", sample)
         self._undo.append(lambda: setattr(engine_module, "sample", sample))

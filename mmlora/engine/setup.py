@@ -9,7 +9,6 @@ from typing import Any
 
 import torch
 
-from mmlora.backends.warmup import warm_up_lora_kernels
 from mmlora.config import EngineConfig
 from mmlora.hub import resolve_lora_config, resolve_model_source, resolve_tokenizer
 from mmlora.kvcache.allocator import KVCache
@@ -84,9 +83,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     max_tokens = max(sched.max_num_batched_tokens, sched.max_running_requests)
     lora = LoRAManager(model, lora_config, max_tokens, dtype, device)
     if device.type == "cuda":  # every LoRA kernel variant compiled now, none inside a serving step
-        offsets = {t.name: t.slice_offsets for t in lora.spec.targets}
-        bufs = ((A, B, sc, offsets[target]) for (_, target), (A, B, sc) in lora.pool.buffers.items())
-        warm_up_lora_kernels(lora.ctx.backend, bufs, max_tokens)
+        lora.warm_up_kernels()
 
     max_model_len = mc.max_model_len or model.arch.max_position_embeddings
     attn0 = model.layers[0].self_attn

@@ -32,7 +32,7 @@ def test_fused_decode_matches_reference(name: str, dtype: torch.dtype) -> None:
     c = make_case(*CASES[name], dtype=dtype, seed=sum(map(ord, name)), spare_rows=2)
     _, want = reference(c)
     out0 = c.out.clone()
-    get_backend("triton-fused").add_lora(c.out, c.x, c.A, c.B, c.scalings, c.info, c.offsets)
+    get_backend("triton-fused").add_lora(c.out, c.x, c.weights, c.info)
     assert_out(c, c.out, want, out0)
 
 
@@ -47,7 +47,7 @@ def test_rows_sorted_by_adapter_give_the_same_result() -> None:
     c.info.fill([1] * len(order), c.token_slots)
     _, want = reference(c)
     out0 = c.out.clone()
-    get_backend("triton-fused").add_lora(c.out, c.x, c.A, c.B, c.scalings, c.info, c.offsets)
+    get_backend("triton-fused").add_lora(c.out, c.x, c.weights, c.info)
     assert_out(c, c.out, want, out0)
 
 
@@ -56,6 +56,6 @@ def test_any_batch_is_right_and_prefill_goes_to_sgmv() -> None:
     c = make_case(*CPU_CASES["prefill-basemix-gateup"], dtype=torch.float32, seed=9)
     _, want = reference(c)
     out0 = c.out.clone()
-    fused_decode_add_lora(c.out, c.x, c.A, c.B, c.scalings, c.info, c.offsets)
+    fused_decode_add_lora(c.out, c.x, c.weights, c.info)
     assert_out(c, c.out, want, out0)
     assert c.info.num_tokens >= 2 * c.info.num_segments and DEV.type in ("cpu", "cuda")

@@ -11,7 +11,7 @@ import torch
 
 from mmlora.backends import get_backend
 from mmlora.backends.warmup import LAYOUTS, warm_up_lora_kernels
-from mmlora.lora.batch_info import LoRABatchInfo
+from mmlora.forward import LoRABatchInfo, LoRAWeights
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -19,14 +19,14 @@ HAS_CUDA = torch.cuda.is_available()
 SHAPES = [(256, (256, 64, 64)), (256, (512, 512)), (512, (256,))]
 
 
-def pool(device: torch.device, slots: int, R: int) -> list[tuple]:
+def pool(device: torch.device, slots: int, R: int) -> list[LoRAWeights]:
     g = torch.Generator().manual_seed(0)
     weights = []
     for in_f, widths in SHAPES:
         offs = tuple([0] + [sum(widths[: i + 1]) for i in range(len(widths))])
         A = (torch.randn(slots, len(widths) * R, in_f, generator=g) / 16).to(device, torch.bfloat16)
         B = (torch.randn(slots, offs[-1], R, generator=g) / 4).to(device, torch.bfloat16)
-        weights.append((A, B, torch.ones(slots, len(widths), device=device), offs))
+        weights.append(LoRAWeights(A, B, torch.ones(slots, len(widths), device=device), offs))
     return weights * 2  # two "layers" of each shape: warmed once per distinct shape
 
 
@@ -65,10 +65,10 @@ def test_no_compile_after_warm_up(backend: str) -> None:
             info.fill(lens, seg_slots)
             if not info.has_lora:
                 continue
-            for A, B, sc, offs in weights[: len(SHAPES)]:
-                x = torch.randn(sum(lens), A.shape[2], device=dev, dtype=A.dtype)
-                out = torch.zeros(sum(lens), B.shape[1], device=dev, dtype=A.dtype)
-                be.add_lora(out, x, A, B, sc, info, offs)
+            for w in weights[: len(SHAPES)]:
+                x = torch.randn(sum(lens), w.A.shape[2], device=dev, dtype=w.A.dtype)
+                out = torch.zeros(sum(lens), w.B.shape[1], device=dev, dtype=w.A.dtype)
+                be.add_lora(out, x, w, info)
         torch.cuda.synchronize()
     finally:
         knobs.runtime.jit_post_compile_hook = prev
