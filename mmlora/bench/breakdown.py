@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-import mmlora.engine.engine as engine_module
+import mmlora.engine.fault_isolation as sampling_module
 from mmlora.lora.layer import LoRALinear
 
 KINDS = ("prefill", "mixed", "decode_graph", "decode_eager")
@@ -161,9 +161,9 @@ class StepBreakdown:
             self._wrap(
                 eng.lora, "prepare_replay", _Timer(self.host, "lora_batch_info", eng.lora.prepare_replay)
             )
-        sample = engine_module.sample
-        engine_module.sample = _Timer(self.host, "sample", sample)
-        self._undo.append(lambda: setattr(engine_module, "sample", sample))
+        sample = sampling_module.sample
+        sampling_module.sample = _Timer(self.host, "sample", sample)
+        self._undo.append(lambda: setattr(sampling_module, "sample", sample))
         self.compiles.install()
         self._undo.append(self.compiles.uninstall)
         return self
