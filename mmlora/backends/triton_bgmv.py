@@ -202,7 +202,11 @@ def _shrink_partials(
     zero: bool,
 ) -> torch.Tensor:
     T = info.num_tokens
-    plan = _ShrinkPlan(T, x.shape[1], n, R, info.max_rank if skip_pad else R, x.device, split_k)
+    top_rank = info.max_rank if skip_pad else R
+    key = ("bgmv_plan", x.shape[1], n, R, top_rank, split_k)  # once per forward and module shape
+    plan = info.host_derived.get(key)
+    if plan is None:
+        plan = info.host_derived[key] = _ShrinkPlan(T, x.shape[1], n, R, top_rank, x.device, split_k)
     alloc = torch.zeros if zero else torch.empty
     p = alloc((plan.split_k, T, A.shape[1]), dtype=torch.float32, device=x.device)
     grid = (T * plan.split_k * plan.r_tiles,)

@@ -48,14 +48,37 @@ TUNING = {
 }
 
 
+#: Integer arguments that change with the batch: compiled generically (Triton would otherwise build a
+#: variant per value class, e.g. 1 or a multiple of 16, inside a serving run).
+#: Not among them: K_PER_SPLIT (a multiple of BLOCK_K, always) and the plane stride (planes are padded
+#: to 16 rows): their divisibility by 16 is what lets the loads be vectorised. A run on an H200 with
+#: them (and BGMV's) unspecialised had 20-38% slower decode steps (2026-12-01; BGMV is unchanged since).
+_SHRINK_BATCH_INTS = ("M_TILES", "SPLIT_K")
+_EXPAND_BATCH_INTS = ("SPLIT_K", "M_TILES")
+
+
 @triton.jit
+def _tile(
+    tile, seg_indptr_ptr, tile_seg_ptr, tile_m0_ptr, M_TILES, BLOCK_M: tl.constexpr, TILED: tl.constexpr
+):
+    """(segment, first token) of token tile ``tile``: from the tile table, or M_TILES tiles per segment."""
+    if TILED:
+        seg = tl.load(tile_seg_ptr + tile)
+        m0 = tl.load(tile_m0_ptr + tile)
+    else:
+        seg = tile // M_TILES
+        m0 = tl.load(seg_indptr_ptr + seg) + (tile % M_TILES) * BLOCK_M
+    return seg, m0
+
+
+@triton.jit(do_not_specialize=_SHRINK_BATCH_INTS)
 def _sgmv_shrink_kernel(
-    x_ptr, a_ptr, h_ptr, seg_indptr_ptr, weight_indices_ptr, ranks_ptr,
+    x_ptr, a_ptr, h_ptr, seg_indptr_ptr, weight_indices_ptr, ranks_ptr, tile_seg_ptr, tile_m0_ptr,
     in_features, R, K_PER_SPLIT, stride_xm, stride_as, stride_ar, stride_hs, stride_hm,
     M_TILES, R_TILES, SPLIT_K,
     N_SLICES: tl.constexpr, NS_P2: tl.constexpr, SKIP_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, PREC: tl.constexpr,
+    UPCAST: tl.constexpr, PREC: tl.constexpr, TILED: tl.constexpr,
 ):  # fmt: skip
     """Shrink, split over in_features: for segment i with slot w[i] >= 0 and split k:
     ``h[k, s[i]:s[i+1]] = x[s[i]:s[i+1], Kk] @ A[w[i], :, Kk].T`` (sum over k gives the shrink).
@@ -63,15 +86,16 @@ def _sgmv_shrink_kernel(
     x [T, in] (fp32/fp16/bf16), A [S, N_SLICES * R, in] (x.dtype), h [SPLIT_K, T, N_SLICES * R]
     (x.dtype when SPLIT_K = 1, else fp32 partials). A program covers BLOCK_M tokens x (all slices,
     BLOCK_R ranks) x one split; every element of h is written: rows of base-only segments and columns
-    past the adapter's rank as zeros. fp32 accumulation.
+    past the adapter's rank as zeros. fp32 accumulation. TILED: token tiles come from the tile table
+    (tile i: segment tile_seg[i], first token tile_m0[i]) instead of M_TILES per segment.
     """
     pid = tl.program_id(0)
     pid_r = pid % R_TILES
     sp = (pid // R_TILES) % SPLIT_K
-    pid_m = (pid // (R_TILES * SPLIT_K)) % M_TILES
-    seg = pid // (R_TILES * SPLIT_K * M_TILES)
+    seg, m0 = _tile(
+        pid // (R_TILES * SPLIT_K), seg_indptr_ptr, tile_seg_ptr, tile_m0_ptr, M_TILES, BLOCK_M, TILED
+    )
     seg_end = tl.load(seg_indptr_ptr + seg + 1)
-    m0 = tl.load(seg_indptr_ptr + seg) + pid_m * BLOCK_M
     if m0 >= seg_end:
         return
     slot = tl.load(weight_indices_ptr + seg)
@@ -109,13 +133,13 @@ def _sgmv_shrink_kernel(
     tl.store(h_ptrs, acc.to(h_ptr.dtype.element_ty), mask=h_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_EXPAND_BATCH_INTS)
 def _sgmv_expand_kernel(
-    h_ptr, b_ptr, out_ptr, scal_ptr, seg_indptr_ptr, weight_indices_ptr, ranks_ptr,
+    h_ptr, b_ptr, out_ptr, scal_ptr, seg_indptr_ptr, weight_indices_ptr, ranks_ptr, tile_seg_ptr, tile_m0_ptr,
     R, SPLIT_K, stride_hs, stride_hm, stride_bs, stride_bn, stride_om, stride_ss, o0, o1, o2, o3, o4,
     M_TILES, N_TILES,
     N_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, PREC: tl.constexpr,
+    UPCAST: tl.constexpr, PREC: tl.constexpr, TILED: tl.constexpr,
 ):  # fmt: skip
     """Expand, all slices in one launch: for segment i with slot w[i] >= 0 and slice j:
     ``y[s[i]:s[i+1], o[j]:o[j+1]] += h[s[i]:s[i+1], j*R:j*R+r] @ B[w[i], o[j]:o[j+1], :r].T * sc[w[i], j]``.
@@ -123,18 +147,19 @@ def _sgmv_expand_kernel(
     h [SPLIT_K, T, N_SLICES * R]: shrink's split-K planes, summed here and rounded to B's dtype (x.dtype,
     as PEFT keeps h), B [S, out, R], scalings [S, N_SLICES] fp32, out [T, out] (any float dtype, updated
     in place), r = ranks[w[i]]. A program covers BLOCK_M tokens x BLOCK_N columns of one slice and
-    loops over the rank only up to r; fp32 accumulation.
+    loops over the rank only up to r; fp32 accumulation. TILED: token tiles from the tile table, as in
+    shrink.
     """
     pid = tl.program_id(0)
     pid_n = pid % (N_SLICES * N_TILES)
-    pid_m = (pid // (N_SLICES * N_TILES)) % M_TILES
-    seg = pid // (N_SLICES * N_TILES * M_TILES)
+    seg, m0 = _tile(
+        pid // (N_SLICES * N_TILES), seg_indptr_ptr, tile_seg_ptr, tile_m0_ptr, M_TILES, BLOCK_M, TILED
+    )
     s = pid_n // N_TILES
     lo = select_bound(s, o0, o1, o2, o3, o4)
     hi = select_bound(s + 1, o0, o1, o2, o3, o4)
     n0 = lo + (pid_n % N_TILES) * BLOCK_N
     seg_end = tl.load(seg_indptr_ptr + seg + 1)
-    m0 = tl.load(seg_indptr_ptr + seg) + pid_m * BLOCK_M
     slot = tl.load(weight_indices_ptr + seg)
     if (n0 >= hi) | (m0 >= seg_end) | (slot < 0):
         return
@@ -172,37 +197,84 @@ def _block_m(max_seg_len: int, cap: int) -> int:
     return min(cap, max(16, next_pow2(max_seg_len)))
 
 
+class _Tiles:
+    """Token tiles of one forward for a BLOCK_M: a segment longer than BLOCK_M next to short ones (a
+    prefill chunk among decode rows) would otherwise give every segment the longest one's tile count,
+    nearly all of them empty programs. The table (tile i: segment ``seg[i]``, first token ``m0[i]``) is
+    built from host ints once per forward and shared by every layer; batches whose segments all fit one
+    tile (decode, CUDA graphs) need none."""
+
+    def __init__(self, info: LoRABatchInfo, block_m: int) -> None:
+        max_seg = max(info.seg_lens_host)
+        self.block_m = block_m
+        self.tiled = max_seg > block_m
+        self.m_tiles = 1  # untiled, every segment fits one tile
+        self.count = info.num_segments
+        seg_ids, starts, start = [], [], 0
+        if self.tiled:
+            for i, n in enumerate(info.seg_lens_host):
+                for m in range(start, start + n, block_m):
+                    seg_ids.append(i)
+                    starts.append(m)
+                start += n
+            # Rows padded to 16 entries: the second row's pointer stays 64-byte aligned, so its alignment
+            # (which Triton compiles for) does not change with the tile count.
+            pad = [0] * (-len(seg_ids) % 16)
+            table = torch.tensor([seg_ids + pad, starts + pad], dtype=torch.int32)
+            table = table.to(info.seg_indptr.device, non_blocking=True)
+            self.seg, self.m0 = table[0], table[1]
+            self.count = len(seg_ids)
+        else:
+            self.seg = self.m0 = info.seg_indptr  # unread (TILED off); any int32 device tensor
+
+    @staticmethod
+    def of(info: LoRABatchInfo, block_m: int) -> _Tiles:
+        key = ("sgmv_tiles", block_m)
+        if key not in info.host_derived:
+            info.host_derived[key] = _Tiles(info, block_m)
+        return info.host_derived[key]
+
+
 def _shrink_planes(
-    x: torch.Tensor, A: torch.Tensor, info: LoRABatchInfo, n: int, R: int, skip_pad: bool, split_k: int | None
+    x: torch.Tensor,
+    A: torch.Tensor,
+    info: LoRABatchInfo,
+    n: int,
+    R: int,
+    skip_pad: bool,
+    split_k: int | None,
+    fp32_planes: bool = False,
 ) -> torch.Tensor:
-    """Launch shrink; returns h as [SPLIT_K, T, n*R] planes (x.dtype if one plane, else fp32)."""
+    """Launch shrink; returns h as [SPLIT_K, T, n*R] planes (fp32 partials, or x.dtype when there is one
+    plane and not ``fp32_planes``). Launch constants follow the pool rank R, not this batch's ranks,
+    so batches of any rank mix share one compiled kernel (programs still stop at their slot's rank)."""
     T, in_f = info.num_tokens, x.shape[1]
     ns_p2 = next_pow2(n)
     top_rank = info.max_rank if skip_pad else R
-    block_r = min(max(16, next_pow2(top_rank)), max(16, 128 // ns_p2))
-    max_seg = max(info.seg_lens_host)
-    block_m = _block_m(max_seg, TUNING["shrink_block_m"])
-    block_k = 64 if block_m >= 64 else 128
+    block_r = min(max(16, next_pow2(R)), max(16, 128 // ns_p2))
+    tiles = _Tiles.of(info, _block_m(max(info.seg_lens_host), TUNING["shrink_block_m"]))
+    block_k = 64 if tiles.block_m >= 64 else 128
     if split_k:  # a forced split (tests, benchmarks) gets blocks small enough to honour it
         block_k = min(block_k, max(16, next_pow2(triton.cdiv(in_f, split_k))))
-    m_tiles = triton.cdiv(max_seg, block_m)
     r_tiles = triton.cdiv(R, block_r)  # cover R (zeros past the rank), not just this batch's ranks
     # Split in_features until the launch has a few waves of programs: a long segment alone would
     # otherwise leave most of the GPU idle (the rank dimension gives almost no parallelism).
-    busy = sum(triton.cdiv(n_tok, block_m) for n_tok in info.seg_lens_host) * triton.cdiv(top_rank, block_r)
+    busy = tiles.count * triton.cdiv(top_rank, block_r)
     k_blocks = triton.cdiv(in_f, block_k)
     want = split_k or triton.cdiv(TUNING["waves"] * sm_count(x.device), busy)
     split = max(1, min(want, TUNING["max_split_k"], k_blocks))
     k_per_split = triton.cdiv(k_blocks, split) * block_k
     split = triton.cdiv(in_f, k_per_split)
-    h = torch.empty((split, T, A.shape[1]), dtype=x.dtype if split == 1 else torch.float32, device=x.device)
-    grid = (info.num_segments * m_tiles * split * r_tiles,)
+    dtype = x.dtype if split == 1 and not fp32_planes else torch.float32
+    # Planes padded to 16 rows: their stride keeps the same divisibility for every batch.
+    h = torch.empty((split, -(-T // 16) * 16, A.shape[1]), dtype=dtype, device=x.device)[:, :T]
+    grid = (tiles.count * split * r_tiles,)
     _sgmv_shrink_kernel[grid](
-        x, A, h, info.seg_indptr, info.weight_indices, info.ranks,
+        x, A, h, info.seg_indptr, info.weight_indices, info.ranks, tiles.seg, tiles.m0,
         in_f, R, k_per_split, x.stride(0), A.stride(0), A.stride(1), h.stride(0), h.stride(1),
-        m_tiles, r_tiles, split,
-        N_SLICES=n, NS_P2=ns_p2, SKIP_PAD=skip_pad, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k,
-        UPCAST=dot_upcast(x.dtype), PREC="ieee" if x.dtype == torch.float32 else "tf32",
+        tiles.m_tiles, r_tiles, split,
+        N_SLICES=n, NS_P2=ns_p2, SKIP_PAD=skip_pad, BLOCK_M=tiles.block_m, BLOCK_R=block_r, BLOCK_K=block_k,
+        UPCAST=dot_upcast(x.dtype), PREC="ieee" if x.dtype == torch.float32 else "tf32", TILED=tiles.tiled,
         num_warps=TUNING["shrink_warps"],
     )  # fmt: skip
     return h
@@ -214,19 +286,17 @@ def _expand_planes(
     B, scalings, slice_offsets = weights.B, weights.scalings, weights.slice_offsets
     n = weights.n_slices
     widths = [b - a for a, b in zip(slice_offsets, slice_offsets[1:])]
-    max_seg = max(info.seg_lens_host)
-    block_m = _block_m(max_seg, TUNING["block_m"])
+    tiles = _Tiles.of(info, _block_m(max(info.seg_lens_host), TUNING["block_m"]))
     block_n = TUNING["block_n"]
-    block_k = min(64, max(16, next_pow2(info.max_rank)))
-    m_tiles = triton.cdiv(max_seg, block_m)
+    block_k = min(64, max(16, next_pow2(R)))
     n_tiles = triton.cdiv(max(widths), block_n)
-    grid = (info.num_segments * m_tiles * n * n_tiles,)
+    grid = (tiles.count * n * n_tiles,)
     _sgmv_expand_kernel[grid](
-        h, B, out, scalings, info.seg_indptr, info.weight_indices, info.ranks,
+        h, B, out, scalings, info.seg_indptr, info.weight_indices, info.ranks, tiles.seg, tiles.m0,
         R, h.shape[0], h.stride(0), h.stride(1), B.stride(0), B.stride(1), out.stride(0), scalings.stride(0),
-        *offset_args(slice_offsets), m_tiles, n_tiles,
-        N_SLICES=n, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=dot_upcast(B.dtype),
-        PREC="ieee" if B.dtype == torch.float32 else "tf32", num_warps=TUNING["expand_warps"],
+        *offset_args(slice_offsets), tiles.m_tiles, n_tiles,
+        N_SLICES=n, BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=dot_upcast(B.dtype),
+        PREC="ieee" if B.dtype == torch.float32 else "tf32", TILED=tiles.tiled, num_warps=TUNING["expand_warps"],
     )  # fmt: skip
 
 
@@ -261,6 +331,7 @@ class TritonSGMVBackend(FusedTritonBackend):
     def _fused(
         self, out: torch.Tensor, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo, R: int
     ) -> None:
-        """Shrink knows the slice count, so it skips rank padding per slice."""
-        h = _shrink_planes(x, weights.A, info, weights.n_slices, R, True, self.split_k)
+        """Shrink knows the slice count, so it skips rank padding per slice; its planes are always fp32
+        (expand rounds h to x.dtype), so the kernels' signatures do not depend on the batch."""
+        h = _shrink_planes(x, weights.A, info, weights.n_slices, R, True, self.split_k, fp32_planes=True)
         _expand_planes(h, weights, info, out, R)

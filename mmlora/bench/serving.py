@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from mmlora.bench.adapters import write_random_adapters
+from mmlora.bench.breakdown import StepBreakdown, format_summary
 from mmlora.bench.serving_parts import (
     StepRecorder,
     abort_all,
@@ -59,6 +60,14 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto", help="auto: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--num-adapters", type=int, nargs="+", default=[1, 8, 32, 128, 1000])
     p.add_argument("--ranks", type=int, nargs="+", default=[16], help="adapter ranks, cycled over adapters")
+    p.add_argument(
+        "--rank-mixes",
+        type=_rank_mix,
+        nargs="+",
+        default=None,
+        help="a sweep over rank mixes, each comma-separated (e.g. 8 16 64 8,64): every --num-adapters point "
+        "runs once per mix, one plot line each (overrides --ranks)",
+    )
     p.add_argument("--popularity", choices=["uniform", "zipf", "distinct"], default="uniform")
     p.add_argument("--zipf-alpha", type=float, default=1.0)
     p.add_argument("--arrival", choices=["poisson", "all"], default="all")
@@ -91,6 +100,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="seconds; sweep points starting past 60%% of it are skipped",
     )
+    p.add_argument(
+        "--allow-compiles",
+        action="store_true",
+        help="report Triton compiles inside timed runs instead of failing on them",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--adapter-dir", default=None, help="where random adapters go (default: a temp folder)")
     p.add_argument("--out", default="bench-serving")
@@ -106,11 +120,23 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         lo, hi = getattr(args, name)
         if not 1 <= lo < hi:
             raise ValueError(f"--{name.replace('_', '-')}: need 1 <= LO < HI, got {lo} {hi}")
-    if any(n < 1 for n in args.num_adapters) or any(r < 1 for r in args.ranks):
-        raise ValueError("--num-adapters and --ranks: must be >= 1")
+    args.mixes = args.rank_mixes or [list(args.ranks)]
+    if any(n < 1 for n in args.num_adapters) or any(r < 1 for mix in args.mixes for r in mix):
+        raise ValueError("--num-adapters, --ranks and --rank-mixes: must be >= 1")
     if args.input_len[1] + args.output_len[1] > args.max_model_len:
         raise ValueError("--max-model-len: must cover the longest input + output")
     return args
+
+
+def _rank_mix(text: str) -> list[int]:
+    try:
+        return [int(r) for r in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a rank mix is comma-separated integers, got {text!r}") from None
+
+
+def _mix_label(mix: list[int]) -> str:
+    return ",".join(map(str, mix))
 
 
 def _free() -> None:
@@ -227,11 +253,20 @@ def _micro(
     return rows
 
 
+def _point(run: dict[str, Any], num_mixes: int) -> str:
+    """A run's key in the summary dicts: its adapter count, with its rank mix when there are several."""
+    n = str(run["num_adapters"])
+    return f"ranks {_mix_label(run['ranks'])} n={n}" if num_mixes > 1 and "ranks" in run else n
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     t_start = time.perf_counter()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    rank_max = max([*args.ranks, args.micro_rank])
+    all_ranks = sorted(
+        {*(r for mix in args.mixes for r in mix), *([args.micro_rank] if args.micro_batch else [])}
+    )
+    rank_max = all_ranks[-1]
     n_max = max([*args.num_adapters, *(args.micro_batch or [0])])
     engine = _engine(args, args.max_loras_per_batch, rank_max)
     # Requests are random token ids: no text to produce. The engine's detokenizer re-decodes each request's
@@ -246,11 +281,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tmp = tempfile.TemporaryDirectory() if args.adapter_dir is None else None
     adir = Path(args.adapter_dir or tmp.name)
     t0 = time.perf_counter()
-    adapters = write_random_adapters(
-        engine.hf_config, adir / "sweep", n_max, args.ranks, dtype=dtype, seed=args.seed
-    )
+    by_mix = {
+        _mix_label(mix): write_random_adapters(
+            engine.hf_config, adir / f"sweep-{i}", n_max, mix, dtype=dtype, seed=args.seed,
+            prefix=f"lora-r{_mix_label(mix).replace(',', '-')}-",
+        )
+        for i, mix in enumerate(args.mixes)
+    }  # fmt: skip
+    adapters = next(iter(by_mix.values()))
     micro_adapters = adapters
-    if args.micro_batch and args.ranks != [args.micro_rank]:
+    if args.micro_batch and args.mixes != [[args.micro_rank]]:
         micro_adapters = write_random_adapters(
             engine.hf_config, adir / "micro", max(args.micro_batch), [args.micro_rank], dtype=dtype,
             seed=args.seed + 99, prefix="micro-",
@@ -258,38 +298,52 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     print(f"wrote adapters in {time.perf_counter() - t0:.1f} s")
     recorder = StepRecorder(engine, weight_bytes(engine.model), dtype)
     rng = np.random.default_rng(args.seed)
+    breakdown = StepBreakdown(engine).install()
     t0 = time.perf_counter()
     _warmup(engine, args, adapters, recorder, bw, rng)
     print(f"warm-up (Triton compiles of the prefill shapes, untimed) in {time.perf_counter() - t0:.1f} s")
     runs = []
     skipped = []
-    for n in [0, *args.num_adapters]:  # base-only first: every ratio needs it
+    points = [(_mix_label(args.mixes[0]), 0)] + [
+        (_mix_label(m), n) for m in args.mixes for n in args.num_adapters
+    ]
+    for label, n in points:  # base-only first: every ratio needs it
         if args.time_budget and n and time.perf_counter() - t_start > 0.6 * args.time_budget:
             skipped.append(n)  # leave time for the decode-step microbench and HF + PEFT
             print(f"skipping n={n}: past 60% of --time-budget {args.time_budget:.0f} s", flush=True)
             continue
+        adapters = by_mix[label]
         work = make_workload(args, n, engine.model.arch.vocab_size, rng)
         used = {w["lora"] for w in work if w["lora"] is not None}
         load_s = _register(engine, adapters, {adapters[i]["name"] for i in used})
         for w in work:
             w["lora"] = adapters[w["lora"]]["name"] if w["lora"] is not None else None
+        breakdown.reset()
         res = run_workload(engine, work, recorder, bw)
+        res["breakdown"] = breakdown.summary()
         res.update({"num_adapters": n, "system": "mmlora" if n else "base-only", "adapter_load_s": load_s})
         res["distinct_adapters_used"] = len(used)
+        if n:
+            # Every slot is sized for the largest rank: the share of the used adapters' slot bytes that is padding.
+            own = sum(recorder.adapter_bytes(adapters[i]["rank"]) for i in used)
+            res["ranks"] = [int(r) for r in label.split(",")]
+            res["slot_padding_fraction"] = 1 - own / (len(used) * recorder.adapter_bytes(rank_max))
         runs.append(res)
         _partial(out, {"runs": runs})
         print(
-            f"{res['system']:9s} n={n:5d}: {res['output_tok_per_s']:9.1f} out tok/s, {res['req_per_s']:6.2f} req/s, "
+            f"{res['system']:9s} ranks {label if n else '-':6s} n={n:5d}: {res['output_tok_per_s']:9.1f} out tok/s, {res['req_per_s']:6.2f} req/s, "
             f"TTFT p50 {res['ttft_p50_s'] * 1e3:.0f} ms, TPOT p50 {res['tpot_p50_s'] * 1e3:.1f} ms, "
             f"decode {res['decode_over_floor']:.2f}x floor, adapters loaded in {load_s:.1f} s "
             f"({time.perf_counter() - t_start:.0f} s)",
             flush=True,
         )
+        print(format_summary(res["breakdown"]), flush=True)
+    breakdown.uninstall()
     micro = _micro(engine, args, micro_adapters, recorder, bw) if args.micro_batch else []
     _partial(out, {"runs": runs, "decode_step": micro})
     subset = hf = None
     hf_config = engine.hf_config
-    adapter_bytes = {str(r): recorder.adapter_bytes(r) for r in sorted({*args.ranks, args.micro_rank})}
+    adapter_bytes = {str(r): recorder.adapter_bytes(r) for r in all_ranks}
     weights = recorder.weights
     if args.hf_batch:
         _register(engine, adapters, {a["name"] for a in adapters[: args.hf_adapters]})
@@ -318,7 +372,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "runs": runs,
         "skipped_num_adapters": skipped,
         "mixed_over_base": {
-            str(r["num_adapters"]): r["output_tok_per_s"] / base["output_tok_per_s"] for r in runs
+            _point(r, len(args.mixes)): r["output_tok_per_s"] / base["output_tok_per_s"] for r in runs
         },
         "decode_step": micro,
         "mmlora_subset": subset,
@@ -334,6 +388,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result["mmlora_over_hf_peft_same_subset"] = subset["output_tok_per_s"] / hf["output_tok_per_s"]
     if tmp is not None:
         tmp.cleanup()
+    compiled = {_point(r, len(args.mixes)): r["breakdown"]["triton_compiles"] for r in runs}
+    result["triton_compiles_in_timed_runs"] = compiled
     result["wall_s"] = time.perf_counter() - t_start
     return result
 
@@ -348,4 +404,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     except ImportError as e:  # the JSON is what matters; say clearly why there is no picture
         print(f"no plot: {e} (pip install matplotlib)")
     print(f"wrote {out / 'serving.json'} and {out / 'serving.png'} ({result['wall_s']:.0f} s)")
+    compiled = result["triton_compiles_in_timed_runs"]
+    if any(compiled.values()) and not args.allow_compiles:  # after the JSON: the figures stay
+        raise RuntimeError(f"Triton compiled kernels inside timed runs (warm-up missed variants): {compiled}")
     return result

@@ -346,9 +346,13 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
     runs = [r for r in result["runs"] if r["num_adapters"] > 0]
     base = next(r for r in result["runs"] if r["num_adapters"] == 0)
-    xs = [r["num_adapters"] for r in runs]
+    xs = sorted({r["num_adapters"] for r in runs})
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.plot(xs, [r["output_tok_per_s"] for r in runs], "o-", label="mmlora (multi-LoRA)")
+    mixes = sorted({tuple(r.get("ranks") or ()) for r in runs})
+    for mix in mixes:  # one line per rank mix
+        line = [r for r in runs if tuple(r.get("ranks") or ()) == mix]
+        label = "mmlora (multi-LoRA)" + (f", ranks {','.join(map(str, mix))}" if len(mixes) > 1 else "")
+        ax.plot([r["num_adapters"] for r in line], [r["output_tok_per_s"] for r in line], "o-", label=label)
     ax.plot(xs, [base["output_tok_per_s"]] * len(xs), "k--", label="mmlora base model only")
     hf, sub = result.get("hf_peft") or {}, result.get("mmlora_subset") or {}
     if "output_tok_per_s" in hf:

@@ -82,6 +82,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     sched = config.scheduler
     max_tokens = max(sched.max_num_batched_tokens, sched.max_running_requests)
     lora = LoRAManager(model, lora_config, max_tokens, dtype, device)
+    if device.type == "cuda":  # every LoRA kernel variant compiled now, none inside a serving step
+        lora.warm_up_kernels()
 
     max_model_len = mc.max_model_len or model.arch.max_position_embeddings
     attn0 = model.layers[0].self_attn

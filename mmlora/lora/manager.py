@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from mmlora.backends import get_backend
+from mmlora.backends.warmup import warm_up_lora_kernels
 from mmlora.config import LoRAConfig, split_lora_spec
 from mmlora.forward.lora import LoRABatchInfo, LoRAWeights
 from mmlora.lora.adapter import LoadedAdapter, load_adapter
@@ -75,6 +76,7 @@ class LoRAManager:
     ) -> None:
         self.config = config
         self.spec = model.lora_model_spec()
+        self._offsets = {t.name: t.slice_offsets for t in self.spec.targets}
         self.info = LoRABatchInfo(max_tokens, config.max_loras_per_batch, device)
         self._pool = LoRAPool(
             self.spec,
@@ -101,6 +103,14 @@ class LoRAManager:
                 A, B, scalings = self._pool.buffers[(i, target.name)]
                 weights = LoRAWeights(A, B, scalings, target.slice_offsets)
                 setattr(parent, attr, LoRALinear(getattr(parent, attr), weights, self._ctx))
+
+    def warm_up_kernels(self) -> int:
+        """Compile the backend's kernel variants now (see :mod:`mmlora.backends.warmup`); returns calls."""
+        weights = (
+            LoRAWeights(A, B, sc, self._offsets[target])
+            for (_, target), (A, B, sc) in self._pool.buffers.items()
+        )
+        return warm_up_lora_kernels(self._ctx.backend, weights, self.info.max_tokens)
 
     # ---- what the engine reports ----------------------------------------------------------------
 

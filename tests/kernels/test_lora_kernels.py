@@ -61,9 +61,12 @@ def slots_for(pattern: str, n_req: int, num_slots: int, rng: random.Random) -> l
 
 
 def split_tokens(T: int, mode: str, rng: random.Random) -> list[int]:
-    """Per-request token counts summing to T: one token each (decode) or random runs (prefill)."""
+    """Per-request token counts summing to T: one token each (decode), random runs (prefill), or a
+    mixed step: decode rows around one long prefill chunk (T > 8)."""
     if mode == "decode":
         return [1] * T
+    if mode == "mixed":
+        return [1] * 5 + [T - 8] + [1] * 3
     lens, left = [], T
     while left:
         n = min(left, rng.randint(1, max(1, T // 3)))
@@ -171,6 +174,8 @@ CPU_CASES = {
     "prefill-basemix-gateup": (37, 64, (32, 48), 16, [3, 16, 7], "base_mix", "prefill"),
     "prefill-zipf-single": (7, 96, (96,), 16, [1, 16, 5], "zipf", "prefill"),
     "mixed-ranks-1-to-128": (13, 32, (32, 16, 16), 128, [1, 128, 64, 7, 33], "distinct", "prefill"),
+    # decode rows and a chunk longer than SGMV's token tiles in one batch (its tile table)
+    "mixed-step-qkv": (78, 32, (32, 16, 16), 16, [16, 8, 4, 1], "base_mix", "mixed"),
     # in_features a multiple of BGMV's split: its shrink runs the unmasked (EVEN_K) loop
     "decode-wide-in-qkv": (5, 1024, (32, 16, 16), 16, [16, 8, 4], "distinct", "decode"),
 }
@@ -308,7 +313,8 @@ GPU_SHAPES = {"qkv": (4096, (4096, 1024, 1024)), "gate_up": (4096, (14336, 14336
 @pytest.mark.parametrize("proj", list(GPU_SHAPES))
 @pytest.mark.parametrize("T,mode,pattern", [(1, "decode", "distinct"), (32, "decode", "distinct"),
                                             (256, "decode", "zipf"), (77, "decode", "base_mix"),
-                                            (1031, "prefill", "uniform"), (2048, "prefill", "base_mix")])  # fmt: skip
+                                            (1031, "prefill", "uniform"), (2048, "prefill", "base_mix"),
+                                            (1064, "mixed", "uniform")])  # fmt: skip
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_real_shapes_on_gpu(
     backend: str, proj: str, T: int, mode: str, pattern: str, dtype: torch.dtype

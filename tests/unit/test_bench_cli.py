@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from tiny_models import make_checkpoint
 
 from mmlora.bench.__main__ import main as bench_main
@@ -28,10 +29,45 @@ def test_serving_cli_on_cpu(tmp_path, capsys):
     for run in result["runs"]:
         assert run["num_requests"] == 4 and run["output_tokens"] >= 4 * 3
         assert run["output_tok_per_s"] > 0 and run["ttft_p50_s"] >= 0 and run["decode_floor_seconds"] > 0
+        kinds, host = run["breakdown"]["step_kinds"], run["breakdown"]["host_phases_s"]
+        assert kinds["prefill"]["count"] >= 1 and kinds["decode_eager"]["count"] >= 1  # no graphs on CPU
+        assert kinds["decode_graph"]["count"] == 0
+        assert sum(k["wall_s"] for k in kinds.values()) <= run["seconds"]
+        assert all(
+            host[p] > 0 for p in ("schedule", "build_inputs", "lora_batch_info", "sample", "postprocess")
+        )
+        lora_calls = sum(k["lora_calls"] for k in kinds.values())
+        assert (lora_calls > 0) == (run["num_adapters"] > 0) and (host["lora_host"] > 0) == (lora_calls > 0)
+    # The warm-up put two adapters into slots; the timed runs need a third uploaded.
+    uploads = [r["breakdown"]["adapter_uploads"] for r in result["runs"][1:]]
+    assert sum(u["count"] for u in uploads) >= 1 and all(
+        (u["bytes"] > 0) == (u["count"] > 0) for u in uploads
+    )
+    assert result["triton_compiles_in_timed_runs"] is not None
     assert {(m["batch"], m["lora"]) for m in result["decode_step"]} == {(2, True), (2, False)}
     assert result["hf_peft"]["output_tok_per_s"] > 0, result["hf_peft"]
     assert result["mmlora_subset"]["output_tok_per_s"] > 0
     assert "out tok/s" in capsys.readouterr().out
+
+
+def test_serving_rank_mix_sweep(tmp_path):
+    """--rank-mixes: each mix runs every adapter count (one plot line each) and reports its slot padding."""
+    base = make_checkpoint(tmp_path / "base", "llama")
+    out = tmp_path / "serving"
+    argv = [
+        "serving", "--model", str(base), "--device", "cpu", "--dtype", "float32", "--rank-mixes", "4", "2,8",
+        "--num-adapters", "2", "--num-requests", "3", "--input-len", "4", "8", "--output-len", "2", "4",
+        "--max-model-len", "64", "--max-loras-per-batch", "2", "--max-running-requests", "3",
+        "--hf-batch", "0", "--micro-batch", "--out", str(out),
+    ]  # fmt: skip
+    assert bench_main(argv) == 0
+    result = json.loads((out / "serving.json").read_text())
+    assert [(r["num_adapters"], r.get("ranks")) for r in result["runs"]] == [(0, None), (2, [4]), (2, [2, 8])]
+    # Slots are sized for rank 8 and adapter bytes grow linearly with the rank.
+    assert result["runs"][1]["slot_padding_fraction"] == pytest.approx(0.5)
+    assert result["runs"][2]["slot_padding_fraction"] in (pytest.approx(0.75), 0.0, pytest.approx(0.375))
+    assert set(result["mixed_over_base"]) == {"0", "ranks 4 n=2", "ranks 2,8 n=2"}
+    assert (out / "serving.png").stat().st_size > 0
 
 
 def test_cpu_cli_on_a_tiny_checkpoint(tmp_path, capsys):

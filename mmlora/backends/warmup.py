@@ -1,0 +1,48 @@
+"""Compile every LoRA kernel variant before serving, so no Triton compile lands inside a step.
+
+Triton compiles a kernel per set of compile-time constants (and per class of some integer and pointer
+arguments). SGMV keeps those independent of the batch except for a few classes of segment length
+(decode rows, short runs, runs longer than a token tile), so one ``add_lora`` per module shape and per
+layout class below compiles all of its variants. BGMV's constants still follow the batch (its split of
+in_features and the batch's largest rank): the decode layout compiles the CUDA-graph case (pool rank)
+only, and an eager BGMV step of another shape class can still compile. A compile costs about a second; inside
+a serving run it stalled every request in flight (issue 23: rank-8 and mixed-rank runs had 2.6-2.9 s
+TTFTs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from mmlora.backends.base import LoRABackend
+from mmlora.forward import LoRABatchInfo, LoRAWeights
+
+#: Segment lengths of the warm-up batches: decode rows (BGMV under triton-auto), then one run of
+#: each token-tile class of SGMV (up to 16, 32, 64 tokens, and longer: its tile table), and a mixed
+#: step (decode rows next to a long chunk).
+LAYOUTS: tuple[tuple[int, ...], ...] = ((1, 1), (2,), (17,), (33,), (65,), (1, 1, 65))
+
+
+def warm_up_lora_kernels(backend: LoRABackend, weights: Iterable[LoRAWeights], max_tokens: int) -> int:
+    """Run ``backend.add_lora`` on every distinct module shape of ``weights`` (pool views) for each
+    layout of :data:`LAYOUTS` that fits ``max_tokens``; returns the number of calls. Reads slot 0 of
+    the pool (whatever it holds) and writes only scratch outputs."""
+    shapes: dict[tuple, LoRAWeights] = {}
+    for w in weights:
+        shapes.setdefault((tuple(w.A.shape), tuple(w.B.shape), w.A.dtype, tuple(w.slice_offsets)), w)
+    calls = 0
+    for w in shapes.values():
+        info = LoRABatchInfo(max_tokens, w.A.shape[0], w.A.device)
+        info.set_slot_rank(0, w.B.shape[2])
+        for lens in LAYOUTS:
+            n_tokens = sum(lens)
+            if n_tokens > max_tokens:
+                continue
+            info.fill(list(lens), [0] * len(lens))
+            x = torch.zeros(n_tokens, w.A.shape[2], dtype=w.A.dtype, device=w.A.device)
+            out = torch.zeros(n_tokens, w.B.shape[1], dtype=w.A.dtype, device=w.A.device)
+            backend.add_lora(out, x, w, info)
+            calls += 1
+    return calls

@@ -1,0 +1,75 @@
+"""The LoRA kernel warm-up compiles the variants a serving step can launch (issue 23: no Triton compile
+inside a timed run). On CUDA: after the warm-up, random SGMV batches of every kind (decode, prefill,
+mixed steps; mixed ranks; base rows) compile nothing, counted through Triton's post-compile hook."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from mmlora.backends import get_backend
+from mmlora.backends.warmup import LAYOUTS, warm_up_lora_kernels
+from mmlora.forward import LoRABatchInfo, LoRAWeights
+
+HAS_CUDA = torch.cuda.is_available()
+
+# Mistral-7B-like module shapes, scaled down: (in, slice widths).
+SHAPES = [(256, (256, 64, 64)), (256, (512, 512)), (512, (256,))]
+
+
+def pool(device: torch.device, slots: int, R: int) -> list[LoRAWeights]:
+    g = torch.Generator().manual_seed(0)
+    weights = []
+    for in_f, widths in SHAPES:
+        offs = tuple([0] + [sum(widths[: i + 1]) for i in range(len(widths))])
+        A = (torch.randn(slots, len(widths) * R, in_f, generator=g) / 16).to(device, torch.bfloat16)
+        B = (torch.randn(slots, offs[-1], R, generator=g) / 4).to(device, torch.bfloat16)
+        weights.append(LoRAWeights(A, B, torch.ones(slots, len(widths), device=device), offs))
+    return weights * 2  # two "layers" of each shape: warmed once per distinct shape
+
+
+def test_warm_up_runs_each_layout_once_per_distinct_shape() -> None:
+    weights = pool(torch.device("cpu"), 3, 8)
+    calls = warm_up_lora_kernels(get_backend("torch-gather"), weights, max_tokens=4096)
+    assert calls == len(SHAPES) * len(LAYOUTS)
+    fitting = sum(sum(lens) <= 2 for lens in LAYOUTS)
+    assert warm_up_lora_kernels(get_backend("torch-gather"), weights, max_tokens=2) == len(SHAPES) * fitting
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device (compiles are what is counted)")
+@pytest.mark.parametrize("backend", ["triton-sgmv"])  # BGMV still compiles per batch class (warmup.py)
+def test_no_compile_after_warm_up(backend: str) -> None:
+    from triton import knobs
+
+    dev, slots, R, max_tokens = torch.device("cuda"), 8, 64, 4096
+    weights = pool(dev, slots, R)
+    be = get_backend(backend)
+    warm_up_lora_kernels(be, weights, max_tokens)
+    compiles = []
+    prev = knobs.runtime.jit_post_compile_hook
+    knobs.runtime.jit_post_compile_hook = lambda *a, **k: compiles.append(k.get("key"))
+    try:
+        rng = random.Random(0)
+        info = LoRABatchInfo(max_tokens, slots, dev)
+        for s, r in enumerate([8, 64, 16, 8, 64, 1, 32, 12]):
+            info.set_slot_rank(s, r)
+        for _ in range(60):
+            kind = rng.choice(["decode", "prefill", "mixed"])
+            n_dec = rng.randint(1, 128) if kind != "prefill" else 0
+            chunks = [rng.randint(2, 1300) for _ in range(rng.randint(1, 3))] if kind != "decode" else []
+            lens = [1] * n_dec + chunks
+            seg_slots = [rng.randrange(-1, slots) for _ in lens]
+            info.fill(lens, seg_slots)
+            if not info.has_lora:
+                continue
+            for w in weights[: len(SHAPES)]:
+                x = torch.randn(sum(lens), w.A.shape[2], device=dev, dtype=w.A.dtype)
+                out = torch.zeros(sum(lens), w.B.shape[1], device=dev, dtype=w.A.dtype)
+                be.add_lora(out, x, w, info)
+        torch.cuda.synchronize()
+    finally:
+        knobs.runtime.jit_post_compile_hook = prev
+    assert compiles == [], f"{len(compiles)} Triton compiles after the warm-up"
