@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from mmlora.bench.adapters import write_random_adapters
+from mmlora.bench.cli import check_engine_options, make_parser, progress
 from mmlora.bench.serving_parts import (
     StepRecorder,
     abort_all,
@@ -53,7 +54,7 @@ logger = logging.getLogger(__name__)
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m mmlora.bench serving", description=__doc__.split("\n\n")[0])
+    p = make_parser("python -m mmlora.bench serving", __doc__.split("\n\n")[0])
     p.add_argument("--model", default="dummy:mistral-7b-v0.3")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", help="auto: bfloat16 on CUDA, float32 on CPU")
@@ -110,6 +111,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         raise ValueError("--num-adapters and --ranks: must be >= 1")
     if args.input_len[1] + args.output_len[1] > args.max_model_len:
         raise ValueError("--max-model-len: must cover the longest input + output")
+    check_engine_options(
+        model=args.model, device=args.device, dtype=args.dtype, lora_backend=args.lora_backend
+    )
     return args
 
 
@@ -263,7 +267,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     print(f"warm-up (Triton compiles of the prefill shapes, untimed) in {time.perf_counter() - t0:.1f} s")
     runs = []
     skipped = []
-    for n in [0, *args.num_adapters]:  # base-only first: every ratio needs it
+    for n in progress([0, *args.num_adapters], "workloads"):  # base-only first: every ratio needs it
         if args.time_budget and n and time.perf_counter() - t_start > 0.6 * args.time_budget:
             skipped.append(n)  # leave time for the decode-step microbench and HF + PEFT
             print(f"skipping n={n}: past 60% of --time-budget {args.time_budget:.0f} s", flush=True)
