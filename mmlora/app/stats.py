@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -53,6 +54,9 @@ class StatsMonitor:
             stats = self.bg.run(lambda eng: eng.stats(), timeout=self.timeout_s)
         except concurrent.futures.TimeoutError:
             return last
+        # Accepted and not finished, wherever they are (queued for the engine thread, waiting, running):
+        # a sample taken between two steps can miss a short request in the running batch, this cannot.
+        stats["num_in_flight"] = self.bg.num_in_flight
         t = time.monotonic()
         with self._lock:
             prev = self._samples[-1] if self._samples else None
@@ -72,28 +76,66 @@ class StatsMonitor:
         with self._lock:
             return list(self._samples)
 
-    def frames(self, now: float | None = None) -> tuple[Any, Any]:
-        """Two pandas frames for the plots: tokens/s over time, and running/waiting over time.
+    def series(self, now: float | None = None) -> dict[str, tuple[list[float], list[float]]]:
+        """Per chart line: x (seconds before ``now``, negative) and y values.
 
-        Columns ``seconds`` (negative: seconds ago), ``value`` and ``series``.
+        Where sampling paused (no tab was polling, or the engine was too busy to answer) for longer than
+        ``GAP_INTERVALS`` sampling intervals, a NaN point breaks the line instead of drawing a straight
+        line across a time nobody measured.
         """
-        import pandas as pd
-
         now = time.monotonic() if now is None else now
         samples = self.history()
-        tps = pd.DataFrame(
-            {
-                "seconds": [round(s.t - now, 2) for s in samples],
-                "value": [round(s.tokens_per_s, 2) for s in samples],
-                "series": ["tokens/s"] * len(samples),
+        out: dict[str, tuple[list[float], list[float]]] = {label: ([], []) for _, label in CHART_SERIES}
+        gap = GAP_INTERVALS * max(self.min_interval_s, 1.0)
+        prev_t = None
+        for sample in samples:
+            if prev_t is not None and sample.t - prev_t > gap:
+                for xs, ys in out.values():
+                    xs.append(round((prev_t + sample.t) / 2 - now, 2))
+                    ys.append(math.nan)
+            values = {
+                "tokens/s": sample.tokens_per_s,
+                **{label: sample.stats.get(k, 0) for k, label in _QUEUE_SERIES},
             }
-        )
-        rows = [(round(s.t - now, 2), s.stats[k], label) for s in samples for k, label in _QUEUE_SERIES]
-        reqs = pd.DataFrame(rows, columns=["seconds", "value", "series"])
-        return tps, reqs
+            for name, (xs, ys) in out.items():
+                xs.append(round(sample.t - now, 2))
+                ys.append(float(values[name]))
+            prev_t = sample.t
+        return out
+
+    def figure(self, now: float | None = None) -> Any:
+        """The live-stats chart: tokens/s above, requests (in flight, running, waiting) below."""
+        from matplotlib.figure import Figure
+
+        series = self.series(now)
+        fig = Figure(figsize=(9, 3.2), layout="constrained")
+        tokens_ax, requests_ax = fig.subplots(1, 2)
+        if not series["tokens/s"][0]:
+            for ax in (tokens_ax, requests_ax):
+                ax.set_axis_off()
+            tokens_ax.text(0.5, 0.5, "no samples yet", ha="center", va="center", color="gray")
+            return fig
+        for ax, names, title in (
+            (tokens_ax, ["tokens/s"], "generated tokens/s"),
+            (requests_ax, [label for _, label in _QUEUE_SERIES], "requests"),
+        ):
+            for name in names:
+                ax.plot(*series[name], label=name, linewidth=1.5)
+            ax.set_title(title, fontsize=10)
+            ax.set_xlabel("seconds ago", fontsize=9)
+            ax.set_xlim(-self.window_s, 0)
+            ax.set_ylim(bottom=0)
+            ax.grid(alpha=0.3)
+            ax.tick_params(labelsize=8)
+        requests_ax.yaxis.get_major_locator().set_params(integer=True)
+        requests_ax.legend(fontsize=8, loc="upper left")
+        return fig
 
 
-_QUEUE_SERIES = (("num_running", "running"), ("num_waiting", "waiting"))
+# A pause in sampling longer than this many sampling intervals (of at least 1 s) breaks the chart lines.
+GAP_INTERVALS = 3.0
+_QUEUE_SERIES = (("num_in_flight", "in flight"), ("num_running", "running"), ("num_waiting", "waiting"))
+CHART_SERIES = (("tokens/s", "tokens/s"), *_QUEUE_SERIES)
 
 
 def summary_markdown(sample: StatsSample | None) -> str:
@@ -103,7 +145,8 @@ def summary_markdown(sample: StatsSample | None) -> str:
     s = sample.stats
     running = ", ".join(s.get("running_loras") or []) or "none"
     return (
-        f"**running** {s['num_running']} · **waiting** {s['num_waiting']} · "
+        f"**in flight** {s.get('num_in_flight', 0)} · **running** {s['num_running']} · "
+        f"**waiting** {s['num_waiting']} · "
         f"**tokens/s** {sample.tokens_per_s:.1f} · "
         f"**adapter slots** {s['slots_used']}/{s['max_loras']} (running adapters: {running}) · "
         f"**KV cache** {100 * s['kv_cache_usage']:.0f}% · "

@@ -127,6 +127,7 @@ def _adapters_tab(c: AppController) -> dict[str, Any]:
         value=c.adapter_rows(),
         headers=ADAPTER_HEADERS,
         interactive=False,
+        wrap=True,  # adapter paths are long: wrapped in full, never cut
         label="Registered adapters: device slots and host cache",
         elem_id="adapter-table",
     )
@@ -172,9 +173,7 @@ def build_ui(
                 sampling, use_template = _sampling_panel(c)
         gr.Markdown("### Live stats")
         stats_md = gr.Markdown(summary_markdown(None), elem_id="stats")
-        with gr.Row():
-            tps_plot = gr.LinePlot(x="seconds", y="value", color="series", title="tokens/s", height=200)
-            req_plot = gr.LinePlot(x="seconds", y="value", color="series", title="requests", height=200)
+        stats_plot = gr.Plot(monitor.figure(), show_label=False, elem_id="stats-plot")
         timer = gr.Timer(stats_interval_s)
         pickers = Pickers(chat["adapter"], cmp["adapters"], adm["manage"], gr.State(choices))
 
@@ -189,16 +188,15 @@ def build_ui(
 
         def tick(known: list[str]) -> list[Any]:
             sample = monitor.poll()
-            tps, reqs = monitor.frames()
             loras = c.list_loras()  # one round trip to the engine thread for the table and the pickers
             new = c.choices(loras)
             picks = [gr.skip()] * 4 if new == known else Pickers.updates(new)
-            return [summary_markdown(sample), tps, reqs, c.adapter_rows(loras), *picks]
+            return [summary_markdown(sample), monitor.figure(), c.adapter_rows(loras), *picks]
 
         timer.tick(
             tick,
             pickers.known,
-            [stats_md, tps_plot, req_plot, adm["table"], *pickers.outputs()],
+            [stats_md, stats_plot, adm["table"], *pickers.outputs()],
             show_progress="hidden",
             queue=False,
         )
