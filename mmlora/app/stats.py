@@ -103,33 +103,23 @@ class StatsMonitor:
             prev_t = sample.t
         return out
 
-    def figure(self, now: float | None = None) -> Any:
-        """The live-stats chart: tokens/s above, requests (in flight, running, waiting) below."""
-        from matplotlib.figure import Figure
+    def frames(self, now: float | None = None) -> tuple[Any, Any]:
+        """Two pandas frames for the plots (tokens/s; requests in flight, running and waiting), or two
+        Nones before the first sample, so that an empty chart shows no axes at all.
+
+        Columns ``seconds`` (negative: seconds ago), ``value`` and ``series``; a NaN value marks a gap.
+        """
+        import pandas as pd
 
         series = self.series(now)
-        fig = Figure(figsize=(9, 3.2), layout="constrained")
-        tokens_ax, requests_ax = fig.subplots(1, 2)
         if not series["tokens/s"][0]:
-            for ax in (tokens_ax, requests_ax):
-                ax.set_axis_off()
-            tokens_ax.text(0.5, 0.5, "no samples yet", ha="center", va="center", color="gray")
-            return fig
-        for ax, names, title in (
-            (tokens_ax, ["tokens/s"], "generated tokens/s"),
-            (requests_ax, [label for _, label in _QUEUE_SERIES], "requests"),
-        ):
-            for name in names:
-                ax.plot(*series[name], label=name, linewidth=1.5)
-            ax.set_title(title, fontsize=10)
-            ax.set_xlabel("seconds ago", fontsize=9)
-            ax.set_xlim(-self.window_s, 0)
-            ax.set_ylim(bottom=0)
-            ax.grid(alpha=0.3)
-            ax.tick_params(labelsize=8)
-        requests_ax.yaxis.get_major_locator().set_params(integer=True)
-        requests_ax.legend(fontsize=8, loc="upper left")
-        return fig
+            return None, None
+
+        def frame(names: list[str]) -> Any:
+            rows = [(x, y, name) for name in names for x, y in zip(*series[name])]
+            return pd.DataFrame(rows, columns=["seconds", "value", "series"])
+
+        return frame(["tokens/s"]), frame([label for _, label in _QUEUE_SERIES])
 
 
 # A pause in sampling longer than this many sampling intervals (of at least 1 s) breaks the chart lines.

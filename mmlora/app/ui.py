@@ -128,6 +128,7 @@ def _adapters_tab(c: AppController) -> dict[str, Any]:
         headers=ADAPTER_HEADERS,
         interactive=False,
         wrap=True,  # adapter paths are long: wrapped in full, never cut
+        column_widths=["14%", "7%", "9%", "12%", "12%", "10%", "36%"],
         label="Registered adapters: device slots and host cache",
         elem_id="adapter-table",
     )
@@ -173,7 +174,13 @@ def build_ui(
                 sampling, use_template = _sampling_panel(c)
         gr.Markdown("### Live stats")
         stats_md = gr.Markdown(summary_markdown(None), elem_id="stats")
-        stats_plot = gr.Plot(monitor.figure(), show_label=False, elem_id="stats-plot")
+        with gr.Row():
+            tps_plot = gr.LinePlot(
+                x="seconds", y="value", color="series", title="tokens/s", height=200, elem_id="tps-plot"
+            )
+            req_plot = gr.LinePlot(
+                x="seconds", y="value", color="series", title="requests", height=200, elem_id="req-plot"
+            )
         timer = gr.Timer(stats_interval_s)
         pickers = Pickers(chat["adapter"], cmp["adapters"], adm["manage"], gr.State(choices))
 
@@ -188,15 +195,16 @@ def build_ui(
 
         def tick(known: list[str]) -> list[Any]:
             sample = monitor.poll()
+            tps, reqs = monitor.frames()
             loras = c.list_loras()  # one round trip to the engine thread for the table and the pickers
             new = c.choices(loras)
             picks = [gr.skip()] * 4 if new == known else Pickers.updates(new)
-            return [summary_markdown(sample), monitor.figure(), c.adapter_rows(loras), *picks]
+            return [summary_markdown(sample), tps, reqs, c.adapter_rows(loras), *picks]
 
         timer.tick(
             tick,
             pickers.known,
-            [stats_md, stats_plot, adm["table"], *pickers.outputs()],
+            [stats_md, tps_plot, req_plot, adm["table"], *pickers.outputs()],
             show_progress="hidden",
             queue=False,
         )
