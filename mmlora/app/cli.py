@@ -111,13 +111,14 @@ def build_engine(args: argparse.Namespace, config: EngineConfig | None = None) -
 
 
 def launch(bg: Any, args: argparse.Namespace, **launch_kwargs: Any) -> Any:
-    """Build the page over ``bg`` and serve it (blocks unless ``prevent_thread_lock=True`` is passed)."""
+    """Build the page over ``bg`` and serve it (blocks unless ``prevent_thread_lock=True`` is passed).
+
+    Returns the page (``gradio.Blocks``); its ``close()`` stops serving."""
     from mmlora.app.controller import AppController
     from mmlora.app.ui import build_ui
 
     root = os.path.abspath(args.lora_root) if args.lora_root else None
     demo = build_ui(AppController(bg, lora_root=root))
     demo.queue(default_concurrency_limit=None)
-    return demo.launch(
-        share=args.share, server_name=args.server_name, server_port=args.server_port, **launch_kwargs
-    )
+    demo.launch(share=args.share, server_name=args.server_name, server_port=args.server_port, **launch_kwargs)
+    return demo
