@@ -166,12 +166,12 @@ def _check_backend_names(config: EngineConfig) -> None:
     known = {*BUILTIN_LORA_BACKENDS, *(registry.available_backends() if registry else ())}
     if lora_backend != "auto" and lora_backend not in known:
         raise ConfigError(
-            f"lora_backend: unknown {lora_backend!r}; registered backends: auto, {', '.join(sorted(known))}"
+            f"unknown lora_backend {lora_backend!r}; registered backends: auto, {', '.join(sorted(known))}"
         )
     attention = config.scheduler.attention_backend
     if attention != "auto" and attention not in BUILTIN_ATTENTION_BACKENDS:
         raise ConfigError(
-            f"attention_backend: unknown {attention!r}; registered: auto, {', '.join(BUILTIN_ATTENTION_BACKENDS)}"
+            f"unknown attention_backend {attention!r}; registered: auto, {', '.join(BUILTIN_ATTENTION_BACKENDS)}"
         )
 
 

@@ -73,8 +73,8 @@ def _weights(opened: list[str]) -> list[str]:
 
 
 CASES = {
-    "lora_backend": ({"lora_backend": "trition"}, "lora_backend: unknown 'trition'"),
-    "attention_backend": ({"attention_backend": "flash"}, "attention_backend: unknown 'flash'"),
+    "lora_backend": ({"lora_backend": "trition"}, "unknown lora_backend 'trition'"),
+    "attention_backend": ({"attention_backend": "flash"}, "unknown attention_backend 'flash'"),
     "missing adapter": ({"lora_paths": ["nope/adapter"]}, "'nope/adapter': no such adapter folder"),
     "rank": ({"lora_paths": ["{alpha}"], "max_lora_rank": 2}, "has rank 4, above max_lora_rank=2"),
     "target modules": ({"lora_paths": ["{foreign}"]}, "target_modules ['c_attn'] cannot take LoRA on"),
