@@ -46,10 +46,15 @@ def check_engine_config(config: EngineConfig, *, images: Any = None) -> ModelFac
     """Every check of ``config`` (and of ``images``, if given) that needs no weights; raises ConfigError."""
     _check_backend_names(config)
     _check_device(config.model.device, config.model.dtype)
-    adapter_configs = [_read_adapter_config(spec, config) for spec in config.lora.lora_paths]
+    paths = [split_lora_spec(spec)[1] for spec in config.lora.lora_paths]
+    for path in paths:  # the commonest mistake, found before torch is imported
+        if not os.path.isdir(path):
+            problem = "no such adapter folder" if not os.path.exists(path) else "is not a folder"
+            raise ConfigError(f"lora_paths: LoRA adapter {path!r}: {problem}")
+    adapter_configs = [_read_adapter_config(path, config) for path in paths]
     facts = model_facts(config.model.model)
-    for spec, adapter_config in zip(config.lora.lora_paths, adapter_configs):
-        _check_adapter_targets(split_lora_spec(spec)[1], adapter_config, facts)
+    for path, adapter_config in zip(paths, adapter_configs):
+        _check_adapter_targets(path, adapter_config, facts)
     check_images(facts, images)
     return facts
 
@@ -196,9 +201,8 @@ def _check_device(device: str, dtype: str) -> None:
         raise ConfigError(f"dtype: bfloat16 is not supported on {device}; use float16 or float32")
 
 
-def _read_adapter_config(spec: str, config: EngineConfig) -> dict:
+def _read_adapter_config(path: str, config: EngineConfig) -> dict:
     """An adapter's folder, config and weights file exist, its config is servable, its rank fits."""
-    path = split_lora_spec(spec)[1]
     from mmlora.lora.adapter import AdapterError, check_adapter_config
 
     try:
