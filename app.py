@@ -5,7 +5,9 @@ A mistake in the flags is one line on stderr and exit status 2, before the model
 """
 
 import logging
+import os
 import signal
+import sys
 import threading
 
 from mmlora.app.cli import build_engine, checked_engine_config, launch, parse_args
@@ -31,6 +33,12 @@ def main() -> None:
             demo.close()
         bg.shutdown(drain=False, timeout=1)
         logging.getLogger("app").info("stopped")
+    # The page and the engine are stopped. Tearing down the interpreter's modules (torch, gradio) would
+    # take seconds more and release nothing the system does not: exit now, with what was logged flushed.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
