@@ -42,21 +42,34 @@ class ModelFacts:
     is_multimodal: bool
 
 
-def check_engine_config(config: EngineConfig, *, images: Any = None) -> ModelFacts:
-    """Every check of ``config`` (and of ``images``, if given) that needs no weights; raises ConfigError."""
+def check_engine_config(config: EngineConfig, *, images: Any = None) -> ModelFacts | None:
+    """Every check of ``config`` (and of ``images``, if given) that needs no weights; raises ConfigError.
+
+    Returns the model's facts, or None for a model given by hub id (not downloaded yet)."""
     _check_backend_names(config)
     _check_device(config.model.device, config.model.dtype)
-    paths = [split_lora_spec(spec)[1] for spec in config.lora.lora_paths]
+    # Hub ids are checked (and fetched) by mmlora.hub when the engine starts, still before any weight.
+    paths = [p for p in (split_lora_spec(spec)[1] for spec in config.lora.lora_paths) if not _is_hub_id(p)]
     for path in paths:  # the commonest mistake, found before torch is imported
         if not os.path.isdir(path):
             problem = "no such adapter folder" if not os.path.exists(path) else "is not a folder"
             raise ConfigError(f"lora_paths: LoRA adapter {path!r}: {problem}")
     adapter_configs = [_read_adapter_config(path, config) for path in paths]
+    if config.model.gguf_file or _is_hub_id(config.model.model):
+        return None  # the architecture is known once mmlora.hub has the config; the engine checks then
     facts = model_facts(config.model.model)
     for path, adapter_config in zip(paths, adapter_configs):
         _check_adapter_targets(path, adapter_config, facts)
     check_images(facts, images)
     return facts
+
+
+def _is_hub_id(spec: str) -> bool:
+    if os.path.exists(spec) or "/" not in spec:  # a path on disk, or not id-shaped: no hub import needed
+        return False
+    from mmlora.hub import parse_hub_ref
+
+    return parse_hub_ref(spec) is not None
 
 
 def check_images(facts: ModelFacts, images: Any) -> None:

@@ -75,7 +75,7 @@ def _weights(opened: list[str]) -> list[str]:
 CASES = {
     "lora_backend": ({"lora_backend": "trition"}, "unknown lora_backend 'trition'"),
     "attention_backend": ({"attention_backend": "flash"}, "unknown attention_backend 'flash'"),
-    "missing adapter": ({"lora_paths": ["nope/adapter"]}, "'nope/adapter': no such adapter folder"),
+    "missing adapter": ({"lora_paths": ["./nope/adapter"]}, "'./nope/adapter': no such adapter folder"),
     "rank": ({"lora_paths": ["{alpha}"], "max_lora_rank": 2}, "has rank 4, above max_lora_rank=2"),
     "target modules": ({"lora_paths": ["{foreign}"]}, "target_modules ['c_attn'] cannot take LoRA on"),
 }
@@ -144,7 +144,7 @@ def _run(args: list[str]) -> subprocess.CompletedProcess:
     "entry",
     [
         ["-m", "mmlora.launch_server", "--lora-backend", "trition"],
-        ["app.py", "--lora-paths", "nope/adapter"],
+        ["app.py", "--lora-paths", "./nope/adapter"],
         ["-m", "mmlora.demo", "--lora-backend", "trition"],
         ["-m", "mmlora.bench", "cpu", "--model", "nope"],
     ],
