@@ -274,7 +274,7 @@ def test_stats_chart_breaks_its_lines_at_gaps_and_shows_no_empty_axes(bg: Any) -
 
 def test_in_flight_counts_a_request_while_it_runs(bg: Any) -> None:
     monitor = StatsMonitor(bg, min_interval_s=0.0)
-    handle = bg.submit("Hello", sampling_params=SamplingParams(max_new_tokens=2000, ignore_eos=True))
+    handle = bg.submit("Hello", sampling_params=SamplingParams(max_new_tokens=400, ignore_eos=True))
     assert monitor.poll().stats["num_in_flight"] >= 1  # accepted, not finished: counted wherever it is
     handle.abort()
     handle.result(timeout=60)
