@@ -1,31 +1,44 @@
 """Gradio UI for mmlora: ``python app.py`` serves the default model with the demo adapters.
 
 ``python app.py --help`` lists the flags (the engine's, generated from its config, and the app's).
+A mistake in the flags is one line on stderr and exit status 2, before the model is loaded.
 """
 
 import logging
+import os
 import signal
-from typing import Any
+import sys
+import threading
 
-from mmlora.app.cli import build_engine, launch, parse_args
-
-
-def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt  # SIGTERM stops the app like Ctrl+C: the page closes, then the engine
+from mmlora.app.cli import build_engine, checked_engine_config, launch, parse_args
 
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = parse_args()
-    bg = build_engine(args)
-    signal.signal(signal.SIGTERM, _interrupt)
+    config = checked_engine_config(args)
+    # SIGTERM and Ctrl+C set this event; the main thread then closes the page and stops the engine.
+    # Gradio's own blocking loop is not used: it turns the signal into a KeyboardInterrupt and waits.
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: stop.set())
+    bg = build_engine(args, config)
+    demo = None
     try:
-        launch(bg, args)
-    except KeyboardInterrupt:
-        pass  # Ctrl+C or SIGTERM, also while Gradio is still starting up: a clean stop either way
+        if not stop.is_set():
+            demo = launch(bg, args, prevent_thread_lock=True)
+        stop.wait()
     finally:
-        bg.shutdown(drain=False, timeout=10)
+        if demo is not None:
+            demo.close()
+        bg.shutdown(drain=False, timeout=1)
         logging.getLogger("app").info("stopped")
+    # The page and the engine are stopped. Tearing down the interpreter's modules (torch, gradio) would
+    # take seconds more and release nothing the system does not: exit now, with what was logged flushed.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

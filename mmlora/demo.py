@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 
 import mmlora
+from mmlora.config import EngineConfig
+from mmlora.preflight import check_engine_config, exit_on_config_error
 
 ADAPTERS_DIR = Path(__file__).parent / "assets" / "adapters"
 QUESTIONS = [
@@ -33,7 +35,9 @@ def demo_adapters() -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, allow_abbrev=False)
+    parser = argparse.ArgumentParser(
+        description=__doc__, allow_abbrev=False, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--device", default="auto")
     parser.add_argument(
@@ -50,7 +54,8 @@ def main(argv: list[str] | None = None) -> None:
     names = (names * 5)[:5]
     # The seed's shape: 7 prompts, 5 adapters and the base model, more adapters than the 4 slots.
     plan = [names[0], names[1], None, *names[2:5], names[0]][:7]
-    engine = mmlora.Engine(
+    config = exit_on_config_error(
+        EngineConfig.from_kwargs,
         model=args.model,
         lora_paths=adapters,
         max_loras_per_batch=4,
@@ -58,6 +63,8 @@ def main(argv: list[str] | None = None) -> None:
         lora_backend=args.lora_backend,
         device=args.device,
     )
+    exit_on_config_error(check_engine_config, config)
+    engine = mmlora.Engine(config=config)
     prompts = [engine.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
     start = time.perf_counter()
     outs = engine.generate(

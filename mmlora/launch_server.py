@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from mmlora.config import ENGINE_SECTIONS, add_cli_args, engine_config_from_cli, from_cli_args
+from mmlora.preflight import check_engine_config, check_port, exit_on_config_error
 from mmlora.server.config import ServerConfig
 
 logger = logging.getLogger("mmlora.launch_server")
@@ -79,6 +80,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         else server_config.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    exit_on_config_error(check_engine_config, engine_config)  # before anything heavy is imported
+    exit_on_config_error(check_port, server_config.host, server_config.port)
     from mmlora import Engine
     from mmlora.engine.background import BackgroundEngine
     from mmlora.server.app import build_app

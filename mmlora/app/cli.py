@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from mmlora.config import ENGINE_SECTIONS, EngineConfig, add_cli_args, engine_config_from_cli
+from mmlora.preflight import check_engine_config, check_port, exit_on_config_error
 
 logger = logging.getLogger(__name__)
 
@@ -85,24 +86,39 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return engine_config_from_cli(args)
 
 
-def build_engine(args: argparse.Namespace) -> Any:
+def checked_engine_config(args: argparse.Namespace) -> EngineConfig:
+    """``engine_config(args)`` with every check that needs no weights, and the port if one is given.
+
+    A mistake exits with one line on stderr and status 2.
+    """
+    config = exit_on_config_error(engine_config, args)
+    exit_on_config_error(check_engine_config, config)
+    port = args.server_port or os.environ.get("GRADIO_SERVER_PORT")
+    if port:  # without one, Gradio looks for a free port itself
+        host = args.server_name or os.environ.get("GRADIO_SERVER_NAME") or "127.0.0.1"
+        exit_on_config_error(check_port, host, int(port), option="server_port")
+    return config
+
+
+def build_engine(args: argparse.Namespace, config: EngineConfig | None = None) -> Any:
     """Load the model and start its step loop on a background thread; returns the ``BackgroundEngine``."""
     from mmlora import Engine
     from mmlora.engine.background import BackgroundEngine
 
-    config = engine_config(args)
+    config = engine_config(args) if config is None else config
     logger.info("loading %s with %d adapter(s)…", config.model.model, len(config.lora.lora_paths))
     return BackgroundEngine(Engine(config=config), max_in_flight=args.max_in_flight, name="mmlora-app-engine")
 
 
 def launch(bg: Any, args: argparse.Namespace, **launch_kwargs: Any) -> Any:
-    """Build the page over ``bg`` and serve it (blocks unless ``prevent_thread_lock=True`` is passed)."""
+    """Build the page over ``bg`` and serve it (blocks unless ``prevent_thread_lock=True`` is passed).
+
+    Returns the page (``gradio.Blocks``); its ``close()`` stops serving."""
     from mmlora.app.controller import AppController
     from mmlora.app.ui import build_ui
 
     root = os.path.abspath(args.lora_root) if args.lora_root else None
     demo = build_ui(AppController(bg, lora_root=root))
     demo.queue(default_concurrency_limit=None)
-    return demo.launch(
-        share=args.share, server_name=args.server_name, server_port=args.server_port, **launch_kwargs
-    )
+    demo.launch(share=args.share, server_name=args.server_name, server_port=args.server_port, **launch_kwargs)
+    return demo

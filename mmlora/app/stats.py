@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -53,6 +54,9 @@ class StatsMonitor:
             stats = self.bg.run(lambda eng: eng.stats(), timeout=self.timeout_s)
         except concurrent.futures.TimeoutError:
             return last
+        # Accepted and not finished, wherever they are (queued for the engine thread, waiting, running):
+        # a sample taken between two steps can miss a short request in the running batch, this cannot.
+        stats["num_in_flight"] = self.bg.num_in_flight
         t = time.monotonic()
         with self._lock:
             prev = self._samples[-1] if self._samples else None
@@ -72,28 +76,56 @@ class StatsMonitor:
         with self._lock:
             return list(self._samples)
 
-    def frames(self, now: float | None = None) -> tuple[Any, Any]:
-        """Two pandas frames for the plots: tokens/s over time, and running/waiting over time.
+    def series(self, now: float | None = None) -> dict[str, tuple[list[float], list[float]]]:
+        """Per chart line: x (seconds before ``now``, negative) and y values.
 
-        Columns ``seconds`` (negative: seconds ago), ``value`` and ``series``.
+        Where sampling paused (no tab was polling, or the engine was too busy to answer) for longer than
+        ``GAP_INTERVALS`` sampling intervals, a NaN point breaks the line instead of drawing a straight
+        line across a time nobody measured.
+        """
+        now = time.monotonic() if now is None else now
+        samples = self.history()
+        out: dict[str, tuple[list[float], list[float]]] = {label: ([], []) for _, label in CHART_SERIES}
+        gap = GAP_INTERVALS * max(self.min_interval_s, 1.0)
+        prev_t = None
+        for sample in samples:
+            if prev_t is not None and sample.t - prev_t > gap:
+                for xs, ys in out.values():
+                    xs.append(round((prev_t + sample.t) / 2 - now, 2))
+                    ys.append(math.nan)
+            values = {
+                "tokens/s": sample.tokens_per_s,
+                **{label: sample.stats.get(k, 0) for k, label in _QUEUE_SERIES},
+            }
+            for name, (xs, ys) in out.items():
+                xs.append(round(sample.t - now, 2))
+                ys.append(float(values[name]))
+            prev_t = sample.t
+        return out
+
+    def frames(self, now: float | None = None) -> tuple[Any, Any]:
+        """Two pandas frames for the plots (tokens/s; requests in flight, running and waiting), or two
+        Nones before the first sample, so that an empty chart shows no axes at all.
+
+        Columns ``seconds`` (negative: seconds ago), ``value`` and ``series``; a NaN value marks a gap.
         """
         import pandas as pd
 
-        now = time.monotonic() if now is None else now
-        samples = self.history()
-        tps = pd.DataFrame(
-            {
-                "seconds": [round(s.t - now, 2) for s in samples],
-                "value": [round(s.tokens_per_s, 2) for s in samples],
-                "series": ["tokens/s"] * len(samples),
-            }
-        )
-        rows = [(round(s.t - now, 2), s.stats[k], label) for s in samples for k, label in _QUEUE_SERIES]
-        reqs = pd.DataFrame(rows, columns=["seconds", "value", "series"])
-        return tps, reqs
+        series = self.series(now)
+        if not series["tokens/s"][0]:
+            return None, None
+
+        def frame(names: list[str]) -> Any:
+            rows = [(x, y, name) for name in names for x, y in zip(*series[name])]
+            return pd.DataFrame(rows, columns=["seconds", "value", "series"])
+
+        return frame(["tokens/s"]), frame([label for _, label in _QUEUE_SERIES])
 
 
-_QUEUE_SERIES = (("num_running", "running"), ("num_waiting", "waiting"))
+# A pause in sampling longer than this many sampling intervals (of at least 1 s) breaks the chart lines.
+GAP_INTERVALS = 3.0
+_QUEUE_SERIES = (("num_in_flight", "in flight"), ("num_running", "running"), ("num_waiting", "waiting"))
+CHART_SERIES = (("tokens/s", "tokens/s"), *_QUEUE_SERIES)
 
 
 def summary_markdown(sample: StatsSample | None) -> str:
@@ -103,7 +135,8 @@ def summary_markdown(sample: StatsSample | None) -> str:
     s = sample.stats
     running = ", ".join(s.get("running_loras") or []) or "none"
     return (
-        f"**running** {s['num_running']} · **waiting** {s['num_waiting']} · "
+        f"**in flight** {s.get('num_in_flight', 0)} · **running** {s['num_running']} · "
+        f"**waiting** {s['num_waiting']} · "
         f"**tokens/s** {sample.tokens_per_s:.1f} · "
         f"**adapter slots** {s['slots_used']}/{s['max_loras']} (running adapters: {running}) · "
         f"**KV cache** {100 * s['kv_cache_usage']:.0f}% · "

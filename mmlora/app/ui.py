@@ -127,6 +127,8 @@ def _adapters_tab(c: AppController) -> dict[str, Any]:
         value=c.adapter_rows(),
         headers=ADAPTER_HEADERS,
         interactive=False,
+        wrap=True,  # adapter paths are long: wrapped in full, never cut
+        column_widths=["14%", "7%", "9%", "12%", "12%", "10%", "36%"],
         label="Registered adapters: device slots and host cache",
         elem_id="adapter-table",
     )
@@ -173,8 +175,12 @@ def build_ui(
         gr.Markdown("### Live stats")
         stats_md = gr.Markdown(summary_markdown(None), elem_id="stats")
         with gr.Row():
-            tps_plot = gr.LinePlot(x="seconds", y="value", color="series", title="tokens/s", height=200)
-            req_plot = gr.LinePlot(x="seconds", y="value", color="series", title="requests", height=200)
+            tps_plot = gr.LinePlot(
+                x="seconds", y="value", color="series", title="tokens/s", height=200, elem_id="tps-plot"
+            )
+            req_plot = gr.LinePlot(
+                x="seconds", y="value", color="series", title="requests", height=200, elem_id="req-plot"
+            )
         timer = gr.Timer(stats_interval_s)
         pickers = Pickers(chat["adapter"], cmp["adapters"], adm["manage"], gr.State(choices))
 

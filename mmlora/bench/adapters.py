@@ -16,7 +16,6 @@ CLI: ``python -m mmlora.bench adapters --preset mistral-7b-v0.3 --num 8 --ranks 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 from pathlib import Path
@@ -24,6 +23,7 @@ from typing import Any
 
 import torch
 
+from mmlora.bench.cli import make_parser, progress
 from mmlora.models.arch_config import ArchConfig
 from mmlora.models.registry import model_class_for
 
@@ -123,7 +123,7 @@ def write_random_adapters(
     root.mkdir(parents=True, exist_ok=True)
     made: dict[tuple[int, int], Path] = {}
     result = []
-    for k in range(num):
+    for k in progress(range(num), "adapters"):
         rank = ranks[k % len(ranks)]
         name = f"{prefix}{k:04d}"
         folder = root / name
@@ -157,7 +157,7 @@ def write_random_adapters(
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    p = argparse.ArgumentParser(prog="python -m mmlora.bench adapters", description=__doc__.split("\n\n")[0])
+    p = make_parser("python -m mmlora.bench adapters", __doc__.split("\n\n")[0])
     p.add_argument("--preset", required=True, help="preset name, e.g. mistral-7b-v0.3 or tiny-llama")
     p.add_argument("--num", type=int, default=8)
     p.add_argument("--ranks", type=int, nargs="+", default=[16])

@@ -11,7 +11,6 @@ the time.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import platform
@@ -20,6 +19,7 @@ from datetime import datetime, timezone
 
 import torch
 
+from mmlora.bench.cli import make_parser, progress
 from mmlora.forward.attention import AttentionMetadata
 from mmlora.layers.attention.triton_backend import TritonAttention, auto_num_kv_splits
 
@@ -83,7 +83,7 @@ def bench_decode(
     device = torch.device("cuda")
     hq, hkv, d, page, dtype = 32, 8, 128, 16, torch.bfloat16
     rows = []
-    for batch in batches:
+    for batch in progress(batches, "decode batches"):
         for context in contexts:
             inputs = _decode_inputs(batch, context, hq, hkv, d, page, dtype, device)
             kv_bytes = 2 * batch * context * hkv * d * inputs[3].element_size()
@@ -141,7 +141,7 @@ def bench_prefill(shapes: list[tuple[int, int, int]], iters: int = 20) -> list[d
     device = torch.device("cuda")
     hq, hkv, d, page, dtype = 32, 8, 128, 16, torch.bfloat16
     rows = []
-    for num_seqs, context, chunk in shapes:
+    for num_seqs, context, chunk in progress(shapes, "prefill shapes"):
         inputs = _prefill_inputs(num_seqs, context, chunk, hq, hkv, d, page, dtype, device)
         pairs = num_seqs * (chunk * context + chunk * (chunk + 1) // 2)
         flops = 4 * pairs * hq * d
@@ -156,7 +156,7 @@ def bench_prefill(shapes: list[tuple[int, int, int]], iters: int = 20) -> list[d
 
 def main(argv: list[str] | None = None) -> dict:
     """Parse ``argv``, run the decode timings, write JSON to ``--out`` and return it."""
-    parser = argparse.ArgumentParser(prog="python -m mmlora.bench.attention", description=__doc__)
+    parser = make_parser("python -m mmlora.bench attention", __doc__)
     parser.add_argument("--out", required=True, help="path of the JSON report")
     parser.add_argument("--batches", type=int, nargs="+", default=[32, 128])
     parser.add_argument("--contexts", type=int, nargs="+", default=[768, 4096])

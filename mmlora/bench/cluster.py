@@ -19,15 +19,13 @@ from typing import Any
 
 import numpy as np
 
+from mmlora.bench.cli import make_parser
+
 TARGETS = {"fewer_loads": 5.0, "throughput": 1.3}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m mmlora.bench cluster",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+    p = make_parser("python -m mmlora.bench cluster", __doc__.split("\n\n")[0])
     p.add_argument("--model", default="dummy:smollm2-135m", help="Model of every replica.")
     p.add_argument("--num-replicas", type=int, default=4)
     p.add_argument("--num-adapters", type=int, default=64)

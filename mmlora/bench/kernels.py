@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from mmlora.bench.cli import make_parser, progress, target_mark
+
 logger = logging.getLogger(__name__)
 
 PROJECTIONS = {  # name -> (in_features, slice widths)
@@ -209,7 +211,7 @@ def run(args: argparse.Namespace, device: torch.device) -> dict:
     copy_gbps = _copy_bandwidth(device)
     logger.info("device-to-device copy: %.0f GB/s", copy_gbps)
     results, gemm_cache = [], {}
-    for proj, (in_f, widths) in projections.items():
+    for proj, (in_f, widths) in progress(projections.items(), "projections", total=len(projections)):
         for phase, points in (("decode", decode_t), ("prefill", prefill_t)):
             for T in points:
                 key = (proj, T)
@@ -358,8 +360,7 @@ def _plot(data: dict, path: Path) -> bool:
 
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else list(argv)
-    p = argparse.ArgumentParser(prog="python -m mmlora.bench kernels", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = make_parser("python -m mmlora.bench kernels", __doc__)
     p.add_argument(
         "--out", type=Path, default=Path("artifacts/bench-kernels"), help="folder for JSON and PNG"
     )
@@ -408,8 +409,29 @@ def _table(data: dict) -> str:
         cells = "".join(f"{row[b]['time_us']:15.1f}" if b in row else f"{'-':>15}" for b in BACKENDS)
         bw = f"{100 * row['triton-bgmv']['bw_frac']:9.0f}%" if "triton-bgmv" in row else f"{'-':>10}"
         lines.append(f"{proj:8}{phase:8}{T:6d}{rank:4d} {pop:10}{any_r['gemm_us']:9.1f}{cells}{bw}")
-    lines.append("summary: " + json.dumps(data["summary"]))
+    summary = data["summary"]
+    bw, ratio = (
+        summary["bgmv_decode_distinct_T>=32_min_bw_frac"],
+        summary["sgmv_prefill_rank16_max_lora_over_gemm"],
+    )
+    bw_target, ratio_target = (
+        summary["bgmv_decode_distinct_T>=32_target"],
+        summary["sgmv_prefill_rank16_target"],
+    )
+    lines.append(
+        f"BGMV decode, distinct adapters, T>=32: min {_fmt(bw)} of copy bandwidth "
+        f"(target >= {bw_target}: {target_mark(bw, bw_target)})"
+    )
+    lines.append(
+        f"SGMV prefill, rank 16: max {_fmt(ratio)} of the base GEMM "
+        f"(target <= {ratio_target}: {target_mark(ratio, ratio_target, at_least=False)})"
+    )
+    lines.append("summary: " + json.dumps(summary))
     return "\n".join(lines)
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from mmlora.bench.adapters import write_random_adapters
+from mmlora.bench.cli import check_engine_options, make_parser, progress
 from mmlora.bench.serving_parts import (
     StepRecorder,
     abort_all,
@@ -98,7 +99,7 @@ def _by_family(kernels: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m mmlora.bench profile", description=__doc__.split("\n\n")[0])
+    p = make_parser("python -m mmlora.bench profile", __doc__.split("\n\n")[0])
     p.add_argument("--model", default="dummy:mistral-7b-v0.3")
     p.add_argument("--batch", type=int, nargs="+", default=[32, 128])
     p.add_argument("--context", type=int, default=768)
@@ -112,6 +113,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if any(b < 1 for b in args.batch) or args.context < 2 or args.rank < 1 or args.steps < 1:
         raise ValueError("--batch and --rank must be >= 1, --context >= 2, --steps >= 1")
+    check_engine_options(
+        model=args.model, lora_backend=args.lora_backend, attention_backend=args.attention_backend
+    )
     return args
 
 
@@ -146,7 +150,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for a in adapters:
             engine.load_lora(a["name"], a["path"])
         configs = []
-        for bsz in args.batch:
+        for bsz in progress(args.batch, "batch sizes"):
             for with_lora in (True, False):
                 names = [a["name"] for a in adapters[:bsz]] if with_lora else [None] * bsz
                 rids = start_decode_batch(engine, names, args.context, rng)

@@ -36,6 +36,7 @@ import torch
 
 from mmlora.bench.adapters import write_random_adapters
 from mmlora.bench.breakdown import StepBreakdown, format_summary
+from mmlora.bench.cli import check_engine_options, make_parser, progress
 from mmlora.bench.serving_parts import (
     StepRecorder,
     abort_all,
@@ -54,7 +55,7 @@ logger = logging.getLogger(__name__)
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m mmlora.bench serving", description=__doc__.split("\n\n")[0])
+    p = make_parser("python -m mmlora.bench serving", __doc__.split("\n\n")[0])
     p.add_argument("--model", default="dummy:mistral-7b-v0.3")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", help="auto: bfloat16 on CUDA, float32 on CPU")
@@ -125,6 +126,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         raise ValueError("--num-adapters, --ranks and --rank-mixes: must be >= 1")
     if args.input_len[1] + args.output_len[1] > args.max_model_len:
         raise ValueError("--max-model-len: must cover the longest input + output")
+    check_engine_options(
+        model=args.model, device=args.device, dtype=args.dtype, lora_backend=args.lora_backend
+    )
     return args
 
 
@@ -307,7 +311,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     points = [(_mix_label(args.mixes[0]), 0)] + [
         (_mix_label(m), n) for m in args.mixes for n in args.num_adapters
     ]
-    for label, n in points:  # base-only first: every ratio needs it
+    for label, n in progress(points, "workloads"):  # base-only first: every ratio needs it
         if args.time_budget and n and time.perf_counter() - t_start > 0.6 * args.time_budget:
             skipped.append(n)  # leave time for the decode-step microbench and HF + PEFT
             print(f"skipping n={n}: past 60% of --time-budget {args.time_budget:.0f} s", flush=True)

@@ -24,6 +24,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from mmlora.bench.cli import make_parser
+
 CHURN = "soak-churn"
 
 
@@ -201,11 +203,7 @@ def run_soak(
 
 
 def main(argv: list[str] | None = None) -> SoakReport:
-    p = argparse.ArgumentParser(
-        prog="python -m mmlora.bench soak",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+    p = make_parser("python -m mmlora.bench soak", __doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2")
     p.add_argument("--lora-root", default="mmlora/assets/adapters", help="folder of PEFT adapters to serve")
     p.add_argument("--duration", type=float, default=300.0, help="seconds after the warm-up round")

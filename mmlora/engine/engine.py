@@ -27,6 +27,7 @@ from mmlora.hub import hub_root, resolve_adapter
 from mmlora.lora.manager import AdapterRef
 from mmlora.lora.registry import AdapterEntry
 from mmlora.multimodal.prompt import text_prompt_ids
+from mmlora.preflight import check_engine_config
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +40,7 @@ class Engine:
             config = EngineConfig.from_kwargs(**kwargs)
         elif kwargs:
             config = config.replace(**kwargs)
+        check_engine_config(config)  # every mistake that needs no weights, before any is read
         self.config = config
         parts = build_engine_parts(config)
         self.device = parts.device

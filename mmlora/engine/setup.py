@@ -66,6 +66,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     source = resolve_model_source(mc)
     tokenizer_path = resolve_tokenizer(mc)
     lora_config = resolve_lora_config(config.lora, mc.download_dir)
+    logger.info("loading %s ...", source.name)
     hf_config = load_config(source)
     cls = model_class_for(hf_config)
     dtype = resolve_dtype(mc.dtype, device, hf_config)

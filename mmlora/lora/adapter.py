@@ -114,11 +114,8 @@ def load_adapter(
     def fail(problem: str) -> AdapterError:
         return AdapterError(f"LoRA adapter {where!r}: {problem}")
 
-    if not folder.is_dir():
-        raise fail("no such adapter folder" if not folder.exists() else "is not a folder")
-    config = _read_config(folder / CONFIG_NAME, fail)
-    _check_config(config, fail)
-    tensors = _read_tensors(folder, allow_pickled, fail)
+    config = check_adapter_config(path, allow_pickled=allow_pickled)
+    tensors = _read_tensors(folder, fail)
     if not tensors:
         raise fail("the weights file holds no tensors")
 
@@ -147,6 +144,28 @@ def load_adapter(
         config=config,
         nbytes=nbytes,
     )
+
+
+def check_adapter_config(path: str | os.PathLike, *, allow_pickled: bool = False) -> dict:
+    """The checks of :func:`load_adapter` that need no tensor: folder, files and config; returns the config."""
+    folder, where = Path(path), str(path)
+
+    def fail(problem: str) -> AdapterError:
+        return AdapterError(f"LoRA adapter {where!r}: {problem}")
+
+    if not folder.is_dir():
+        raise fail("no such adapter folder" if not folder.exists() else "is not a folder")
+    config = _read_config(folder / CONFIG_NAME, fail)
+    _check_config(config, fail)
+    if not (folder / SAFETENSORS_NAME).is_file():
+        if not (folder / PICKLE_NAME).is_file():
+            raise fail(f"missing weights file: neither {SAFETENSORS_NAME} nor {PICKLE_NAME} is present")
+        if not allow_pickled:
+            raise fail(
+                f"pickled adapters ({PICKLE_NAME}) are refused because unpickling can run code; opt in with "
+                f"allow_pickled_adapters=True / --allow-pickled-adapters, or convert it to {SAFETENSORS_NAME}"
+            )
+    return config
 
 
 # Exponent bits of half-precision floats: all ones means Inf or NaN. Checking them on an int16 view is
@@ -276,27 +295,21 @@ def _check_config(config: dict, fail) -> None:
         raise fail("config field layers_pattern is set but layers_to_transform is not")
 
 
-def _read_tensors(folder: Path, allow_pickled: bool, fail) -> dict[str, Any]:
+def _read_tensors(folder: Path, fail) -> dict[str, Any]:
+    """The weights file that ``check_adapter_config`` found and allowed: safetensors, else the pickle."""
     st_file, bin_file = folder / SAFETENSORS_NAME, folder / PICKLE_NAME
     if st_file.is_file():
         try:
             return load_file(str(st_file), device="cpu")
         except (SafetensorError, OSError, ValueError, RuntimeError) as e:
             raise fail(f"corrupt {SAFETENSORS_NAME}: {e}") from e
-    if bin_file.is_file():
-        if not allow_pickled:
-            raise fail(
-                f"pickled adapters ({PICKLE_NAME}) are refused because unpickling can run code; opt in with "
-                f"allow_pickled_adapters=True / --allow-pickled-adapters, or convert it to {SAFETENSORS_NAME}"
-            )
-        try:
-            state = torch.load(str(bin_file), weights_only=True, map_location="cpu")
-        except Exception as e:  # any unpickling failure means the file is unusable
-            raise fail(f"corrupt {PICKLE_NAME}: {type(e).__name__}: {e}") from e
-        if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
-            raise fail(f"corrupt {PICKLE_NAME}: expected a dict of named tensors")
-        return state
-    raise fail(f"missing weights file: neither {SAFETENSORS_NAME} nor {PICKLE_NAME} is present")
+    try:
+        state = torch.load(str(bin_file), weights_only=True, map_location="cpu")
+    except Exception as e:  # any unpickling failure means the file is unusable
+        raise fail(f"corrupt {PICKLE_NAME}: {type(e).__name__}: {e}") from e
+    if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
+        raise fail(f"corrupt {PICKLE_NAME}: expected a dict of named tensors")
+    return state
 
 
 def _parse_keys(tensors: dict[str, Any], spec: LoRAModelSpec, fail) -> dict[str, tuple]:

@@ -9,7 +9,17 @@ from __future__ import annotations
 
 import itertools
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
+
+
+def folder_name_match(key: str, names_and_paths: Iterable[tuple[str, str]]) -> str | None:
+    """The name of the one adapter registered by bare path (its name is its path, as in SGLang) whose
+    folder is called ``key``; None when there is none, or more than one."""
+    if not key or "/" in key or os.sep in key:
+        return None
+    hits = [n for n, p in names_and_paths if n == p and os.path.basename(os.path.normpath(p)) == key]
+    return hits[0] if len(hits) == 1 else None
 
 
 class UnknownAdapterError(LookupError, ValueError):
@@ -70,7 +80,8 @@ class AdapterRegistry:
         for e in self._by_name.values():
             if os.path.realpath(e.path) == real:
                 return e
-        return None
+        alias = folder_name_match(name_or_path, ((e.name, e.path) for e in self._by_name.values()))
+        return self._by_name.get(alias) if alias is not None else None
 
     def acquire(self, entry: AdapterEntry) -> None:
         if entry.unloading:

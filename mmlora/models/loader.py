@@ -75,7 +75,7 @@ def load_config(source: ModelSource) -> Any:
     if source.kind == "dummy":
         return preset_config(source.path)
     if source.kind == "gguf":
-        return AutoConfig.from_pretrained(source.folder, gguf_file=os.path.basename(source.path))
+        return _from_gguf(AutoConfig, source.path)
     return AutoConfig.from_pretrained(source.path)
 
 
@@ -85,12 +85,10 @@ def load_tokenizer(source: ModelSource, tokenizer: str | None) -> Any | None:
 
     if tokenizer:
         if tokenizer.endswith(".gguf"):
-            return AutoTokenizer.from_pretrained(
-                os.path.dirname(tokenizer), gguf_file=os.path.basename(tokenizer)
-            )
+            return _from_gguf(AutoTokenizer, tokenizer)
         return AutoTokenizer.from_pretrained(tokenizer)
     if source.kind == "gguf":
-        return AutoTokenizer.from_pretrained(source.folder, gguf_file=os.path.basename(source.path))
+        return _from_gguf(AutoTokenizer, source.path)
     if source.kind == "hf":
         return AutoTokenizer.from_pretrained(source.path)
     try:
@@ -98,13 +96,23 @@ def load_tokenizer(source: ModelSource, tokenizer: str | None) -> Any | None:
     except ValueError:
         logger.warning("dummy model without a tokenizer: requests must give input_ids")
         return None
-    return AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    return _from_gguf(AutoTokenizer, path)
+
+
+def _from_gguf(auto_class: Any, path: str) -> Any:
+    """``auto_class.from_pretrained`` of a GGUF file, its metadata parsed once for config and tokenizer."""
+    from mmlora.models.gguf import shared_parse
+
+    with shared_parse():
+        return auto_class.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
 
 
 def iter_weights(source: ModelSource, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """HF-named CPU tensors of a checkpoint folder (single or sharded safetensors) or a GGUF file."""
     if source.kind == "gguf":
-        yield from _iter_gguf(source.path, hf_config)
+        from mmlora.models.gguf import iter_gguf_weights
+
+        yield from iter_gguf_weights(source.path, hf_config)
         return
     folder = Path(source.path)
     index = folder / "model.safetensors.index.json"
@@ -122,14 +130,3 @@ def iter_weights(source: ModelSource, hf_config: Any) -> Iterator[tuple[str, tor
         with safe_open(str(folder / fname), framework="pt", device="cpu") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
                 yield key, f.get_tensor(key)
-
-
-def _iter_gguf(path: str, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """Dequantize through transformers' GGUF reader, which maps GGUF names onto HF names."""
-    from transformers import AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    with torch.device("meta"):
-        hf_model = AutoModelForCausalLM.from_config(hf_config)
-    parsed = load_gguf_checkpoint(path, return_tensors=True, model_to_load=hf_model)
-    yield from parsed["tensors"].items()

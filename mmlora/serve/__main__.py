@@ -15,6 +15,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from mmlora.serve.app import build_application, parse_args
 
     engine, server, cluster = parse_args(argv)
+    from mmlora.preflight import check_engine_config, exit_on_config_error
+
+    exit_on_config_error(check_engine_config, engine)  # before Ray starts replicas that load weights
     logging.basicConfig(
         level=server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

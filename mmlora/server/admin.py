@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import uuid
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -20,7 +21,7 @@ from mmlora.engine.sampling_params import SamplingParams
 from mmlora.hub import HubError, parse_hub_ref, resolve_adapter
 from mmlora.lora.paths import AdapterFolderMissing, AdapterPathError, confine_adapter_path
 from mmlora.server.errors import APIError, to_api_error
-from mmlora.server.metrics import CONTENT_TYPE
+from mmlora.server.metrics import CONTENT_TYPE, HEALTH_REQUEST_PREFIX
 from mmlora.server.schemas import LoadLoRARequest, UnloadLoRARequest
 from mmlora.server.state import ServerState
 
@@ -145,6 +146,7 @@ async def _health(request: Request) -> Response:
     try:
         handle = await state.bg.submit_async(
             input_ids=[_probe_token(state)],
+            request_id=f"{HEALTH_REQUEST_PREFIX}{uuid.uuid4().hex}",
             sampling_params=SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True),
         )
         out = await asyncio.wait_for(handle.result_async(), state.config.health_timeout)

@@ -20,6 +20,9 @@ from mmlora.engine.sampling_params import RequestOutput
 from mmlora.server.residency import ResidencyCollector, residency_snapshot
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# Request ids of /health's one-token probes: they are not requests of any client, so they are left out
+# of every metric (vLLM does not count its health checks either).
+HEALTH_REQUEST_PREFIX = "mmlora-health-"
 
 # Latency buckets (seconds), SGLang's; TTFT and inter-token latency share their tail from 0.5 s to 80 s.
 _LATENCY_TAIL = (0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -147,11 +150,17 @@ class ServerMetrics:
         self._residency = ResidencyCollector(model_name, max_adapter_labels)
         self.registry.register(self._residency)  # type: ignore[arg-type]
         self._last: dict[str, float] = {}  # request id -> time of its previous token (engine thread only)
+        # Tokens of health probes, taken off the engine's counters (engine thread only).
+        self._probe_tokens = {"prompt_tokens_total": 0, "generation_tokens_total": 0}
+        self._probes_prefilled: set[str] = set()
         bg.add_listener(self.observe)
 
     def observe(self, out: RequestOutput, now: float) -> None:
         """Engine-thread listener: latency histograms from the stream of outputs."""
         rid, m = out.request_id, self.model_name
+        if rid.startswith(HEALTH_REQUEST_PREFIX):
+            self._leave_out_probe(out)
+            return
         new_tokens = len(out.delta_ids)
         if new_tokens:
             last = self._last.get(rid)
@@ -173,8 +182,24 @@ class ServerMetrics:
                 self.e2e.labels(m).observe(max(0.0, (out.finish_time or now) - out.arrival_time))
             self.success.labels(m, out.finish_reason).inc()
 
+    def _leave_out_probe(self, out: RequestOutput) -> None:
+        """A probe's first token means its prompt was prefilled (and so counted by the engine)."""
+        if out.delta_ids:
+            if out.request_id not in self._probes_prefilled:
+                self._probes_prefilled.add(out.request_id)
+                self._probe_tokens["prompt_tokens_total"] += out.prompt_tokens
+            self._probe_tokens["generation_tokens_total"] += len(out.delta_ids)
+        if out.finished:
+            self._probes_prefilled.discard(out.request_id)
+
+    def _client_stats(self, engine: Any) -> dict[str, Any]:
+        stats = dict(engine.stats())
+        for key, probe_tokens in self._probe_tokens.items():
+            stats[key] = stats.get(key, 0) - probe_tokens
+        return stats
+
     async def render(self) -> bytes:
         self._engine.stats, self._residency.snapshot = await self.bg.run_async(
-            lambda eng: (dict(eng.stats()), residency_snapshot(eng))
+            lambda eng: (self._client_stats(eng), residency_snapshot(eng))
         )
         return generate_latest(self.registry)

@@ -250,3 +250,23 @@ def test_stop_aborts_the_streams_of_this_tab(browser: Any, app: LiveApp) -> None
         tokens = int(info.inner_text().split(" · ")[1].split()[0])
         assert info.inner_text().startswith(name) and 0 < tokens < 400
         assert page.locator(f"#compare-out-{i} textarea").input_value()  # what was generated stays
+
+
+def test_live_stats_show_running_work_and_the_table_full_paths(
+    browser: Any, app: LiveApp, tiny_app: Any
+) -> None:
+    import re
+
+    page = open_page(browser, app)
+    _set_number(page, "max-new-tokens", MAX_NEW_TOKENS)
+    page.locator("#chat-input textarea").fill("Tell me about")
+    page.locator("#chat-send").click()
+    sync_api.expect(page.locator("#stats")).to_contain_text(re.compile(r"in flight\s*[1-9]"), timeout=15_000)
+    page.screenshot(path=str(artifacts_dir() / "app_stats_running.png"), full_page=True)
+    deadline = time.monotonic() + 90
+    while not _finished(page.locator("#chat-info")):
+        assert time.monotonic() < deadline, "the chat did not finish within 90 s"
+        page.wait_for_timeout(100)
+    page.get_by_role("tab", name="Adapters").click()
+    sync_api.expect(page.locator("#adapter-table")).to_contain_text(str(tiny_app.adapters["alpha"]))
+    page.screenshot(path=str(artifacts_dir() / "app_adapter_paths.png"), full_page=True)

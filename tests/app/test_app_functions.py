@@ -3,6 +3,7 @@ PEFT greedy decoding), abort by session, adapter admin with a confined root, liv
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from pathlib import Path
@@ -14,7 +15,7 @@ from tiny_models import hf_peft_greedy
 
 from mmlora.app import BASE, MAX_COMPARE, AppController, StatsMonitor, StreamView, make_sampling
 from mmlora.app.controller import message_text
-from mmlora.app.stats import summary_markdown
+from mmlora.app.stats import StatsSample, summary_markdown
 from mmlora.engine.sampling_params import RequestOutput, SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
@@ -245,15 +246,42 @@ def test_stats_monitor_counts_tokens_and_rate_limits(ctl: AppController, bg: Any
     slow = StatsMonitor(bg, min_interval_s=60.0)
     a = slow.poll()
     assert slow.poll() is a  # within the interval: the same sample, no engine round trip
-    tps, reqs = monitor.frames(now=second.t)
-    assert list(tps.columns) == ["seconds", "value", "series"] and len(tps) == 2
-    assert tps["seconds"].iloc[-1] == 0 and tps["value"].iloc[-1] == pytest.approx(
-        second.tokens_per_s, abs=0.01
-    )
-    assert set(reqs["series"]) == {"running", "waiting"} and len(reqs) == 4
+    series = monitor.series(now=second.t)
+    assert set(series) == {"tokens/s", "in flight", "running", "waiting"}
+    xs, ys = series["tokens/s"]
+    assert xs[-1] == 0 and ys[-1] == pytest.approx(second.tokens_per_s, abs=0.01)
+    assert all(len(v[0]) == 2 and not any(math.isnan(y) for y in v[1]) for v in series.values())
     text = summary_markdown(second)
-    assert "**running** 0" in text and "**adapter slots**" in text and "/3" in text
+    assert "**in flight** 0 · **running** 0" in text and "**adapter slots**" in text and "/3" in text
     assert "waiting for the engine" in summary_markdown(None)
+
+
+def test_stats_chart_breaks_its_lines_at_gaps_and_shows_no_empty_axes(bg: Any) -> None:
+    monitor = StatsMonitor(bg, min_interval_s=0.0)
+    assert monitor.frames() == (None, None)  # no samples: no chart axes, not an empty "0.000000" axis
+    start = monitor.poll(now=0.0).t
+    monitor.poll(now=start + 0.1)
+    with monitor._lock:  # a sample long after the others, as after a time with no tab open
+        last = monitor._samples[-1]
+        monitor._samples.append(StatsSample(last.t + 30.0, dict(last.stats), 0.0))
+    xs, ys = monitor.series(now=last.t + 30.0)["running"]
+    assert len(xs) == 4 and math.isnan(ys[2]) and xs[1] < xs[2] < xs[3]
+    _, reqs = monitor.frames(now=last.t + 30.0)
+    running = reqs[reqs["series"] == "running"]
+    assert list(running["seconds"]) == xs and running["value"].isna().tolist() == [False, False, True, False]
+    assert set(reqs["series"]) == {"in flight", "running", "waiting"}
+
+
+def test_in_flight_counts_a_request_while_it_runs(bg: Any) -> None:
+    monitor = StatsMonitor(bg, min_interval_s=0.0)
+    handle = bg.submit("Hello", sampling_params=SamplingParams(max_new_tokens=400, ignore_eos=True))
+    assert monitor.poll().stats["num_in_flight"] >= 1  # accepted, not finished: counted wherever it is
+    handle.abort()
+    handle.result(timeout=60)
+    deadline = time.monotonic() + 30
+    while monitor.poll().stats["num_in_flight"]:
+        assert time.monotonic() < deadline, "the aborted request stayed in flight"
+        time.sleep(0.05)
 
 
 # ---- command line ----------------------------------------------------------------------------------

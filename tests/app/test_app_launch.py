@@ -57,3 +57,4 @@ def test_app_py_serves_on_the_gradio_env_port_and_stops_on_sigterm(tiny_app: Any
             proc.communicate(timeout=30)
     assert proc.returncode == 0, out
     assert "loading " in out and "with 1 adapter(s)" in out and "app: stopped" in out, out
+    assert "Traceback" not in out and "Keyboard interruption" not in out, out

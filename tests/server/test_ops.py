@@ -121,3 +121,43 @@ def test_http_client_sees_sse_framing(server):
     raw = conn.getresponse().read().decode()
     events = [e for e in raw.split("\n\n") if e]
     assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
+
+
+def _client_counts(url: str) -> dict[str, float]:
+    m = metrics(url)
+    success = sum(s.value for s in m.get("vllm:request_success", []) if s.name.endswith("_total"))
+    tokens = {
+        name: next(s.value for s in m[name] if s.name.endswith("_total"))
+        for name in ("vllm:prompt_tokens", "vllm:generation_tokens")
+    }
+    return {"vllm:request_success": success, **tokens}
+
+
+def test_health_is_not_counted_as_a_request(server):
+    requests.post(server.url + "/generate", json={"text": "a", "sampling_params": {"max_new_tokens": 2}})
+    wait_until(lambda: idle(server))
+    before = _client_counts(server.url)
+    for _ in range(3):
+        assert requests.get(server.url + "/health", timeout=30).status_code == 200
+    wait_until(lambda: idle(server))
+    assert _client_counts(server.url) == before
+    requests.post(server.url + "/generate", json={"text": "a", "sampling_params": {"max_new_tokens": 2}})
+    after = _client_counts(server.url)  # a client's request still counts
+    assert after["vllm:request_success"] == before["vllm:request_success"] + 1
+    assert after["vllm:generation_tokens"] == before["vllm:generation_tokens"] + 2
+
+
+def test_a_bare_path_adapter_answers_to_its_folder_name(server, tiny):
+    import shutil
+
+    folder = tiny.root / "bare" / "solo_adapter"
+    shutil.copytree(tiny.adapters["a1"], folder)
+    body = {"text": "Hello", "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
+    by_path = requests.post(server.url + "/generate", json={**body, "lora_path": str(folder)}, timeout=60)
+    assert by_path.status_code == 200, by_path.text
+    by_name = requests.post(server.url + "/generate", json={**body, "lora_path": "solo_adapter"}, timeout=60)
+    assert by_name.status_code == 200 and by_name.json()["text"] == by_path.json()["text"]
+    chat = {"model": "solo_adapter", "prompt": "Hello", "max_tokens": 4, "temperature": 0}
+    assert requests.post(server.url + "/v1/completions", json=chat, timeout=60).status_code == 200
+    missing = requests.post(server.url + "/v1/completions", json={**chat, "model": "nope"}, timeout=60)
+    assert missing.status_code == 404 and "solo_adapter" in missing.json()["error"]["message"]
