@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Serving benchmarks run through the device tool (one H200, bf16, dummy weights), each under a time limit.
-# Usage: bash benchmarks/h200_serving.sh OUT_DIR mistral|rows|sweep
+# Usage: bash benchmarks/h200_serving.sh OUT_DIR mistral|rows|sweep|prefix
 # --lora-backend triton-bgmv is what the bench's "auto" meant when the committed figures were measured
 # (2026-11-30, session 2); "auto" now leaves the choice to the engine: triton-auto (SGMV prefill) on CUDA.
 set -u
 out=${1:?output folder}
-what=${2:?mistral, rows or sweep}
+what=${2:?mistral, rows, sweep or prefix}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 if [ "$what" = mistral ]; then
@@ -15,6 +15,12 @@ if [ "$what" = mistral ]; then
     --lora-backend triton-bgmv \
     --num-requests 192 --time-budget 420 --out "$out/mistral" > "$out/mistral.log" 2>&1
   echo "mistral rc=$?"
+elif [ "$what" = prefix ]; then
+  # The prefix cache on against off, Mistral-7B, 32 adapters: each adapter's own 1024-token system prompt
+  # with 64-token turns and 128 tokens out; then the standard no-sharing workload, on and off.
+  timeout 580 python -m mmlora.bench serving --workload shared-prefix --model dummy:mistral-7b-v0.3 \
+    --num-adapters 32 --num-requests 256 --out "$out/prefix" > "$out/prefix.log" 2>&1
+  echo "prefix rc=$?"
 elif [ "$what" = sweep ]; then
   # The Mistral-7B sweep alone (no decode-step microbenchmark, no HF + PEFT): base-only, 8 / 32 / 128 / 1000.
   timeout 250 python -m mmlora.bench serving --model dummy:mistral-7b-v0.3 --num-adapters 8 32 128 1000 \

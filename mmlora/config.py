@@ -68,7 +68,11 @@ class CacheConfig:
     max_kv_tokens: int | None = _f(
         None, "Cap on KV-cache tokens (pages x block size); on CPU the default is 32768."
     )
-    disable_radix: bool = _f(True, "Accepted for SGLang compatibility; prefix caching is not enabled yet.")
+    disable_radix: bool = _f(
+        False,
+        "Turn the prefix cache off (KV pages reused across requests with the same adapter and prefix).",
+        negated_aliases=["--enable-prefix-caching"],
+    )
 
 
 @dataclass(frozen=True)
@@ -252,6 +256,10 @@ def add_cli_args(parser: argparse.ArgumentParser, *classes: type) -> None:
             kwargs: dict[str, Any] = {"dest": f.name, "help": f.metadata.get("help", ""), "default": default}
             if tp is bool:
                 kwargs["action"] = argparse.BooleanOptionalAction
+                for alias in f.metadata.get("negated_aliases", []):  # another spelling of the opposite
+                    opposite = dict(dest=f.name, default=argparse.SUPPRESS, help=f"inverse of {flags[0]}")
+                    group.add_argument(alias, action="store_false", **opposite)
+                    group.add_argument(f"--no-{alias[2:]}", action="store_true", **opposite)
             elif get_origin(tp) is list:
                 kwargs["nargs"] = f.metadata.get("nargs", "*")
                 kwargs["type"] = get_args(tp)[0]

@@ -141,4 +141,17 @@ def summary_markdown(sample: StatsSample | None) -> str:
         f"**adapter slots** {s['slots_used']}/{s['max_loras']} (running adapters: {running}) · "
         f"**KV cache** {100 * s['kv_cache_usage']:.0f}% · "
         f"**generated** {s['generation_tokens_total']} tokens · **preemptions** {s['num_preemptions_total']}"
+        f"  \n{prefix_cache_line(s)}"
+    )
+
+
+def prefix_cache_line(s: dict) -> str:
+    """The prefix cache: on or off, its hit rate over prompt tokens, and the pages it holds."""
+    if not s.get("prefix_cache_enabled"):
+        return "**prefix cache** off"
+    queries, hits = s.get("prefix_cache_queries_total", 0), s.get("prefix_cache_hits_total", 0)
+    rate = f"{100 * hits / queries:.0f}%" if queries else "n/a"
+    return (
+        f"**prefix cache** hit rate {rate} ({hits}/{queries} prompt tokens) · "
+        f"{s.get('prefix_cache_pages', 0)} pages cached"
     )

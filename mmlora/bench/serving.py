@@ -4,7 +4,8 @@ For each number of adapters n (``--num-adapters 1 8 32 128 1000``) one workload 
 ``Engine`` (requests of random token ids, adapters drawn uniform / Zipf / distinct from the first n,
 arrivals Poisson at ``--rate`` or all at once, input and output lengths uniform in their ranges, greedy,
 ignore_eos); then the same workload without adapters (base only: the LoRA layers skip, and decode
-replays the no-LoRA CUDA graphs). Reported per run: requests/s, output tokens/s, TTFT and TPOT p50/p99,
+replays the no-LoRA CUDA graphs). ``--workload shared-prefix`` runs the prefix cache on against off instead
+(mmlora.bench.serving_prefix). Reported per run: requests/s, output tokens/s, TTFT and TPOT p50/p99,
 and the roofline floor of the decode steps it ran: sum over steps of (weight bytes + KV bytes read +
 bytes of the distinct adapters in the step) / copy bandwidth, with the bandwidth measured in this run.
 
@@ -25,7 +26,6 @@ import argparse
 import gc
 import json
 import logging
-import platform
 import tempfile
 import time
 from pathlib import Path
@@ -45,6 +45,7 @@ from mmlora.bench.serving_parts import (
     make_workload,
     mmlora_subset,
     plot,
+    result_header,
     run_workload,
     start_decode_batch,
     time_graph_replay,
@@ -56,6 +57,20 @@ logger = logging.getLogger(__name__)
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = make_parser("python -m mmlora.bench serving", __doc__.split("\n\n")[0])
+    p.add_argument(
+        "--workload",
+        choices=["standard", "shared-prefix"],
+        default="standard",
+        help="shared-prefix: the prefix cache on against off (mmlora.bench.serving_prefix)",
+    )
+    p.add_argument(
+        "--shared-prefix",
+        type=int,
+        nargs=3,
+        default=[1024, 64, 128],
+        metavar=("SYSTEM", "USER", "OUTPUT"),
+        help="shared-prefix workload: system prompt tokens per adapter, user-turn tokens in, tokens out",
+    )
     p.add_argument("--model", default="dummy:mistral-7b-v0.3")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", help="auto: bfloat16 on CUDA, float32 on CPU")
@@ -129,6 +144,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     check_engine_options(
         model=args.model, device=args.device, dtype=args.dtype, lora_backend=args.lora_backend
     )
+    if args.workload == "shared-prefix" and (
+        min(args.shared_prefix) < 1 or sum(args.shared_prefix) > args.max_model_len
+    ):
+        raise ValueError("--shared-prefix: each length must be >= 1 and their sum fit in --max-model-len")
     return args
 
 
@@ -362,14 +381,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"HF + PEFT subset: {hf}", flush=True)
     base = next(r for r in runs if r["num_adapters"] == 0)
     result = {
-        "benchmark": "serving",
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "host": platform.node(),
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "torch": torch.__version__,
-        "args": dict(vars(args)),
-        "dtype": str(dtype),
-        "lora_backend": lora_backend,
+        **result_header("serving", args, device, dtype, lora_backend),
         "copy_bandwidth_bytes_per_s": bw,
         "weight_bytes": weights,
         "adapter_bytes_by_rank": adapter_bytes,
@@ -400,6 +412,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = _parse(argv)
+    if args.workload == "shared-prefix":
+        from mmlora.bench import serving_prefix
+
+        return serving_prefix.main(args)
     result = run(args)
     out = Path(args.out)
     (out / "serving.json").write_text(json.dumps(result, indent=2, default=str))

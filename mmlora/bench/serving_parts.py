@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import platform
 import time
 import traceback
 from collections.abc import Callable
@@ -179,6 +180,22 @@ def make_workload(
         }
         for i in range(count)
     ]
+
+
+def result_header(
+    benchmark: str, args: argparse.Namespace, device: torch.device, dtype: torch.dtype, lora_backend: str
+) -> dict[str, Any]:
+    """Where and how a benchmark ran: the first fields of its JSON."""
+    return {
+        "benchmark": benchmark,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "host": platform.node(),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "args": dict(vars(args)),
+        "dtype": str(dtype),
+        "lora_backend": lora_backend,
+    }
 
 
 def _pct(values: list[float], q: float) -> float:

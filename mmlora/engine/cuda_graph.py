@@ -102,8 +102,7 @@ class CudaGraphRunner:
         if alloc.num_free < 2:
             raise ValueError("CUDA graphs: the KV cache is too small to reserve a padding page")
         # A page only padding rows write to; out of the allocator for good (num_blocks shrinks by one).
-        self.pad_page = alloc.allocate(1)[0]
-        alloc.num_blocks -= 1
+        self.pad_page = alloc.reserve_page()
         self.max_bs = min(max_batch_size, runner.lora.info.max_tokens)
         self.buckets = batch_buckets(self.max_bs)
         self.max_blocks = -(-max_model_len // self.block_size)

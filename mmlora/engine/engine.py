@@ -24,6 +24,7 @@ from mmlora.engine.sampling_params import RequestOutput, SamplingParams
 from mmlora.engine.scheduler import Scheduler
 from mmlora.engine.setup import build_engine_parts
 from mmlora.hub import hub_root, resolve_adapter
+from mmlora.kvcache.prefix_cache import PrefixCache
 from mmlora.lora.manager import AdapterRef
 from mmlora.lora.registry import AdapterEntry
 from mmlora.multimodal.prompt import text_prompt_ids
@@ -58,7 +59,8 @@ class Engine:
         self.runner = ModelRunner(self.model, self.kv_cache, parts.attention, self.lora, self.device)
         if not config.scheduler.disable_cuda_graph and self.device.type == "cuda":
             self.runner.enable_cuda_graphs(config.scheduler.max_running_requests, self.max_model_len)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache.allocator, self.lora)
+        prefix_cache = PrefixCache(self.kv_cache.allocator, enabled=not config.cache.disable_radix)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache.allocator, self.lora, prefix_cache)
         self.eos_ids = parts.eos_ids
         # Unseeded requests sample from the engine's own generator, not the process-wide one: results
         # then do not depend on what else in the process draws random numbers.
@@ -161,6 +163,7 @@ class Engine:
         outputs = [self._output(req) for req in ended + failed]
         if len(batch):
             sampled, faulty = self.step_guard.run(batch)
+            self.scheduler.after_forward(batch)  # cache the pages the forward filled
             now = time.monotonic()
             for req, token, logprobs in sampled:
                 try:
@@ -215,6 +218,7 @@ class Engine:
         return RequestOutput(
             request_id=req.rid,
             prompt_tokens=len(req.prompt_ids),
+            cached_tokens=req.cached_tokens,
             lora_name=req.lora_name,
             text=req.text,
             output_ids=list(req.output_ids),
@@ -323,6 +327,7 @@ class Engine:
     def _finish_unloads(self) -> None:
         for entry in list(self._pending_unloads):
             if entry.refcount == 0:
+                self.scheduler.prefix_cache.drop_adapter(entry.uid)
                 self.lora.finish_unload(entry)
                 self._pending_unloads.remove(entry)
 
@@ -346,8 +351,17 @@ class Engine:
             "max_loras": self.lora.num_slots,
             "slots_used": self.lora.slots_used,
             "num_preemptions_total": sched.num_preemptions,
+            "prefill_tokens_computed_total": sched.num_prefill_tokens,
+            **sched.prefix_cache.stats(),
             **self.counters,
         }
+
+    def flush_cache(self) -> bool:
+        """Empty the prefix cache; refused (False) while requests run or wait, whose pages it may hold."""
+        if self._requests:
+            return False
+        self.scheduler.prefix_cache.flush()
+        return True
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):

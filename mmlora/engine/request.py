@@ -55,6 +55,11 @@ class Request:
     sent_ids_len: int = 0
     generator: torch.Generator | None = None
     num_preemptions: int = 0
+    # Prefix cache (mmlora.kvcache.prefix_cache): keys of the full pages, how many leading pages are in
+    # the cache, and the prompt tokens the first admission found cached.
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_registered_blocks: int = 0
+    cached_tokens: int = 0
 
     @property
     def all_ids(self) -> list[int]:
@@ -63,6 +68,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def adapter_uid(self) -> int:
+        """The adapter's registry uid (never reused, unlike its name); 0 for base-only requests."""
+        return self.lora.uid if self.lora is not None else 0
 
     @property
     def lora_name(self) -> str | None:

@@ -142,6 +142,7 @@ class RequestOutput:
     request_id: str
     prompt_tokens: int
     lora_name: str | None
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     text: str = ""
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] | None = None

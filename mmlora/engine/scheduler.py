@@ -10,6 +10,11 @@ adapters are served in arrival order.
 Which waiting request goes first is the policy's choice (``schedule_policy``): ``fcfs`` takes them in
 arrival order; ``vtc`` takes the head of the least-served backlogged client first (see fairness.py), and a
 client at its running cap is skipped without losing its place.
+
+Prefix cache (mmlora.kvcache.prefix_cache): an admitted request first takes the cached pages of its
+prefix and starts prefill at its first uncached token. A request whose next page a running request is
+about to compute (a sibling of ``n > 1``, or a turn on the same system prompt) waits a step for it
+instead of computing it again. Preemption and finishing release references; pages stay cached.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from mmlora.config import SchedulerConfig
 from mmlora.engine.fairness import BASE_CLIENT, VirtualTokenCounter, load_client_limits
 from mmlora.engine.request import Request, Status
 from mmlora.kvcache.allocator import BlockAllocator
+from mmlora.kvcache.prefix_cache import PrefixCache
 from mmlora.lora.manager import LoRAManager
 
 logger = logging.getLogger(__name__)
@@ -47,13 +53,21 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, lora: LoRAManager) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        allocator: BlockAllocator,
+        lora: LoRAManager,
+        prefix_cache: PrefixCache | None = None,
+    ) -> None:
         self.config = config
         self.allocator = allocator
         self.lora = lora
+        self.prefix_cache = prefix_cache or PrefixCache(allocator, enabled=False)
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_prefill_tokens = 0  # tokens scheduled that were not a decode step (prompt, recompute)
         self.vtc = VirtualTokenCounter(config.vtc_prefill_weight, config.vtc_decode_weight)
         self.client_limits = load_client_limits(
             config.client_limits_file, config.max_running_per_client, config.max_queued_per_client
@@ -89,6 +103,7 @@ class Scheduler:
         if req.blocks:
             self.allocator.free(req.blocks)
             req.blocks = []
+        req.num_registered_blocks = 0
         req.slot = -1
 
     def _preempt(self, req: Request) -> None:
@@ -134,6 +149,9 @@ class Scheduler:
         for req, n in zip(batch.requests, batch.num_new):
             if req.num_computed + n == req.num_tokens:  # this forward samples a token for it
                 self.vtc.on_decode(self.client_of(req))
+        self.num_prefill_tokens += sum(
+            n for r, n in zip(batch.requests, batch.num_new) if not (r.output_ids and n == 1)
+        )
         return batch, failed
 
     def _admission_order(self):
@@ -161,18 +179,44 @@ class Scheduler:
             if heads[client] in self.waiting:
                 passed.add(client)
 
+    def after_forward(self, batch: ScheduledBatch) -> None:
+        """Register the pages the forward filled (``num_computed`` already advanced) in the prefix cache."""
+        for req in batch.requests:
+            self.prefix_cache.insert(req)
+
+    def _pending_prefixes(self) -> set[bytes]:
+        """Keys of the prompt pages running requests are still computing."""
+        prefilling = (r for r in self.running if r.num_computed < len(r.prompt_ids))
+        return {k for r in prefilling for k in self.prefix_cache.pending_keys(r)}
+
+    def _take_cached_prefix(self, req: Request, pending: set[bytes]) -> bool:
+        """Take the request's cached prefix; False (nothing taken) if a running request is computing the
+        page after it: then the request waits a step and finds that page cached."""
+        pages, next_key = self.prefix_cache.lookup(req)
+        if next_key is not None and next_key in pending:
+            return False
+        self.prefix_cache.take(req, pages)
+        return True
+
     def _admit(self, batch: ScheduledBatch, budget: int, failed: list[Request]) -> None:
         head_blocked = False
         busy = self._busy_adapters()  # kept up to date as requests join below
+        pending = self._pending_prefixes()  # kept up to date as requests join below
         for req in self._admission_order():
             if budget <= 0 or len(self.running) >= self.config.max_running_requests:
                 break
             if req.lora is not None and (head_blocked or not self.lora.can_admit(req.lora, busy)):
                 head_blocked = True
                 continue
+            if not self._take_cached_prefix(req, pending):
+                continue
             n = min(req.num_tokens - req.num_computed, budget)
             if not self._grow(req, n):
+                self.release(req)
+                req.num_computed = 0
                 break  # out of pages: wait for running requests to finish
+            self._count_prefix_hit(req)
+            pending.update(self.prefix_cache.pending_keys(req))
             if req.lora is not None:
                 try:
                     req.slot = self.lora.admit(req.lora, busy)
@@ -190,6 +234,11 @@ class Scheduler:
             self.running.append(req)
             batch.add(req, n)
             budget -= n
+
+    def _count_prefix_hit(self, req: Request) -> None:
+        self.prefix_cache.record(req.num_tokens, req.num_computed)
+        if req.num_preemptions == 0:
+            req.cached_tokens = req.num_computed
 
     def remove(self, req: Request) -> None:
         """Drop a finished or aborted request from the queues and free its pages."""

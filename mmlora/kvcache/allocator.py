@@ -1,50 +1,139 @@
-"""Paged KV cache: a block allocator over ``num_blocks`` pages of ``block_size`` tokens, and the cache tensors."""
+"""Paged KV cache: a refcounting page allocator over ``num_blocks`` pages of ``block_size`` tokens, and the
+cache tensors.
+
+Every page is in exactly one of three states: *free* (on the free list), *referenced* (refcount > 0: in
+the block table of one or more requests) or *cached* (refcount 0, but its contents are registered in
+the prefix cache and may be reused). Cached pages are evicted least recently released first, and only
+when ``allocate`` runs out of free pages.
+"""
 
 from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Iterable
 
 import torch
 
 
 class BlockAllocator:
-    """Hands out page ids; every page is either free or owned by exactly one request."""
+    """Hands out page ids; a page may be shared (refcount > 1) once the prefix cache matched it."""
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         if num_blocks < 1:
             raise ValueError("BlockAllocator: num_blocks must be >= 1")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.refcount = [0] * num_blocks
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
-        self._used = [False] * num_blocks
+        self._cached = [False] * num_blocks  # registered in the prefix cache
+        self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()  # LRU first
+        self._reserved: set[int] = set()
+        # Called with a cached page the allocator evicts, so the prefix cache forgets its key.
+        self.on_evict: Callable[[int], None] | None = None
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Pages ``allocate`` can hand out: free ones plus unreferenced cached ones (evicted on demand)."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached_unreferenced(self) -> int:
+        return len(self._evictable)
 
     def blocks_needed(self, num_tokens: int, have: int) -> int:
         """Pages to add so that ``num_tokens`` fit, given ``have`` pages already."""
         return max(0, -(-num_tokens // self.block_size) - have)
 
     def can_allocate(self, n: int) -> bool:
-        return n <= len(self._free)
+        return n <= self.num_free
 
     def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise RuntimeError(f"KV cache out of pages: asked {n}, {len(self._free)} free")
-        blocks = [self._free.pop() for _ in range(n)]
-        for b in blocks:
-            self._used[b] = True
+        if n > self.num_free:
+            raise RuntimeError(f"KV cache out of pages: asked {n}, {self.num_free} free")
+        blocks = []
+        for _ in range(n):
+            if self._free:
+                b = self._free.pop()
+            else:
+                b, _ = self._evictable.popitem(last=False)
+                self._cached[b] = False
+                if self.on_evict is not None:
+                    self.on_evict(b)
+            self.refcount[b] = 1
+            blocks.append(b)
         return blocks
 
-    def free(self, blocks: list[int]) -> None:
-        for b in blocks:
-            if not self._used[b]:
+    def share(self, block: int) -> None:
+        """One more reference to a cached page (a prefix-cache hit)."""
+        if not self._cached[block]:
+            raise RuntimeError(f"KV page {block} is not cached and cannot be shared")
+        if self.refcount[block] == 0:
+            del self._evictable[block]
+        self.refcount[block] += 1
+
+    def free(self, blocks: Iterable[int]) -> None:
+        """Drop one reference to each page. Pages are released last first, so that when cached pages
+        are evicted later, a sequence's tail goes before the prefix other requests may share."""
+        for b in reversed(list(blocks)):
+            if self.refcount[b] <= 0:
                 raise RuntimeError(f"KV page {b} freed twice")
-            self._used[b] = False
-            self._free.append(b)
+            self.refcount[b] -= 1
+            if self.refcount[b] == 0:
+                if self._cached[b]:
+                    self._evictable[b] = None
+                else:
+                    self._free.append(b)
+
+    # ---- the prefix cache's view ------------------------------------------------------------------
+
+    def is_cached(self, block: int) -> bool:
+        return self._cached[block]
+
+    def mark_cached(self, block: int) -> None:
+        """Register a referenced page's contents for reuse (the prefix cache keeps its key)."""
+        if self.refcount[block] <= 0:
+            raise RuntimeError(f"KV page {block} is not referenced; only computed pages can be cached")
+        self._cached[block] = True
+
+    def uncache(self, block: int) -> None:
+        """Forget that a page is cached; if nothing references it, it becomes free."""
+        if not self._cached[block]:
+            return
+        self._cached[block] = False
+        if self.refcount[block] == 0:
+            del self._evictable[block]
+            self._free.append(block)
+
+    def reserve_page(self) -> int:
+        """Take one page out of circulation for good (CUDA graphs' padding page)."""
+        if self.num_free < 2:
+            raise RuntimeError("KV cache too small to reserve a page")
+        page = self.allocate(1)[0]
+        self._reserved.add(page)
+        self.num_blocks -= 1
+        return page
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the page states are inconsistent (tests call it after every event)."""
+        free, evictable = set(self._free), set(self._evictable)
+        assert len(free) == len(self._free), "a page is on the free list twice"
+        referenced = {b for b, c in enumerate(self.refcount) if c > 0} - self._reserved
+        assert not free & referenced, "a page is both free and referenced"
+        assert not evictable & referenced, "a page is both evictable and referenced"
+        assert not free & evictable, "a page is both free and cached"
+        assert all(c >= 0 for c in self.refcount), "negative refcount"
+        assert all(self._cached[b] for b in evictable), "an evictable page is not cached"
+        assert not any(self._cached[b] for b in free), "a free page is still cached"
+        assert len(free) + len(evictable) + len(referenced) == self.num_blocks, "pages lost or duplicated"
+
+    @property
+    def num_referenced(self) -> int:
+        return self.num_blocks - self.num_free
 
     @property
     def usage(self) -> float:
-        return 1.0 - len(self._free) / self.num_blocks
+        """Fraction of pages referenced by requests (cached but unreferenced pages count as free)."""
+        return self.num_referenced / self.num_blocks
 
 
 class KVCache:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -18,6 +18,7 @@ class ImageInputs:
     rope_delta     position of prompt index i >= L is i + rope_delta
     features       [sum(length), H] vision features on the device while needed, else None
                    (:mod:`mmlora.multimodal.features` fills and frees them)
+    image_hashes   sha256 of each image's patch grid and pixels: the prefix cache's key for its tokens
     """
 
     pixel_values: torch.Tensor
@@ -26,6 +27,7 @@ class ImageInputs:
     positions: torch.Tensor
     rope_delta: int
     features: torch.Tensor | None = None
+    image_hashes: list[bytes] = field(default_factory=list)
 
     @property
     def image_end(self) -> int:

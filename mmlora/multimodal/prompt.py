@@ -10,6 +10,7 @@ positions of the whole prompt are computed once (:mod:`mmlora.multimodal.mrope`)
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -118,7 +119,8 @@ class ImagePrompts:
                 expanded.append(tok)
         positions, delta = mrope_positions(len(expanded), spans, grid, merge)
         pixels = out["pixel_values"].to(torch.float32).contiguous()
-        return expanded, ImageInputs(pixels, grid, spans, positions, delta)
+        hashes = [_content_hash(g, p) for g, p in zip(grid, pixels.split([t * h * w for t, h, w in grid]))]
+        return expanded, ImageInputs(pixels, grid, spans, positions, delta, image_hashes=hashes)
 
     def _ids_with_slots(
         self, tokenizer: Any, prompt: str | None, input_ids: Sequence[int] | None, num_images: int
@@ -156,3 +158,9 @@ class ImagePrompts:
                 "prompt: adjacent image placeholders; separate images with <|vision_end|><|vision_start|>"
             )
         return ids
+
+
+def _content_hash(grid: tuple[int, int, int], patches: torch.Tensor) -> bytes:
+    h = hashlib.sha256(repr(grid).encode())
+    h.update(patches.numpy().tobytes())
+    return h.digest()

@@ -1,4 +1,4 @@
-"""Adapter administration and operations: load/unload, health, model info, metrics.
+"""Adapter administration and operations: load/unload, health, model info, metrics, flush_cache.
 
 Run-time load/unload is off unless ``--enable-lora-runtime-update``; paths are confined to
 ``--lora-root`` and fully validated by the engine before any device memory is touched. A Hugging Face
@@ -191,6 +191,17 @@ async def get_model_info(request: Request) -> dict[str, Any]:
         "lora_backend": getattr(eng, "lora_backend", None) or getattr(lora_cfg, "lora_backend", None),
         "loras": await state.loras(),
     }
+
+
+async def _flush_cache(request: Request) -> dict[str, Any]:
+    """SGLang's ``/flush_cache``: empty the prefix cache, refused while requests run or wait."""
+    state: ServerState = request.app.state.mmlora
+    if not await state.bg.run_async(lambda eng: eng.flush_cache()):
+        raise APIError(400, "cache not flushed: requests are running or waiting; retry when idle")
+    return {"success": True, "message": "Cache flushed."}
+
+
+router.add_api_route("/flush_cache", _flush_cache, methods=["GET", "POST"])
 
 
 @router.get("/metrics")

@@ -86,6 +86,16 @@ class _EngineStatsCollector:
         yield counter("vllm:prompt_tokens", "Prefill tokens processed.", s.get("prompt_tokens_total", 0))
         yield counter("vllm:generation_tokens", "Tokens generated.", s.get("generation_tokens_total", 0))
         yield counter("vllm:num_preemptions", "Requests preempted.", s.get("num_preemptions_total", 0))
+        yield counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in queried tokens.",
+            s.get("prefix_cache_queries_total", 0),
+        )
+        yield counter(
+            "vllm:prefix_cache_hits",
+            "Prefix cache hits, in cached tokens.",
+            s.get("prefix_cache_hits_total", 0),
+        )
         yield gauge("mmlora:lora_slots_used", "Adapter slots holding an adapter.", s.get("slots_used", 0))
         info = GaugeMetricFamily(
             "vllm:lora_requests_info",

@@ -138,7 +138,7 @@ def _format(out: RequestOutput, lora_path: Any, state: ServerState, with_text: b
         "finish_reason": _finish_reason(out),
         "prompt_tokens": out.prompt_tokens,
         "completion_tokens": len(out.output_ids),
-        "cached_tokens": 0,
+        "cached_tokens": out.cached_tokens,
         "lora_path": lora_path,
         "e2e_latency": max(0.0, end - out.arrival_time) if out.arrival_time else None,
     }

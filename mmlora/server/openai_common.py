@@ -89,18 +89,21 @@ def finish_reason(out: RequestOutput) -> str | None:
     return out.finish_reason if out.finish_reason in ("stop", "length") else None
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
-def usage_of(outputs: list[RequestOutput], n: int) -> dict[str, int]:
-    """Each prompt counts once however many choices (n) it has."""
-    prompt = sum(out.prompt_tokens for out in outputs[::n])
-    return usage(prompt, sum(len(out.output_ids) for out in outputs))
+def usage_of(outputs: list[RequestOutput], n: int) -> dict[str, Any]:
+    """Each prompt counts once however many choices (n) it has (its first choice's cache hit)."""
+    firsts = outputs[::n]
+    prompt = sum(out.prompt_tokens for out in firsts)
+    cached = sum(out.cached_tokens for out in firsts)
+    return usage(prompt, sum(len(out.output_ids) for out in outputs), cached)
 
 
 async def stream_chunks(
@@ -132,7 +135,7 @@ async def stream_chunks(
             continue
         chunk = {**base, "choices": [choice]}
         if continuous_usage:
-            chunk["usage"] = usage(out.prompt_tokens, len(out.output_ids))
+            chunk["usage"] = usage(out.prompt_tokens, len(out.output_ids), out.cached_tokens)
         elif include_usage:
             chunk["usage"] = None
         yield sse(chunk)

@@ -253,6 +253,8 @@ def test_stats_monitor_counts_tokens_and_rate_limits(ctl: AppController, bg: Any
     assert all(len(v[0]) == 2 and not any(math.isnan(y) for y in v[1]) for v in series.values())
     text = summary_markdown(second)
     assert "**in flight** 0 · **running** 0" in text and "**adapter slots**" in text and "/3" in text
+    hits, queried = second.stats["prefix_cache_hits_total"], second.stats["prefix_cache_queries_total"]
+    assert queried > 0 and f"**prefix cache** hit rate {100 * hits / queried:.0f}% ({hits}/{queried}" in text
     assert "waiting for the engine" in summary_markdown(None)
 
 

@@ -18,7 +18,7 @@ from tiny_models import (
     assert_same_greedy,
     hf_peft_greedy,
     make_adapter,
-    make_tokenizer,
+    make_gemma2_checkpoint,
     mmlora_greedy,
 )
 from transformers import AutoTokenizer
@@ -39,28 +39,7 @@ PROMPTS_USED = (PROMPTS * 2)[: len(ORDER)]
 
 
 def make_gemma2(folder: Path, seed: int = 0) -> Path:
-    from transformers import Gemma2Config, Gemma2ForCausalLM
-
-    tok = make_tokenizer(folder)
-    cfg = Gemma2Config(
-        hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, query_pre_attn_scalar=24, vocab_size=len(tok), max_position_embeddings=256,
-        sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-        attn_logit_softcapping=2.0, final_logit_softcapping=4.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-    )  # fmt: skip
-    torch.manual_seed(seed)
-    model = Gemma2ForCausalLM(cfg).to(torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(-0.5, 0.5)  # (1 + w) in [0.5, 1.5]
-            elif p.dim() == 2:
-                p.normal_(0.0, 0.08)
-            else:
-                p.normal_(0.0, 0.05)
-    model.save_pretrained(folder, safe_serialization=True)
-    return folder
+    return make_gemma2_checkpoint(folder, seed, window=WINDOW)
 
 
 @pytest.fixture(scope="module")

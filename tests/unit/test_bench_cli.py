@@ -70,6 +70,34 @@ def test_serving_rank_mix_sweep(tmp_path):
     assert (out / "serving.png").stat().st_size > 0
 
 
+def test_serving_shared_prefix_workload_on_cpu(tmp_path, capsys):
+    base = make_checkpoint(tmp_path / "base", "llama")
+    out = tmp_path / "prefix"
+    argv = [
+        "serving", "--workload", "shared-prefix", "--model", str(base), "--device", "cpu", "--dtype", "float32",
+        "--num-adapters", "2", "--num-requests", "6", "--shared-prefix", "40", "4", "3", "--input-len", "4", "10",
+        "--output-len", "3", "6", "--max-model-len", "128", "--max-loras-per-batch", "2", "--out", str(out),
+    ]  # fmt: skip
+    assert bench_main(argv) == 0
+    result = json.loads((out / "serving_prefix.json").read_text())
+    rows = {r["workload"]: r for r in result["results"]}
+    assert set(rows) == {"shared-prefix", "no-sharing"}
+    shared = rows["shared-prefix"]
+    # 6 turns over 2 system prompts of 40 tokens (16-token pages): 4 turns find 32 of their 44 tokens cached.
+    assert shared["off"]["prefill_tokens_computed"] == 6 * 44
+    assert shared["on"]["prefill_tokens_computed"] == 6 * 44 - 4 * 32
+    assert shared["on"]["cached_prompt_tokens"] == 4 * 32 and shared["off"]["cached_prompt_tokens"] == 0
+    assert (
+        rows["no-sharing"]["on"]["prefill_tokens_computed"]
+        == rows["no-sharing"]["off"]["prefill_tokens_computed"]
+    )
+    for run in (shared["on"], shared["off"]):
+        assert (
+            run["output_tok_per_s"] > 0 and run["ttft_p50_s"] > 0 and run["ttft_p99_s"] >= run["ttft_p50_s"]
+        )
+    assert "prefill computed" in capsys.readouterr().out
+
+
 def test_cpu_cli_on_a_tiny_checkpoint(tmp_path, capsys):
     base = make_checkpoint(tmp_path / "base", "llama")
     out = tmp_path / "cpu.json"
