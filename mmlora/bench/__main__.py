@@ -21,6 +21,7 @@ SUBCOMMANDS: dict[str, str] = {
     "profile": "mmlora.bench.profile",
     "cluster": "mmlora.bench.cluster",
     "soak": "mmlora.bench.soak",
+    "grammar": "mmlora.bench.grammar",
 }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from mmlora.engine.request import Request
@@ -17,25 +18,49 @@ def update_text(req: Request, tokenizer: Any) -> None:
     """
     if tokenizer is None:
         return
-    ids, skip = req.output_ids, req.sampling.skip_special_tokens
-    prefix = tokenizer.decode(ids[req.prefix_offset : req.read_offset], skip_special_tokens=skip)
-    window = tokenizer.decode(ids[req.prefix_offset :], skip_special_tokens=skip)
+    ids, sp = req.output_ids, req.sampling
+    opts = {
+        "skip_special_tokens": sp.skip_special_tokens,
+        "spaces_between_special_tokens": sp.spaces_between_special_tokens,
+    }
+    prefix = tokenizer.decode(ids[req.prefix_offset : req.read_offset], **opts)
+    window = tokenizer.decode(ids[req.prefix_offset :], **opts)
     ready = len(window) > len(prefix) and not window.endswith("\ufffd")
     if not (ready or req.finish_reason is not None):
         return
     old_len = len(req.text)
     text = req.text + window[len(prefix) :]
     req.prefix_offset, req.read_offset = req.read_offset, len(ids)
-    stops = req.sampling.stop
-    if stops and req.finish_reason in (None, "length"):
-        window_start = max(0, old_len - max(len(s) for s in stops))
-        hits = [(text.find(s, window_start), s) for s in stops]
-        hits = [(i, s) for i, s in hits if i >= 0]
-        if hits:
-            i, s = min(hits)
-            text = text[:i]
-            req.finish_reason, req.matched_stop = "stop", s
+    if (sp.stop or sp.stop_regex) and req.finish_reason in (None, "length"):
+        hit = _first_stop(text, old_len, sp.stop, sp.stop_regex)
+        if hit is not None:
+            start, end, matched = hit
+            text = text[:end] if sp.no_stop_trim else text[:start]
+            req.finish_reason, req.matched_stop = "stop", matched
     req.text = text
+
+
+def _first_stop(
+    text: str, old_len: int, stops: tuple[str, ...], regexes: tuple[str, ...]
+) -> tuple[int, int, str] | None:
+    """The earliest stop in ``text`` that involves new text: ``(start, end, what matched)``.
+
+    A stop string can only newly appear within its length of the old end; a regex match may start
+    anywhere, so it counts when it ends in the new text.
+    """
+    hits: list[tuple[int, int, str]] = []
+    if stops:
+        window_start = max(0, old_len - max(len(s) for s in stops))
+        for s in stops:
+            i = text.find(s, window_start)
+            if i >= 0:
+                hits.append((i, i + len(s), s))
+    for pattern in regexes:
+        for m in re.finditer(pattern, text):
+            if m.end() > old_len and m.end() > m.start():
+                hits.append((m.start(), m.end(), pattern))
+                break
+    return min(hits) if hits else None
 
 
 def take_delta(req: Request) -> str:

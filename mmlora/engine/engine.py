@@ -18,7 +18,9 @@ import torch
 from mmlora.config import EngineConfig
 from mmlora.engine.detokenizer import take_delta, update_text
 from mmlora.engine.fault_isolation import StepGuard, describe_fault
+from mmlora.engine.grammar import GrammarCompiler
 from mmlora.engine.model_runner import ModelRunner
+from mmlora.engine.prompt_logprobs import start_prompt_logprobs
 from mmlora.engine.request import Request, Status
 from mmlora.engine.sampling_params import RequestOutput, SamplingParams
 from mmlora.engine.scheduler import Scheduler
@@ -62,10 +64,12 @@ class Engine:
         prefix_cache = PrefixCache(self.kv_cache.allocator, enabled=not config.cache.disable_radix)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache.allocator, self.lora, prefix_cache)
         self.eos_ids = parts.eos_ids
+        vocab_size = self.model.lm_head.weight.shape[0]
+        self.grammars = GrammarCompiler(self.tokenizer, vocab_size, sorted(self.eos_ids))
         # Unseeded requests sample from the engine's own generator, not the process-wide one: results
         # then do not depend on what else in the process draws random numbers.
         self.generator = torch.Generator(device=self.device).manual_seed(config.model.seed)
-        self.step_guard = StepGuard(self.runner, self.generator)  # a failing request fails alone
+        self.step_guard = StepGuard(self.runner, self.generator, vocab_size)  # a failing request fails alone
         self._requests: dict[str, Request] = {}
         self._aborts: set[str] = set()
         self._pending_unloads: list[AdapterEntry] = []
@@ -87,12 +91,15 @@ class Engine:
         top_logprobs_num: int = 0,
         client_id: str | None = None,
         prepared: PreparedPrompt | None = None,
+        logprob_start_len: int = -1,
     ) -> str:
         """Validate and queue one request; raises ValueError naming what is wrong.
 
         ``client_id`` names who the request is billed to for fair scheduling (default: its adapter).
         ``prepared`` is what ``prepare_prompt`` returned for this request's prompt (tokenized ahead,
         off this thread, by the server); prompt, input_ids and images are then not read again.
+        With ``return_logprob``, prompt-token logprobs are returned from token ``logprob_start_len`` on
+        (SGLang's meaning; -1: the last prompt token only).
         """
         sp = SamplingParams.from_any(sampling_params)
         if sp.n != 1:
@@ -118,8 +125,13 @@ class Engine:
             raise ValueError(f"prompt: {len(ids)} tokens do not fit in the KV cache")
         if client_id is not None and not (isinstance(client_id, str) and 0 < len(client_id) <= 256):
             raise ValueError("client_id: must be a non-empty string of at most 256 characters")
+        grammar = self.grammars.state_for(sp.constraint)  # the server has compiled it off this thread
         entry = self.lora.resolve(lora)
-        req = Request(rid, ids, sp, entry, return_logprob, top_logprobs_num, client_id, mm_inputs)
+        req = Request(
+            rid, ids, sp, entry, return_logprob, top_logprobs_num, client_id, mm_inputs, grammar=grammar
+        )
+        if return_logprob:
+            start_prompt_logprobs(req, logprob_start_len)
         self.scheduler.check_client_queue(self.scheduler.client_of(req))
         if entry is not None:
             self.lora.acquire(entry)
@@ -162,13 +174,17 @@ class Engine:
             self._finish(req, "abort")
         outputs = [self._output(req) for req in ended + failed]
         if len(batch):
-            sampled, faulty = self.step_guard.run(batch)
+            sampled, prompt_only, faulty = self.step_guard.run(batch)
             self.scheduler.after_forward(batch)  # cache the pages the forward filled
+            for req in prompt_only:  # max_new_tokens=0: prompt logprobs only, done once the prompt ran
+                self.counters["prompt_tokens_total"] += len(req.prompt_ids)
+                self._finish(req, "length")
+                outputs.append(self._output(req))
             now = time.monotonic()
             for req, token, logprobs in sampled:
                 try:
                     self._append_token(req, token, logprobs, now)
-                except Exception as e:  # e.g. detokenizing: this request's fault only
+                except Exception as e:  # e.g. detokenizing or a grammar refusing the token: this request only
                     faulty.append((req, describe_fault(e)))
                     continue
                 outputs.append(self._output(req))
@@ -192,7 +208,8 @@ class Engine:
                 req.top_logprobs.append(list(zip(idx.tolist(), vals.tolist())))
         sp = req.sampling
         n_out = len(req.output_ids)
-        is_stop = (not sp.ignore_eos and token in self.eos_ids) or token in sp.stop_token_ids
+        grammar_done = req.grammar is not None and req.grammar.accept(token)
+        is_stop = (not sp.ignore_eos and token in self.eos_ids) or token in sp.stop_token_ids or grammar_done
         if is_stop and n_out >= sp.min_new_tokens:
             req.finish_reason, req.matched_stop = "stop", token
         if req.finish_reason is None and (n_out >= sp.max_new_tokens or req.num_tokens >= self.max_model_len):
@@ -224,6 +241,9 @@ class Engine:
             output_ids=list(req.output_ids),
             logprobs=list(req.logprobs) if req.return_logprob else None,
             top_logprobs=list(req.top_logprobs) if req.top_logprobs_num else None,
+            input_logprobs=list(req.input_logprobs) if req.input_logprob_start >= 0 else None,
+            input_top_logprobs=list(req.input_top_logprobs) if req.input_logprob_start >= 0 else None,
+            input_ids=req.prompt_ids if req.input_logprob_start >= 0 else None,
             delta_text=take_delta(req),
             delta_ids=delta_ids,
             finish_reason=req.finish_reason if req.finished else None,
@@ -246,6 +266,7 @@ class Engine:
         input_ids: Sequence[Sequence[int]] | None = None,
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
+        logprob_start_len: int = -1,
     ) -> list[RequestOutput]:
         """Run a batch to completion: one output per prompt (``n`` consecutive outputs when n > 1)."""
         prompts: list[Any] = [texts] if isinstance(texts, str) else list(texts) if texts is not None else []
@@ -270,6 +291,7 @@ class Engine:
                         request_id=f"gen-{next(self._ids)}",
                         return_logprob=return_logprob,
                         top_logprobs_num=top_logprobs_num,
+                        logprob_start_len=logprob_start_len,
                     )
                     rids.append(rid)
         except Exception:

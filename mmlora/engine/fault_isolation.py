@@ -3,9 +3,10 @@
 ``StepGuard.run`` runs a scheduled batch's forward and samples its next tokens. When something raises,
 it finds the request to blame instead of failing the whole batch:
 
-* sampling: ``sample`` names the rows whose logits or probabilities are NaN/Inf (``BadSamplingRows``),
+* sampling (with each constrained request's grammar mask applied to its row first): ``sample`` names the rows whose logits or probabilities are NaN/Inf (``BadSamplingRows``),
   and those rows fail alone; any other sampling error is retried row by row, so each request's own
-  sampling setup runs outside the batched call and only the one that raises fails;
+  sampling setup (its grammar mask included) runs outside the batched call and only the one that raises
+  fails;
 * forward: a forward that raises is retried on each half of the batch, down to single requests (a
   bisection, the last resort: it costs about two forwards per request in the worst case). Rewriting a
   request's KV entries on retry is harmless: the same tokens write the same pages.
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from mmlora.engine.grammar import GrammarMasks, apply_grammar_masks
 from mmlora.engine.request import Request
 from mmlora.engine.sampler import BadSamplingRows, sample
 from mmlora.engine.scheduler import ScheduledBatch
@@ -68,19 +70,23 @@ def describe_fault(error: BaseException) -> str:
 class StepGuard:
     """Forward and sample one scheduled batch; a request that raises fails alone."""
 
-    def __init__(self, runner: ModelRunner, generator: torch.Generator) -> None:
+    def __init__(self, runner: ModelRunner, generator: torch.Generator, vocab_size: int) -> None:
         self.runner = runner
         self.generator = generator
+        self.grammar_masks = GrammarMasks(vocab_size)
         self.faults: FaultInjector | None = None
 
-    def run(self, batch: ScheduledBatch) -> tuple[list[Sampled], list[Failed]]:
-        """-> (the requests that sampled a token, the requests that failed and why).
+    def run(self, batch: ScheduledBatch) -> tuple[list[Sampled], list[Request], list[Failed]]:
+        """-> (the requests that sampled a token, the requests whose prompt ran and that sample nothing
+        (``max_new_tokens=0``: prompt logprobs only), the requests that failed and why).
 
         Advances ``num_computed`` of every request whose forward succeeded.
         """
         failed: list[Failed] = []
         rows = self._forward(batch, failed)
-        return self._sample(rows, failed), failed
+        prompt_only = [req for req, _ in rows if req.sampling.max_new_tokens == 0]
+        rows = [(req, row) for req, row in rows if req.sampling.max_new_tokens > 0]
+        return self._sample(rows, failed), prompt_only, failed
 
     def _forward(self, batch: ScheduledBatch, failed: list[Failed]) -> list[tuple[Request, torch.Tensor]]:
         try:
@@ -108,7 +114,9 @@ class StepGuard:
         try:
             if self.faults is not None:
                 self.faults.check_sampling(requests)
-            tokens, logprobs = sample(torch.stack([row for _, row in rows]), requests, self.generator)
+            logits = torch.stack([row for _, row in rows])
+            apply_grammar_masks(logits, requests, self.grammar_masks)
+            tokens, logprobs = sample(logits, requests, self.generator)
         except BadSamplingRows as e:
             for i, why in e.rows.items():
                 logger.warning("request %s failed in sampling: %s", requests[i].rid, why)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from mmlora.engine.prompt_logprobs import record_prompt_logprobs
 from mmlora.engine.scheduler import ScheduledBatch
 from mmlora.forward import AttentionMetadata, ForwardBatch
 from mmlora.kvcache.allocator import KVCache
@@ -101,6 +102,7 @@ class ModelRunner:
         slots = [r.slot for r in sched.requests]
         with self.lora.activate(list(sched.num_new), slots):
             hidden = self.model(batch)
+        record_prompt_logprobs(self.model, hidden, sched.requests, sched.num_new)
         if not sampling:
             return hidden.new_empty(0, 0, dtype=torch.float32), sampling
         return self.model.compute_logits(hidden[batch.logits_rows]), sampling

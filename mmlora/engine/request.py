@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -38,6 +39,12 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # Prompt logprobs (mmlora.engine.prompt_logprobs): entries for prompt tokens from
+    # ``input_logprob_start`` on (-1: none asked); token 0 has no logprob and gets None.
+    input_logprob_start: int = -1
+    input_logprobs: list[float | None] = field(default_factory=list)
+    input_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    grammar: Any = None  # a mmlora.engine.grammar.GrammarState when the output is constrained
     num_computed: int = 0
     blocks: list[int] = field(default_factory=list)
     slot: int = -1

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +35,14 @@ class SamplingParams:
     seed: int | None = None
     n: int = 1
     min_new_tokens: int = 0
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False  # keep the matched stop string (or stop_regex match) in the text
+    stop_regex: tuple[str, ...] = ()
+    # Structured output (mmlora.engine.grammar): at most one of these; json_schema is a JSON string
+    # (a dict is serialised), regex and ebnf are grammars in xgrammar's syntax.
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -42,6 +52,13 @@ class SamplingParams:
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        regexes = self.stop_regex
+        object.__setattr__(
+            self, "stop_regex", (regexes,) if isinstance(regexes, str) else tuple(regexes or ())
+        )
+        if isinstance(self.json_schema, dict):
+            object.__setattr__(self, "json_schema", json.dumps(self.json_schema))
+        self._check_constraints()
         _require(_int(self.max_new_tokens, 0), "max_new_tokens", f"must be an integer in [0, {INT64_LIMIT})")
         _require(
             _num(self.temperature) and self.temperature >= 0, "temperature", "must be a finite number >= 0"
@@ -67,7 +84,7 @@ class SamplingParams:
             "stop_token_ids",
             "must be token ids (integers >= 0)",
         )
-        for name in ("ignore_eos", "skip_special_tokens"):
+        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"):
             _require(isinstance(getattr(self, name), bool), name, "must be true or false")
         _require(
             self.seed is None or _int(self.seed, 0),
@@ -76,6 +93,27 @@ class SamplingParams:
         )
         _require(_int(self.n, 1) and self.n <= 128, "n", "must be an integer in [1, 128]")
         _require(_int(self.min_new_tokens, 0), "min_new_tokens", f"must be an integer in [0, {INT64_LIMIT})")
+
+    def _check_constraints(self) -> None:
+        for name in ("json_schema", "regex", "ebnf"):
+            value = getattr(self, name)
+            _require(value is None or (isinstance(value, str) and value), name, "must be a non-empty string")
+        given = [n for n in ("json_schema", "regex", "ebnf") if getattr(self, n) is not None]
+        _require(len(given) <= 1, given[-1] if given else "regex", f"give at most one of {', '.join(given)}")
+        for pattern in self.stop_regex:
+            _require(isinstance(pattern, str) and pattern, "stop_regex", "must be non-empty strings")
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ValueError(f"sampling_params.stop_regex: invalid regex {pattern!r}: {e}") from None
+
+    @property
+    def constraint(self) -> tuple[str, str] | None:
+        """``(kind, spec)`` of the structured-output constraint, or None for free generation."""
+        for kind in ("json_schema", "regex", "ebnf"):
+            if getattr(self, kind) is not None:
+                return kind, getattr(self, kind)
+        return None
 
     @property
     def greedy(self) -> bool:
@@ -147,6 +185,10 @@ class RequestOutput:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    # With prompt logprobs: the prompt's ids, and entries for its tokens from the start asked for.
+    input_logprobs: list[float | None] | None = None
+    input_top_logprobs: list[list[tuple[int, float]]] | None = None
+    input_ids: list[int] | None = None
     delta_text: str = ""
     delta_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None

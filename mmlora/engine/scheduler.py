@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from mmlora.config import SchedulerConfig
 from mmlora.engine.fairness import BASE_CLIENT, VirtualTokenCounter, load_client_limits
+from mmlora.engine.prompt_logprobs import cacheable_prefix
 from mmlora.engine.request import Request, Status
 from mmlora.kvcache.allocator import BlockAllocator
 from mmlora.kvcache.prefix_cache import PrefixCache
@@ -193,6 +194,9 @@ class Scheduler:
         """Take the request's cached prefix; False (nothing taken) if a running request is computing the
         page after it: then the request waits a step and finds that page cached."""
         pages, next_key = self.prefix_cache.lookup(req)
+        limit = cacheable_prefix(req)  # prompt logprobs need their positions run
+        if limit is not None and len(pages) >= limit // self.prefix_cache.block_size:
+            pages, next_key = pages[: limit // self.prefix_cache.block_size], None
         if next_key is not None and next_key in pending:
             return False
         self.prefix_cache.take(req, pages)

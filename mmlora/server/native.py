@@ -3,12 +3,16 @@
 Shapes follow SGLang: a single ``text`` (or one ``input_ids`` list) answers one object, a list answers a
 list (``n`` > 1 answers n consecutive objects per prompt); each object is
 ``{"text", "output_ids", "meta_info": {"id", "prompt_tokens", "completion_tokens", "cached_tokens",
-"finish_reason": {"type", ...}, "lora_path", "e2e_latency"}}``. With ``stream`` the answer is server-sent
+"finish_reason": {"type", ...}, "lora_path", "e2e_latency"}}``; with ``return_logprob`` also
+``input_token_logprobs`` (prompt tokens from ``logprob_start_len`` on; -1: the last one),
+``output_token_logprobs`` (entries ``[logprob, token_id, text or None]``) and, with
+``top_logprobs_num``, ``input_top_logprobs`` / ``output_top_logprobs``. With ``stream`` the answer is server-sent
 events carrying the cumulative state (``"index"`` tells which prompt) and ending with ``data: [DONE]``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -43,6 +47,13 @@ def _aligned(value: Any, n: int, name: str, batch: bool) -> list[Any]:
         return per_prompt(value, n, name)
     except ValueError as e:
         raise APIError(400, str(e), param=name) from None
+
+
+def _or(value: Any, default: Any) -> Any:
+    """null (whole, or per prompt) means the default."""
+    if isinstance(value, list):
+        return [default if v is None else v for v in value]
+    return default if value is None else value
 
 
 def _images(value: Any, n: int, batch: bool, state: ServerState) -> list[list[bytes] | None]:
@@ -85,12 +96,14 @@ async def _build(body: GenerateRequest, state: ServerState) -> tuple[list[dict[s
         key = "input_ids"
     if not prompts or (key == "input_ids" and any(len(p) == 0 for p in prompts)):
         raise APIError(400, f"{'text' if key == 'prompt' else 'input_ids'}: must not be empty", param=key)
+    if body.session_id is not None:
+        raise APIError(400, "session_id: sessions are not supported", param="session_id")
     n = len(prompts)
     sampling = _aligned(body.sampling_params, n, "sampling_params", batch)
     loras = _aligned(body.lora_path, n, "lora_path", batch)
-    logprob = _aligned(body.return_logprob, n, "return_logprob", batch)
-    top_n = _aligned(body.top_logprobs_num, n, "top_logprobs_num", batch)
-    _aligned(body.logprob_start_len, n, "logprob_start_len", batch)
+    logprob = _aligned(_or(body.return_logprob, False), n, "return_logprob", batch)
+    top_n = _aligned(_or(body.top_logprobs_num, 0), n, "top_logprobs_num", batch)
+    starts = _aligned(_or(body.logprob_start_len, -1), n, "logprob_start_len", batch)
     rids = _aligned(body.rid, n, "rid", batch)
     if batch and isinstance(body.rid, str):
         raise APIError(400, "rid: for a batch give a list with one id per prompt", param="rid")
@@ -114,9 +127,13 @@ async def _build(body: GenerateRequest, state: ServerState) -> tuple[list[dict[s
                     "request_id": rid,
                     "return_logprob": bool(logprob[i]),
                     "top_logprobs_num": int(top_n[i]) if logprob[i] else 0,
+                    "logprob_start_len": int(starts[i]),
                 }
             )
             named.append(loras[i])
+    await state.preprocess.compile_grammars(
+        [item["sampling_params"] for item in items], param="sampling_params"
+    )
     await state.preprocess.prepare(items, param="text" if key == "prompt" else "input_ids")
     return items, named, batch or len(items) > 1
 
@@ -150,6 +167,13 @@ def _format(out: RequestOutput, lora_path: Any, state: ServerState, with_text: b
 
         meta["output_token_logprobs"] = [entry(t, lp) for t, lp in zip(out.output_ids, out.logprobs or [])]
         meta["output_top_logprobs"] = [[entry(t, lp) for t, lp in row] for row in (out.top_logprobs or [])]
+        prompt_lps = out.input_logprobs or []
+        prompt_ids = (out.input_ids or [])[len(out.input_ids or []) - len(prompt_lps) :]
+        meta["input_token_logprobs"] = [entry(t, lp) for t, lp in zip(prompt_ids, prompt_lps)]
+        if out.input_top_logprobs:
+            meta["input_top_logprobs"] = [
+                [entry(t, lp) for t, lp in row] if row else None for row in out.input_top_logprobs
+            ]
     return {"text": out.text, "output_ids": list(out.output_ids), "meta_info": meta}
 
 
@@ -181,3 +205,35 @@ async def generate(body: GenerateRequest, request: Request) -> Any:
         _format(out, named[i], state, with_text, items[i]["return_logprob"]) for i, out in enumerate(outputs)
     ]
     return results if as_list else results[0]
+
+
+async def _server_info(request: Request) -> dict[str, Any]:
+    """SGLang's ``/get_server_info``: the flat server arguments (engine and server config) and version."""
+    state: ServerState = request.app.state.mmlora
+    config = getattr(state.engine, "config", None)
+    info: dict[str, Any] = {}
+    for section in dataclasses.fields(config) if dataclasses.is_dataclass(config) else ():
+        info.update(dataclasses.asdict(getattr(config, section.name)))
+    info.update({k: v for k, v in dataclasses.asdict(state.config).items() if k != "api_key"})
+    info.update(
+        {
+            "model_path": info.get("model", state.served_name),
+            "served_model_name": state.served_name,
+            "max_model_len": getattr(state.engine, "max_model_len", None),
+            "version": _version(),
+        }
+    )
+    return info
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("mmlora")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+router.add_api_route("/get_server_info", _server_info, methods=["GET"])
+router.add_api_route("/server_info", _server_info, methods=["GET"])

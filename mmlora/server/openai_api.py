@@ -25,6 +25,7 @@ from mmlora.server.openai_common import (
 )
 from mmlora.server.schemas import ChatCompletionRequest, CompletionRequest
 from mmlora.server.state import ServerState
+from mmlora.server.structured import openai_constraint
 
 router = APIRouter()
 
@@ -75,22 +76,50 @@ def _completion_prompts(prompt: Any) -> list[dict[str, Any]]:
     raise APIError(400, "prompt: expected a string, a list of strings, or token id lists", param="prompt")
 
 
-def _completion_logprobs(state: ServerState, out: RequestOutput, start: int, offset: int) -> dict[str, Any]:
+def _completion_logprobs(
+    state: ServerState, out: RequestOutput, start: int, offset: int, top_n: int, echo: bool
+) -> dict[str, Any]:
+    """OpenAI's ``logprobs`` of a choice: its output tokens from ``start``, after the prompt's when
+    ``echo``. Like vLLM, each ``top_logprobs`` entry holds the chosen token and the ``top_n`` most
+    likely ones (``logprobs: 0``: the chosen token only; where two tokens decode to the same text, the
+    chosen one's value wins); the first prompt token's entries are null."""
     tok = state.token_text
-    ids = out.output_ids[start:]
-    lps = (out.logprobs or [])[start:]
-    tops = (out.top_logprobs or [])[start:]
+    ids = list(out.output_ids[start:])
+    lps: list[float | None] = list((out.logprobs or [])[start:])
+    tops = list((out.top_logprobs or [])[start:]) or [[] for _ in ids]
+    if echo:
+        ids = list(out.input_ids or []) + ids
+        lps = list(out.input_logprobs or []) + lps
+        tops = list(out.input_top_logprobs or [[] for _ in out.input_logprobs or []]) + tops
     tokens = [tok(t) for t in ids]
     offsets, pos = [], offset
     for text in tokens:
         offsets.append(pos)
         pos += len(text)
-    return {
-        "tokens": tokens,
-        "token_logprobs": list(lps),
-        "top_logprobs": [{tok(t): lp for t, lp in row} for row in tops] if tops else None,
-        "text_offset": offsets,
-    }
+    top_logprobs = [
+        None if lp is None else {**{tok(t): v for t, v in row[:top_n]}, tok(tid): lp}
+        for tid, lp, row in zip(ids, lps, tops)
+    ]
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": top_logprobs, "text_offset": offsets}
+
+
+def _prompt_logprobs(state: ServerState, out: RequestOutput, top_n: int) -> list[dict[str, Any] | None]:
+    """vLLM's ``prompt_logprobs``: per prompt token None (the first) or {token id: {logprob, rank,
+    decoded_token}} with the token itself and the ``top_n`` most likely; rank is known within the top."""
+    tok = state.token_text
+    rows = out.input_top_logprobs or [[] for _ in out.input_logprobs or []]
+    result: list[dict[str, Any] | None] = []
+    for tid, lp, row in zip(out.input_ids or [], out.input_logprobs or [], rows):
+        if lp is None:
+            result.append(None)
+            continue
+        ranked = row[:top_n]
+        rank = next((r + 1 for r, (t, _) in enumerate(ranked) if t == tid), None)
+        entry = {str(tid): {"logprob": lp, "rank": rank, "decoded_token": tok(tid)}}
+        for r, (t, v) in enumerate(ranked):
+            entry.setdefault(str(t), {"logprob": v, "rank": r + 1, "decoded_token": tok(t)})
+        result.append(entry)
+    return result
 
 
 @router.post("/v1/completions")
@@ -102,12 +131,17 @@ async def completions(req: CompletionRequest, request: Request) -> Any:
         raise APIError(400, "best_of must equal n (or be omitted)", param="best_of")
     if req.logprobs is not None and not 0 <= req.logprobs <= _MAX_TOP_LOGPROBS:
         raise APIError(400, f"logprobs: must be in [0, {_MAX_TOP_LOGPROBS}]", param="logprobs")
-    if req.echo and req.logprobs is not None:
-        raise APIError(400, "echo with logprobs is not supported (no prompt logprobs)", param="echo")
+    if req.prompt_logprobs is not None and not 0 <= req.prompt_logprobs <= _MAX_TOP_LOGPROBS:
+        raise APIError(400, f"prompt_logprobs: must be in [0, {_MAX_TOP_LOGPROBS}]", param="prompt_logprobs")
     prompts = _completion_prompts(req.prompt)
     sp = sampling_from_openai(req, max_tokens_for(state, 0, req.max_tokens, param="max_tokens"))
+    await state.preprocess.compile_grammars([sp], param=openai_constraint(req)[1])
     lora = adapter_of(state, req)
     want_logprobs = req.logprobs is not None
+    # Prompt logprobs for echo (lm-eval-harness's loglikelihood requests) and vLLM's prompt_logprobs.
+    echo_logprobs = req.echo and want_logprobs
+    with_prompt = echo_logprobs or req.prompt_logprobs is not None
+    top_n = max(req.logprobs or 0, req.prompt_logprobs or 0)
     items = []
     for p in prompts:
         for one in sp.samples():
@@ -116,8 +150,9 @@ async def completions(req: CompletionRequest, request: Request) -> Any:
                     **p,
                     "sampling_params": one,
                     "lora": lora,
-                    "return_logprob": want_logprobs,
-                    "top_logprobs_num": req.logprobs or 0,
+                    "return_logprob": want_logprobs or with_prompt,
+                    "top_logprobs_num": top_n,
+                    "logprob_start_len": 0 if with_prompt else -1,
                 }
             )
     echo = [_echo_text(state, items[i]) if req.echo else "" for i in range(len(items))]
@@ -138,7 +173,13 @@ async def completions(req: CompletionRequest, request: Request) -> Any:
                 "text": text,
                 "finish_reason": finish_reason(out),
                 "stop_reason": out.matched_stop if out.finished else None,
-                "logprobs": _completion_logprobs(state, out, start, 0) if want_logprobs else None,
+                "logprobs": (
+                    _completion_logprobs(
+                        state, out, start, 0, req.logprobs or 0, echo_logprobs and start == 0
+                    )
+                    if want_logprobs
+                    else None
+                ),
             }
 
         return sse_response(handles, make_chunk=chunk, base=base, n=sp.n, stream_options=opts)
@@ -151,7 +192,18 @@ async def completions(req: CompletionRequest, request: Request) -> Any:
             "text": echo[i] + out.text,
             "finish_reason": finish_reason(out),
             "stop_reason": out.matched_stop,
-            "logprobs": _completion_logprobs(state, out, 0, len(echo[i])) if want_logprobs else None,
+            "logprobs": (
+                _completion_logprobs(
+                    state, out, 0, 0 if echo_logprobs else len(echo[i]), req.logprobs or 0, echo_logprobs
+                )
+                if want_logprobs
+                else None
+            ),
+            **(
+                {"prompt_logprobs": _prompt_logprobs(state, out, req.prompt_logprobs)}
+                if req.prompt_logprobs is not None
+                else {}
+            ),
         }
         for i, out in enumerate(outputs)
     ]
@@ -228,8 +280,6 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
     state: ServerState = request.app.state.mmlora
     if req.tools and req.tool_choice != "none":
         raise APIError(400, "tools are not supported", param="tools")
-    if req.response_format and req.response_format.get("type") not in (None, "text"):
-        raise APIError(400, "response_format: only {'type': 'text'} is supported", param="response_format")
     if req.top_logprobs is not None:
         if not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
@@ -256,6 +306,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     sp = sampling_from_openai(req, max_tokens_for(state, len(first["prepared"][0]), requested, param=param))
+    await state.preprocess.compile_grammars([sp], param=openai_constraint(req)[1])
     items = [
         {
             "prepared": (list(first["prepared"][0]), first["prepared"][1]),

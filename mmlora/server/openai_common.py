@@ -16,6 +16,7 @@ from mmlora.server.engine_io import SSE_DONE, failure_error, merge, parse_sampli
 from mmlora.server.errors import APIError
 from mmlora.server.schemas import ChatCompletionRequest, CompletionRequest
 from mmlora.server.state import ServerState
+from mmlora.server.structured import openai_constraint
 
 _RENAMED = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
 
@@ -45,6 +46,8 @@ def sampling_from_openai(req: CompletionRequest | ChatCompletionRequest, max_tok
         "min_new_tokens": req.min_tokens,
         "skip_special_tokens": req.skip_special_tokens,
     }
+    constraint, _ = openai_constraint(req)
+    values.update(constraint)
     values = {k: v for k, v in values.items() if v is not None}
     try:
         return parse_sampling(values)

@@ -8,6 +8,8 @@ decoded images) on a small thread pool, and cheap limits are checked first, befo
   fit the context, so it is refused without tokenizing it;
 * images per request and pixels per image (read from the image header, before decoding).
 
+Structured-output grammars (JSON schema, regex, EBNF) are compiled on the same pool into the engine's
+cache (``Engine.grammars``), so the engine thread only finds them there.
 The engine thread then only queues the prepared ids. Fast tokenizers release the GIL while encoding.
 """
 
@@ -16,9 +18,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import io
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
+from mmlora.engine.sampling_params import SamplingParams
 from mmlora.server.config import ServerConfig
 from mmlora.server.errors import APIError
 
@@ -112,6 +115,17 @@ class Preprocessor:
                     ) from None
             ids, mm_inputs = done[key]
             item.update(prompt=None, input_ids=None, images=None, prepared=(list(ids), mm_inputs))
+
+    async def compile_grammars(self, params: Iterable[SamplingParams], param: str) -> None:
+        """Compile every constraint of ``params`` into the engine's grammar cache; a bad one is a 400
+        naming it (``sampling_params`` in the message becomes ``param``)."""
+        for constraint in {sp.constraint for sp in params if sp.constraint is not None}:
+            try:
+                await self.run(self.engine.grammars.compile, *constraint)
+            except ValueError as e:
+                message = str(e)
+                field = message.partition(":")[0]
+                raise APIError(400, message, param=field.replace("sampling_params", param)) from None
 
     def shutdown(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)

@@ -56,6 +56,13 @@ class SGLangSamplingParams(BaseModel):
     skip_special_tokens: bool | None = None
     seed: Int64 | None = None
     n: Int64 | None = None
+    spaces_between_special_tokens: bool | None = None
+    no_stop_trim: bool | None = None
+    stop_regex: Text | list[Text] | None = None
+    # structured output (mmlora.engine.grammar): one of these; json_schema is a JSON string (or object)
+    json_schema: Text | dict[Text, Any] | None = None
+    regex: Text | None = None
+    ebnf: Text | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """The fields the client sent (unknown ones too: ``SamplingParams`` names them in its error)."""
@@ -73,11 +80,13 @@ class GenerateRequest(BaseModel):
     lora_path: Text | list[Text | None] | None = None
     image_data: Text | list[Text | list[Text] | None] | None = None
     stream: bool = False
-    return_logprob: bool | list[bool] = False
-    top_logprobs_num: Int64 | list[Int64] = 0
+    # SGLang's clients send null for "not set" (sglang.Runtime.generate does for these three).
+    return_logprob: bool | list[bool] | None = False
+    top_logprobs_num: Int64 | list[Int64] | None = 0
     return_text_in_logprobs: bool = False
-    logprob_start_len: Int64 | list[Int64] = -1
+    logprob_start_len: Int64 | list[Int64] | None = -1
     rid: Text | list[Text] | None = None
+    session_id: Text | None = None  # SGLang sessions are not supported; null is accepted
 
 
 class StreamOptions(BaseModel):
@@ -113,6 +122,11 @@ class _OpenAISampling(BaseModel):
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     lora_path: Text | None = None
+    # structured output: OpenAI's response_format and vLLM's guided_* extras (mmlora.server.structured)
+    response_format: dict[Text, Any] | None = None
+    guided_json: Text | dict[Text, Any] | None = None
+    guided_regex: Text | None = None
+    guided_grammar: Text | None = None
 
 
 class CompletionRequest(_OpenAISampling):
@@ -122,6 +136,7 @@ class CompletionRequest(_OpenAISampling):
     echo: bool = False
     best_of: Int64 | None = None
     suffix: Text | None = None
+    prompt_logprobs: Int64 | None = None  # vLLM's extra: top-k logprobs of every prompt token
 
 
 class ChatMessage(BaseModel):
@@ -138,7 +153,6 @@ class ChatCompletionRequest(_OpenAISampling):
     max_completion_tokens: Int64 | None = None
     logprobs: bool = False
     top_logprobs: Int64 | None = None
-    response_format: dict[Text, Any] | None = None
     tools: list[dict[Text, Any]] | None = None
     tool_choice: Text | dict[Text, Any] | None = None
 

@@ -38,3 +38,11 @@ def tokenize(folder: Path, text: str) -> list[int]:
 
     tok = AutoTokenizer.from_pretrained(folder)
     return tok(text, add_special_tokens=False)["input_ids"]
+
+
+@torch.no_grad()
+def hf_prompt_logprobs(folder: Path, adapter: Path | None, ids: list[int]) -> list[float]:
+    """log P(ids[t] | ids[:t]) for t = 1..len(ids)-1 from HF + PEFT (fp32), one full forward."""
+    model = _model(str(folder), None if adapter is None else str(adapter))
+    logprobs = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].double(), dim=-1)
+    return [float(logprobs[t - 1, ids[t]]) for t in range(1, len(ids))]

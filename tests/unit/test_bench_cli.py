@@ -142,3 +142,23 @@ def test_random_adapters_follow_each_model_class_layout(tmp_path):
     embed = model.model.embed_tokens.weight
     untied = 0 if embed is model.lm_head.weight else embed.numel() * embed.element_size()
     assert weight_bytes(model) == everything - vision - untied
+
+
+def test_grammar_cli_on_a_tiny_checkpoint(tmp_path, capsys):
+    base = make_checkpoint(tmp_path / "base", "llama")
+    argv = [
+        "grammar",
+        "--model",
+        str(base),
+        "--device",
+        "cpu",
+        "--batch",
+        "4",
+        "--constrained",
+        "2",
+        "--steps",
+        "3",
+    ]
+    assert bench_main(argv) == 0
+    out = capsys.readouterr().out
+    assert "B=4, 2 constrained" in out and "% of a step" in out
