@@ -134,7 +134,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rids = start_decode_batch(engine, [None] * args.batch, context, rng)
     step = _time_step(engine, args.steps, device)
     abort_all(engine, rids)
-    vocab = engine.grammar_masks.vocab_size
+    vocab = engine.grammars.vocab_size
     grammar = _time_grammar(
         _compiler(engine, vocab, rng), args.batch, args.constrained, args.steps, device, vocab
     )

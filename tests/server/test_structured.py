@@ -181,3 +181,57 @@ def test_stop_regex_and_no_stop_trim(tiny):
         "Hello world", sampling_params={**greedy, "stop": [piece], "no_stop_trim": True}
     )
     assert kept_str.text == text[: cut + len(piece)] and kept_str.matched_stop == piece
+
+
+class BrokenMatcher:
+    """A grammar matcher that fails in one call (``mask``: filling its bitmask raises; ``accept``: it
+    refuses the token its own mask allowed): a fault of that one request's grammar."""
+
+    def __init__(self, real, broken: str):
+        self.real, self.broken = real, broken
+
+    def fill_next_token_bitmask(self, bitmask, index):
+        if self.broken == "mask":
+            raise RuntimeError("injected grammar fault")
+        return self.real.fill_next_token_bitmask(bitmask, index)
+
+    def accept_token(self, token):
+        return self.broken != "accept" and self.real.accept_token(token)
+
+    def is_terminated(self):
+        return self.real.is_terminated()
+
+
+@pytest.mark.parametrize("broken", ["mask", "accept"])
+def test_a_failing_grammar_fails_only_its_request(tiny, broken):
+    """The engine step's fault isolation covers grammars: the broken request ends with an internal
+    error; constrained and free neighbours (other adapters) produce what they produce without it."""
+    engine = tiny_engine(tiny)
+    rows = [
+        ("a0", {"max_new_tokens": 64, "temperature": 0, "regex": REGEX}),
+        ("a1", FREE),
+        (None, {"max_new_tokens": 64, "temperature": 0, "ebnf": EBNF}),
+    ]
+
+    def run(with_broken: bool) -> dict:
+        for i, (lora, sp) in enumerate(rows):
+            engine.add_request("The quick brown fox", sampling_params=sp, lora=lora, request_id=f"n{i}")
+        if with_broken:
+            bad = {"max_new_tokens": 16, "temperature": 0, "regex": "[ab]{2,8}"}
+            engine.add_request("Hello", sampling_params=bad, lora="a2", request_id="bad")
+            state = engine._requests["bad"].grammar
+            state.matcher = BrokenMatcher(state.matcher, broken)
+        done = {}
+        while engine.has_unfinished():
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+        return done
+
+    alone, done = run(False), run(True)
+    assert done["bad"].finish_reason == "abort"
+    why = "injected grammar fault" if broken == "mask" else "grammar rejected token"
+    assert done["bad"].error.startswith("internal error: RuntimeError") and why in done["bad"].error
+    for i in range(len(rows)):
+        assert done[f"n{i}"].error is None
+        assert done[f"n{i}"].output_ids == alone[f"n{i}"].output_ids, f"neighbour n{i} changed"
+    assert re.fullmatch(REGEX, done["n0"].text) and re.fullmatch(EBNF_AS_REGEX, done["n2"].text)
+    assert engine.kv_cache.allocator.num_free == engine.kv_cache.allocator.num_blocks
