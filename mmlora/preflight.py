@@ -23,7 +23,7 @@ from mmlora.config import EngineConfig, split_lora_spec
 
 # The backends mmlora registers itself; backends registered by user code are found in the registry
 # (which user code must have imported to register one). A test keeps this list equal to the registry.
-BUILTIN_LORA_BACKENDS = ("torch-gather", "triton-auto", "triton-bgmv", "triton-sgmv")
+BUILTIN_LORA_BACKENDS = ("torch-gather", "triton-auto", "triton-bgmv", "triton-fused", "triton-sgmv")
 BUILTIN_ATTENTION_BACKENDS = ("torch", "triton")
 ADAPTER_WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 

@@ -20,6 +20,7 @@ LAYERS: list[set[str]] = [
     {"lora"},  # adapters: read, registry, pool, LoRALinear, manager
     {"models"},  # model families, loader, presets
     {"multimodal", "hub"},  # request-side image processing and M-RoPE; Hugging Face Hub resolution
+    {"preflight"},  # configuration checks before any weight is read (engine, server, app, bench)
     {"kvcache"},  # paged KV cache
     {"engine"},  # scheduler, runner, CUDA graphs, engine, background thread
     {"server"},  # HTTP: native, OpenAI, admin, metrics
