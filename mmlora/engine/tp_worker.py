@@ -13,7 +13,6 @@ from mmlora.distributed.state import init_tp, shutdown_tp
 from mmlora.distributed.step import Command, recv_forward, recv_header
 from mmlora.engine.model_runner import ModelRunner
 from mmlora.engine.setup import EngineParts, build_engine_parts, rank_device
-from mmlora.models.base import text_config
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +45,7 @@ def serve(config: EngineConfig) -> None:
 
 
 def run_commands(parts: EngineParts, runner: ModelRunner) -> None:
-    hidden_size = text_config(parts.hf_config).hidden_size
+    hidden_size = parts.model.arch.hidden_size
     while True:
         header = recv_header()
         cmd = Command(header[0])
