@@ -50,8 +50,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# Building a rank's model (reading a large checkpoint) takes longer than a collective may in serving.
+STARTUP_TIMEOUT_S = 900.0
+# A worker waits this long for rank 0's next command: an idle server sends none (rank 0 dying closes
+# the connection, which ends the wait at once). Every other wait is bounded by ``dist_timeout_s``.
+IDLE_TIMEOUT_S = 7 * 24 * 3600.0
+
+
 def init_tp(rank: int, size: int, port: int, device: torch.device, timeout_s: float) -> TPGroup:
-    """Join the group of ``size`` ranks rendezvousing on localhost:``port`` (blocks until all joined)."""
+    """Join the group of ``size`` ranks rendezvousing on localhost:``port`` (blocks until all joined);
+    collectives then wait at most ``timeout_s`` (setup steps: ``STARTUP_TIMEOUT_S``; a worker's wait for
+    the next command: ``IDLE_TIMEOUT_S``)."""
     global _GROUP
     if dist.is_initialized():
         raise RuntimeError(
@@ -64,7 +73,7 @@ def init_tp(rank: int, size: int, port: int, device: torch.device, timeout_s: fl
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
             world_size=size,
-            timeout=datetime.timedelta(seconds=timeout_s),
+            timeout=datetime.timedelta(seconds=IDLE_TIMEOUT_S),
             device_id=device if device.type == "cuda" else None,
         )
     except Exception as exc:  # the store times out when a rank never arrives
@@ -80,43 +89,47 @@ def shutdown_tp() -> None:
     _GROUP = TPGroup()
 
 
-def _checked(what: str, fn, *args, **kwargs) -> None:
+def _checked(what: str, start, *args, timeout_s: float | None = None, **kwargs) -> None:
+    """Run the asynchronous collective ``start`` and wait for it at most ``timeout_s`` (default: the
+    group's), raising WorkerFailure when it fails or times out."""
+    timeout = _GROUP.timeout_s if timeout_s is None else timeout_s
     try:
-        fn(*args, **kwargs)
+        start(*args, **kwargs).wait(datetime.timedelta(seconds=timeout))
     except Exception as exc:
         raise WorkerFailure(
             f"tensor-parallel {what} failed on rank {_GROUP.rank}/{_GROUP.size} (a rank died or waited "
-            f"more than {_GROUP.timeout_s:g} s): {exc}"
+            f"more than {timeout:g} s): {exc}"
         ) from exc
 
 
 def all_reduce(t: torch.Tensor) -> torch.Tensor:
     """Sum ``t`` over the ranks, in place; returns it."""
     if _GROUP.is_parallel:
-        _checked("all-reduce", dist.all_reduce, t)
+        _checked("all-reduce", dist.all_reduce, t, async_op=True)
     return t
 
 
 def all_reduce_min(value: int, device: torch.device) -> int:
-    """The smallest ``value`` over the ranks."""
+    """The smallest ``value`` over the ranks (a setup step: waits up to ``STARTUP_TIMEOUT_S``); also
+    the barrier after which every rank has built its parts."""
     if not _GROUP.is_parallel:
         return value
     t = torch.tensor([value], dtype=torch.int64, device=device)
-    _checked("all-reduce", dist.all_reduce, t, op=dist.ReduceOp.MIN)
+    _checked("setup", dist.all_reduce, t, op=dist.ReduceOp.MIN, async_op=True, timeout_s=STARTUP_TIMEOUT_S)
     return int(t.item())
 
 
-def broadcast(t: torch.Tensor) -> torch.Tensor:
+def broadcast(t: torch.Tensor, timeout_s: float | None = None) -> torch.Tensor:
     """Rank 0's ``t`` into every rank's ``t`` (same shape and dtype everywhere), in place."""
     if _GROUP.is_parallel:
-        _checked("broadcast", dist.broadcast, t, src=0)
+        _checked("broadcast", dist.broadcast, t, src=0, async_op=True, timeout_s=timeout_s)
     return t
 
 
 def send(t: torch.Tensor, dst: int) -> None:
-    _checked(f"send to rank {dst}", dist.send, t, dst)
+    _checked(f"send to rank {dst}", dist.isend, t, dst)
 
 
 def recv(t: torch.Tensor) -> torch.Tensor:
-    _checked("receive from rank 0", dist.recv, t, 0)
+    _checked("receive from rank 0", dist.irecv, t, 0)
     return t

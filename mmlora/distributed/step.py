@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mmlora.distributed.state import broadcast
+from mmlora.distributed.state import IDLE_TIMEOUT_S, broadcast
 from mmlora.forward import AttentionMetadata, ForwardBatch
 
 HEADER_LEN = 16
@@ -50,7 +50,9 @@ def send_header(cmd: Command, *args: int) -> None:
 
 
 def recv_header() -> list[int]:
-    return broadcast(torch.zeros(HEADER_LEN, dtype=torch.int64, device=_device)).tolist()
+    """A worker's wait for rank 0's next command (as long as the server idles)."""
+    header = torch.zeros(HEADER_LEN, dtype=torch.int64, device=_device)
+    return broadcast(header, timeout_s=IDLE_TIMEOUT_S).tolist()
 
 
 def send_forward(batch: ForwardBatch, routing: StepRouting) -> None:

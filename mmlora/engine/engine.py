@@ -17,7 +17,7 @@ import torch
 
 from mmlora.config import EngineConfig
 from mmlora.distributed.launch import Workers
-from mmlora.distributed.state import WorkerFailure, shutdown_tp
+from mmlora.distributed.state import WorkerFailure, all_reduce_min, shutdown_tp
 from mmlora.distributed.step import Command, send_header
 from mmlora.engine.detokenizer import take_delta, update_text
 from mmlora.engine.fault_isolation import StepGuard, describe_fault
@@ -70,6 +70,8 @@ class Engine:
         self.is_multimodal = self.model.is_multimodal
         self.multimodal = parts.multimodal
         self.runner = ModelRunner(self.model, self.kv_cache, parts.attention, self.lora, self.device)
+        if self._workers is not None:
+            all_reduce_min(0, self.device)  # every worker built its shard and waits for commands
         # Decode graphs are captured on one device only for now: tensor-parallel steps run eagerly.
         if not config.scheduler.disable_cuda_graph and self.device.type == "cuda" and tp == 1:
             self.runner.enable_cuda_graphs(config.scheduler.max_running_requests, self.max_model_len)

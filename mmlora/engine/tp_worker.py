@@ -9,7 +9,7 @@ import sys
 import torch
 
 from mmlora.config import EngineConfig
-from mmlora.distributed.state import init_tp, shutdown_tp
+from mmlora.distributed.state import all_reduce_min, init_tp, shutdown_tp
 from mmlora.distributed.step import Command, recv_forward, recv_header
 from mmlora.engine.model_runner import ModelRunner
 from mmlora.engine.setup import EngineParts, build_engine_parts, rank_device
@@ -40,6 +40,7 @@ def worker_main(rank: int, size: int, port: int, config: EngineConfig) -> None:
 def serve(config: EngineConfig) -> None:
     parts = build_engine_parts(config)
     runner = ModelRunner(parts.model, parts.kv_cache, parts.attention, parts.lora, parts.device)
+    all_reduce_min(0, parts.device)  # ready: rank 0 waits for this before it serves
     with torch.inference_mode():
         run_commands(parts, runner)
 
