@@ -51,12 +51,19 @@ class Engine:
         tp = config.parallel.tp_size
         if tp > 1:  # workers are spawned copies of this program; this process is rank 0
             self._workers = Workers(worker_main, tp, config)
-            try:
+        try:
+            if self._workers is not None:
                 join_group(0, tp, self._workers.port, config)
-            except WorkerFailure as exc:
-                self._workers.join(0)
-                raise self._workers.failure(exc) from exc
-        parts = build_engine_parts(config)
+            parts = build_engine_parts(config)
+        except BaseException as exc:
+            if self._workers is None:
+                raise
+            workers, self._workers = self._workers, None
+            workers.join(0)  # kills them: they may wait in a setup step rank 0 never reaches
+            shutdown_tp()
+            if isinstance(exc, WorkerFailure):
+                raise workers.failure(exc, grace_s=0) from exc
+            raise
         self.device = parts.device
         self.model = parts.model
         self.hf_config = parts.hf_config

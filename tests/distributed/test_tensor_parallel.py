@@ -30,6 +30,8 @@ from tiny_models import (
 import mmlora
 from mmlora.distributed import WorkerFailure
 
+# MMLORA_TP_TEST_DEVICE=cuda runs the same tests through NCCL on GPUs 0 and 1 (benchmarks/h200x2_tp.sh).
+DEVICE = os.environ.get("MMLORA_TP_TEST_DEVICE", "cpu")
 MAX_NEW = 8
 ADAPTERS = {
     "all7": dict(r=8, lora_alpha=16, target_modules=ALL_SEVEN),
@@ -59,7 +61,7 @@ def _family(root: Path, arch: str, model_class: str = "AutoModelForCausalLM") ->
 def _engine(base: Path, adapters: dict[str, str], tp: int, **kwargs) -> mmlora.Engine:
     return mmlora.Engine(
         model=str(base), lora_paths=adapters, max_loras_per_batch=2, max_lora_rank=8, dtype="float32",
-        device="cpu", tp_size=tp, **kwargs,
+        device=DEVICE, tp_size=tp, **kwargs,
     )  # fmt: skip
 
 
