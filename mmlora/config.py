@@ -129,11 +129,25 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    tp_size: int = _f(
+        1,
+        "Tensor-parallel ranks (one process and device each; rank 0 schedules and serves). CUDA ranks "
+        "use cuda:0..tp_size-1 with NCCL; CPU ranks use gloo.",
+        aliases=["--tensor-parallel-size"],
+    )
+    dist_timeout_s: float = _f(
+        120.0, "Seconds a tensor-parallel collective may wait for a rank before the engine fails."
+    )
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
         lora, sched, cache = self.lora, self.scheduler, self.cache
@@ -145,6 +159,8 @@ class EngineConfig:
             f"must be >= max_loras_per_batch ({lora.max_loras_per_batch})",
         )
         _check(cache.block_size >= 1, "block_size", "must be >= 1")
+        _check(self.parallel.tp_size >= 1, "tp_size", "must be >= 1")
+        _check(self.parallel.dist_timeout_s > 0, "dist_timeout_s", "must be > 0")
         _check(0.0 < cache.mem_fraction_static <= 1.0, "mem_fraction_static", "must be in (0, 1]")
         _check(sched.max_running_requests >= 1, "max_running_requests", "must be >= 1")
         _check(sched.max_num_batched_tokens >= 16, "max_num_batched_tokens", "must be >= 16")
@@ -204,6 +220,7 @@ _SECTIONS: dict[str, type] = {
     "cache": CacheConfig,
     "lora": LoRAConfig,
     "scheduler": SchedulerConfig,
+    "parallel": ParallelConfig,
 }
 _FIELD_SECTION = {f.name: s for s, c in _SECTIONS.items() for f in dataclasses.fields(c)}
 

@@ -156,7 +156,7 @@ class StepBreakdown:
         backend = next(m for m in eng.model.modules() if isinstance(m, LoRALinear)).ctx.backend
         self._wrap(backend, "add_lora", self._timed_lora(backend.add_lora))
         pool = eng.lora._pool  # a benchmark instrument: the pool's slot writes are the uploads
-        self._wrap(pool, "_write_slot", self._timed_upload(pool._write_slot))
+        self._wrap(pool, "write_slot", self._timed_upload(pool.write_slot))
         if graphs is not None:
             self._wrap(
                 eng.lora, "prepare_replay", _Timer(self.host, "lora_batch_info", eng.lora.prepare_replay)

@@ -101,6 +101,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         help="auto: the engine's choice (triton-auto on CUDA: SGMV prefill, BGMV decode; torch-gather on CPU)",
     )
     p.add_argument("--disable-cuda-graph", action="store_true")
+    p.add_argument(
+        "--tp-size",
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks (GPUs 0..N-1); the bench itself runs on rank 0",
+    )
     p.add_argument("--hf-batch", type=int, default=32, help="HF + PEFT subset: requests (0 skips it)")
     p.add_argument("--hf-tokens", type=int, default=64)
     p.add_argument("--hf-adapters", type=int, default=8)
@@ -191,6 +198,7 @@ def _engine(args: argparse.Namespace, slots: int, rank: int) -> Any:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         disable_cuda_graph=args.disable_cuda_graph,
+        tp_size=args.tp_size,
         seed=args.seed,
     )
 
@@ -374,6 +382,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"mmlora on the HF + PEFT subset: {subset}", flush=True)
         _partial(out, {"runs": runs, "decode_step": micro, "mmlora_subset": subset})
     engine.runner.cuda_graphs = None
+    engine.shutdown()
     del engine, recorder
     _free()
     if args.hf_batch:

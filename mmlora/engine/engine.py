@@ -16,6 +16,9 @@ from typing import Any
 import torch
 
 from mmlora.config import EngineConfig
+from mmlora.distributed.launch import Workers
+from mmlora.distributed.state import WorkerFailure, all_reduce_min, shutdown_tp
+from mmlora.distributed.step import Command, send_header
 from mmlora.engine.detokenizer import take_delta, update_text
 from mmlora.engine.fault_isolation import StepGuard, describe_fault
 from mmlora.engine.grammar import GrammarCompiler
@@ -25,6 +28,7 @@ from mmlora.engine.request import Request, Status
 from mmlora.engine.sampling_params import RequestOutput, SamplingParams
 from mmlora.engine.scheduler import Scheduler
 from mmlora.engine.setup import build_engine_parts
+from mmlora.engine.tp_worker import join_group, worker_main
 from mmlora.hub import hub_root, resolve_adapter
 from mmlora.kvcache.prefix_cache import PrefixCache
 from mmlora.lora.manager import AdapterRef
@@ -45,7 +49,23 @@ class Engine:
             config = config.replace(**kwargs)
         check_engine_config(config)  # every mistake that needs no weights, before any is read
         self.config = config
-        parts = build_engine_parts(config)
+        self._workers: Workers | None = None
+        tp = config.parallel.tp_size
+        if tp > 1:  # workers are spawned copies of this program; this process is rank 0
+            self._workers = Workers(worker_main, tp, config)
+        try:
+            if self._workers is not None:
+                join_group(0, tp, self._workers.port, config)
+            parts = build_engine_parts(config)
+        except BaseException as exc:
+            if self._workers is None:
+                raise
+            workers, self._workers = self._workers, None
+            workers.join(0)  # kills them: they may wait in a setup step rank 0 never reaches
+            shutdown_tp()
+            if isinstance(exc, WorkerFailure):
+                raise workers.failure(exc, grace_s=0) from exc
+            raise
         self.device = parts.device
         self.model = parts.model
         self.hf_config = parts.hf_config
@@ -59,7 +79,10 @@ class Engine:
         self.is_multimodal = self.model.is_multimodal
         self.multimodal = parts.multimodal
         self.runner = ModelRunner(self.model, self.kv_cache, parts.attention, self.lora, self.device)
-        if not config.scheduler.disable_cuda_graph and self.device.type == "cuda":
+        if self._workers is not None:
+            all_reduce_min(0, self.device)  # every worker built its shard and waits for commands
+        # Decode graphs are captured on one device only for now: tensor-parallel steps run eagerly.
+        if not config.scheduler.disable_cuda_graph and self.device.type == "cuda" and tp == 1:
             self.runner.enable_cuda_graphs(config.scheduler.max_running_requests, self.max_model_len)
         prefix_cache = PrefixCache(self.kv_cache.allocator, enabled=not config.cache.disable_radix)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache.allocator, self.lora, prefix_cache)
@@ -164,7 +187,28 @@ class Engine:
     # ---- the step -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One scheduling step; the outputs of every request that progressed or finished."""
+        """One scheduling step; the outputs of every request that progressed or finished. Raises
+        WorkerFailure, naming the worker, when a tensor-parallel rank died or stopped answering."""
+        if self._workers is None:
+            return self._step()
+        try:
+            return self._step()
+        except WorkerFailure as exc:
+            raise self._workers.failure(exc) from exc
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers and leave the group (nothing to do at tp_size 1)."""
+        if self._workers is None:
+            return
+        workers, self._workers = self._workers, None
+        try:
+            send_header(Command.STOP)
+        except WorkerFailure:
+            logger.warning("a tensor-parallel worker was already gone at shutdown")
+        workers.join(self.config.parallel.dist_timeout_s)
+        shutdown_tp()
+
+    def _step(self) -> list[RequestOutput]:
         ended = [self._requests[rid] for rid in self._aborts if rid in self._requests]
         self._aborts.clear()
         for req in ended:

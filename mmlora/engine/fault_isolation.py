@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from mmlora.distributed.state import WorkerFailure
 from mmlora.engine.grammar import GrammarMasks, apply_grammar_masks
 from mmlora.engine.request import Request
 from mmlora.engine.sampler import BadSamplingRows, sample
@@ -93,6 +94,8 @@ class StepGuard:
             if self.faults is not None:
                 self.faults.check_forward(batch.requests)
             logits, sampling = self.runner.forward(batch)
+        except WorkerFailure:  # a lost tensor-parallel rank is no request's fault: the engine stops
+            raise
         except Exception as e:
             if len(batch) == 1:
                 logger.warning("request %s failed in the forward: %r", batch.requests[0].rid, e)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from mmlora.distributed.state import tp_group
+from mmlora.distributed.step import StepRouting, send_forward
 from mmlora.engine.prompt_logprobs import record_prompt_logprobs
 from mmlora.engine.scheduler import ScheduledBatch
 from mmlora.forward import AttentionMetadata, ForwardBatch
@@ -99,10 +101,16 @@ class ModelRunner:
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(sched):
             return self.cuda_graphs.run(sched)
         batch, sampling = self.build(sched)
-        slots = [r.slot for r in sched.requests]
-        with self.lora.activate(list(sched.num_new), slots):
-            hidden = self.model(batch)
+        routing = StepRouting(list(sched.num_new), [r.slot for r in sched.requests])
+        if tp_group().is_parallel:
+            send_forward(batch, routing)  # the workers run the same forward on their shards
+        hidden = self.run_batch(batch, routing)
         record_prompt_logprobs(self.model, hidden, sched.requests, sched.num_new)
         if not sampling:
             return hidden.new_empty(0, 0, dtype=torch.float32), sampling
         return self.model.compute_logits(hidden[batch.logits_rows]), sampling
+
+    def run_batch(self, batch: ForwardBatch, routing: StepRouting) -> torch.Tensor:
+        """Hidden states [T, H] of one eager forward (every tensor-parallel rank runs this)."""
+        with self.lora.activate(routing.seq_lens, routing.seq_slots):
+            return self.model(batch)

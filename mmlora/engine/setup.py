@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 from dataclasses import dataclass
@@ -10,6 +11,8 @@ from typing import Any
 import torch
 
 from mmlora.config import EngineConfig
+from mmlora.distributed.state import all_reduce_min, tp_group
+from mmlora.distributed.step import set_comm_device
 from mmlora.hub import resolve_lora_config, resolve_model_source, resolve_tokenizer
 from mmlora.kvcache.allocator import KVCache
 from mmlora.layers.attention import AttentionBackend, get_attention_backend
@@ -50,6 +53,15 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def rank_device(name: str, rank: int) -> torch.device:
+    """The device of tensor-parallel ``rank``: cuda:<rank> on CUDA (one GPU per rank), else the CPU."""
+    device = resolve_device(name)
+    if device.type == "cuda":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    return device
+
+
 def resolve_dtype(name: str, device: torch.device, hf_config: Any) -> torch.dtype:
     if name != "auto":
         return _DTYPES[name]
@@ -61,11 +73,16 @@ def resolve_dtype(name: str, device: torch.device, hf_config: Any) -> torch.dtyp
 
 def build_engine_parts(config: EngineConfig) -> EngineParts:
     mc = config.model
-    device = resolve_device(mc.device)
+    tp = tp_group()
+    device = rank_device(mc.device, tp.rank) if tp.is_parallel else resolve_device(mc.device)
+    set_comm_device(device)
     # Every hub id is resolved (and downloaded) before the weights are read: a bad id fails fast.
     source = resolve_model_source(mc)
     tokenizer_path = resolve_tokenizer(mc)
-    lora_config = resolve_lora_config(config.lora, mc.download_dir)
+    if tp.rank > 0:  # adapters are read and validated on rank 0, which sends each worker its shards
+        lora_config = dataclasses.replace(config.lora, lora_paths=[])
+    else:
+        lora_config = resolve_lora_config(config.lora, mc.download_dir)
     logger.info("loading %s ...", source.name)
     hf_config = load_config(source)
     cls = model_class_for(hf_config)
@@ -90,6 +107,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     attn0 = model.layers[0].self_attn
     per_token = KVCache.bytes_per_token(len(model.layers), attn0.num_kv_heads, attn0.head_dim, dtype)
     num_blocks = _plan_kv_blocks(config, device, per_token, max_tokens, model.arch.vocab_size)
+    num_blocks = all_reduce_min(num_blocks, device)  # every rank pages the same blocks
     kv_cache = KVCache(
         len(model.layers),
         num_blocks,

@@ -9,6 +9,7 @@ from torch import nn
 
 from mmlora.backends.base import LoRABackend
 from mmlora.forward.lora import LoRABatchInfo, LoRAWeights
+from mmlora.layers.parallel_linear import RowParallelLinear
 
 
 @dataclass
@@ -22,7 +23,8 @@ class LoRAContext:
 
 
 class LoRALinear(nn.Module):
-    """``out = base(x); out += lora(x)``: the base layer's own forward, then the backend's batched delta.
+    """``out = base(x); out += lora(x)``: the base layer's own forward, then the backend's batched delta
+    (for a row-parallel base: its partial sum, the delta, then the all-reduce).
 
     ``weights`` are this module's views into the adapter pool (A [S, n*R, in], B [S, out, R],
     scalings [S, n] and the slice offsets of a packed module).
@@ -38,9 +40,11 @@ class LoRALinear(nn.Module):
         self.ctx = ctx
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.base(x)
+        # A row-parallel base gives this rank's partial sum; its delta joins it before the all-reduce.
+        row_parallel = isinstance(self.base, RowParallelLinear)
+        out = self.base.partial(x) if row_parallel else self.base(x)
         info = self.ctx.info
         if info is not None and info.has_lora:
             flat_x, flat_out = x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1])
             self.ctx.backend.add_lora(flat_out, flat_x, self.weights, info)
-        return out
+        return self.base.reduce(out) if row_parallel else out

@@ -15,16 +15,19 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from mmlora.backends import get_backend
 from mmlora.backends.warmup import warm_up_lora_kernels
 from mmlora.config import LoRAConfig, split_lora_spec
+from mmlora.distributed.state import tp_group
 from mmlora.forward.lora import LoRABatchInfo, LoRAWeights
 from mmlora.lora.adapter import LoadedAdapter, load_adapter
 from mmlora.lora.layer import LoRAContext, LoRALinear
 from mmlora.lora.paths import confine_adapter_path
 from mmlora.lora.pool import LoRAPool
 from mmlora.lora.registry import AdapterEntry, AdapterRegistry
+from mmlora.lora.shard import AdapterSharder, ShardedLoRAPool, recv_shard
 from mmlora.lora.spec import LoRATargetModel
 
 logger = logging.getLogger(__name__)
@@ -65,6 +68,10 @@ class AdapterRef:
     same_as: tuple[str, str] | None = None
 
 
+def _target(model: LoRATargetModel, layer: int, target: str) -> nn.Module:
+    return model.layers[layer].get_submodule(model.lora_target_paths[target])
+
+
 class LoRAManager:
     def __init__(
         self,
@@ -75,18 +82,24 @@ class LoRAManager:
         device: torch.device,
     ) -> None:
         self.config = config
-        self.spec = model.lora_model_spec()
-        self._offsets = {t.name: t.slice_offsets for t in self.spec.targets}
+        self.spec = model.lora_model_spec()  # full sizes: adapters are validated against these
         self.info = LoRABatchInfo(max_tokens, config.max_loras_per_batch, device)
-        self._pool = LoRAPool(
-            self.spec,
+        # The pool holds this tensor-parallel rank's shards (everything at tp_size 1).
+        pool_args = (
+            model.lora_model_spec(full=False),
             config.max_loras_per_batch,
             config.max_lora_rank,
             config.max_loaded_loras,
             dtype,
             device,
-            on_slot_change=self.info.set_slot_rank,
         )
+        slot_ranks = self.info.set_slot_rank
+        if tp_group().is_parallel and tp_group().rank == 0:
+            sharder = AdapterSharder({t.name: _target(model, 0, t.name) for t in self.spec.targets})
+            self._pool = ShardedLoRAPool(sharder, *pool_args, on_slot_change=slot_ranks)
+        else:
+            self._pool = LoRAPool(*pool_args, on_slot_change=slot_ranks)
+        self._offsets = {t.name: t.slice_offsets for t in self._pool.spec.targets}
         self._ctx = LoRAContext(backend=get_backend(config.lora_backend, device))
         self._registry = AdapterRegistry()
         self.dtype = dtype
@@ -97,7 +110,7 @@ class LoRAManager:
 
     def _wrap(self, model: LoRATargetModel) -> None:
         for i, layer in enumerate(model.layers):
-            for target in self.spec.targets:
+            for target in self._pool.spec.targets:
                 parent_path, attr = model.lora_target_paths[target.name].rsplit(".", 1)
                 parent = layer.get_submodule(parent_path)
                 A, B, scalings = self._pool.buffers[(i, target.name)]
@@ -111,6 +124,16 @@ class LoRAManager:
             for (_, target), (A, B, sc) in self._pool.buffers.items()
         )
         return warm_up_lora_kernels(self._ctx.backend, weights, self.info.max_tokens)
+
+    # ---- a tensor-parallel worker's slots (rank 0 sends them; see mmlora.lora.shard) -------------
+
+    def receive_slot(self, slot: int, adapter_rank: int) -> None:
+        """Receive this worker's shard of the adapter rank 0 writes into ``slot``, and write it."""
+        pool = self._pool
+        pool.write_slot(slot, recv_shard(pool.spec, pool.dtype, pool.device, adapter_rank))
+
+    def clear_slot(self, slot: int) -> None:
+        self._pool.clear_slot(slot)
 
     # ---- what the engine reports ----------------------------------------------------------------
 

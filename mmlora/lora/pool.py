@@ -106,7 +106,7 @@ class LoRAPool:
             old = self.slot_uid[slot]
             if old is not None:
                 del self._slot_of[old]
-            self._write_slot(slot, self.host[uid])
+            self.write_slot(slot, self.host[uid])
             self.slot_uid[slot] = uid
             self._slot_of[uid] = slot
         self._slot_clock[slot] = self._clock
@@ -117,15 +117,17 @@ class LoRAPool:
         slot = self._slot_of.pop(uid, None)
         if slot is not None:
             self.slot_uid[slot] = None
-            for A, B, scalings in self.buffers.values():
-                A[slot].zero_()
-                B[slot].zero_()
-                scalings[slot].zero_()
-            self._on_slot_change(slot, 0)
+            self.clear_slot(slot)
         self.host.pop(uid, None)
         self.pinned.discard(uid)
 
-    def _write_slot(self, slot: int, adapter: LoadedAdapter) -> None:
+    def clear_slot(self, slot: int) -> None:
+        """Zero a slot's weights (its bookkeeping is the caller's)."""
+        torch._foreach_zero_([t[slot] for bufs in self.buffers.values() for t in bufs])
+        self._on_slot_change(slot, 0)
+
+    def write_slot(self, slot: int, adapter: LoadedAdapter) -> None:
+        """Copy ``adapter`` (shaped as this pool's spec) into ``slot`` (its bookkeeping is the caller's)."""
         # Batched: one multi-tensor zeroing and one list of copies, not a launch per tensor and per
         # scaling (an upload touches every (layer, module) buffer: ~1,300 launches, 17 ms of host time
         # per Mistral-7B adapter on an H200 before; issue 13).

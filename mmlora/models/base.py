@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from mmlora.forward.batch import ForwardBatch
+from mmlora.layers.parallel_linear import full_weight_shape, shard_full_weight
 from mmlora.lora.spec import LoRAModelSpec, LoRATarget
 from mmlora.models.arch_config import ArchConfig
 
@@ -70,14 +71,20 @@ class CausalLM(nn.Module):
 
     # ---- LoRA facts -------------------------------------------------------------------------------
 
-    def lora_model_spec(self) -> LoRAModelSpec:
+    def lora_model_spec(self, full: bool = True) -> LoRAModelSpec:
+        """The targets at their full sizes (what adapters are validated against) or, with ``full=False``,
+        at this tensor-parallel rank's shard sizes (what its adapter pool holds)."""
         layer = self.layers[0]
         targets = []
         for name, path in self.lora_target_paths.items():
             linear = layer.get_submodule(path)
             slices = self.packed_modules_mapping.get(name, (name,))
             sizes = tuple(getattr(linear, "output_sizes", (linear.out_features,)))
-            targets.append(LoRATarget(name, slices, linear.in_features, sizes))
+            in_features = linear.in_features
+            if full:
+                sizes = tuple(getattr(linear, "full_output_sizes", sizes))
+                in_features = getattr(linear, "full_in_features", in_features)
+            targets.append(LoRATarget(name, slices, in_features, sizes))
         return LoRAModelSpec(
             num_layers=len(self.layers),
             targets=tuple(targets),
@@ -114,8 +121,9 @@ class CausalLM(nn.Module):
             if param is None:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
             target = param.data
+            module = self.get_submodule(ours.rsplit(".", 1)[0])
+            tensor = shard_full_weight(module, tensor, idx)
             if idx is not None:
-                module = self.get_submodule(ours.rsplit(".", 1)[0])
                 sizes = module.output_sizes
                 start = sum(sizes[:idx])
                 target = target.narrow(0, start, sizes[idx])
@@ -144,7 +152,11 @@ class CausalLM(nn.Module):
         """Random weights for benchmarks: N(0, 0.02) matrices, zero biases, norms at their identity."""
         for i, module in enumerate(self.modules()):
             if isinstance(module, (nn.Linear, nn.Embedding)):
+                # Drawn at the full shape and then sharded, so every tp_size gets the same model.
                 w = module.weight
-                w.normal_(0.0, 0.02, generator=torch.Generator(device=w.device).manual_seed(seed + i))
+                shape = full_weight_shape(module) if isinstance(module, nn.Linear) else w.shape
+                gen = torch.Generator(device=w.device).manual_seed(seed + i)
+                full = torch.empty(shape, dtype=w.dtype, device=w.device).normal_(0.0, 0.02, generator=gen)
+                w.copy_(shard_full_weight(module, full))
                 if getattr(module, "bias", None) is not None:
                     module.bias.zero_()

@@ -18,6 +18,7 @@ from mmlora.forward.batch import ForwardBatch
 from mmlora.layers.attention import AttentionBackend
 from mmlora.layers.fused_ops import silu_and_mul
 from mmlora.layers.norms import RMSNorm
+from mmlora.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from mmlora.layers.rotary import MRotaryEmbedding, RotaryEmbedding, share_rotary
 from mmlora.models.arch_config import ArchConfig
 from mmlora.models.base import CausalLM
@@ -29,14 +30,17 @@ class LlamaAttention(nn.Module):
 
     def __init__(self, cfg: ArchConfig, layer_idx: int) -> None:
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.qkv_proj.output_sizes = (self.q_size, self.kv_size, self.kv_size)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
+        heads, kv_heads = (cfg.num_attention_heads, self.head_dim), (cfg.num_key_value_heads, self.head_dim)
+        # This rank's heads (all of them at tp_size 1); KV heads replicated when fewer than the ranks.
+        names = ("num_attention_heads", "num_key_value_heads", "num_key_value_heads")
+        self.qkv_proj = ColumnParallelLinear(
+            cfg.hidden_size, (heads, kv_heads, kv_heads), cfg.qkv_bias, names
+        )
+        self.o_proj = RowParallelLinear(heads, cfg.hidden_size, cfg.o_proj_bias, "num_attention_heads")
+        self.q_size, self.kv_size = self.qkv_proj.output_sizes[:2]
+        self.num_heads = self.q_size // self.head_dim
+        self.num_kv_heads = self.kv_size // self.head_dim
         rotary = MRotaryEmbedding if cfg.rope.mrope_section is not None else RotaryEmbedding
         self.rotary = rotary(self.head_dim, cfg.max_position_embeddings, cfg.rope)
         self.scale = cfg.attention_scale
@@ -75,9 +79,9 @@ class GatedMLP(nn.Module):
     def __init__(self, cfg: ArchConfig, act_and_mul: Callable[[torch.Tensor], torch.Tensor]) -> None:
         super().__init__()
         self.act_and_mul = act_and_mul
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.gate_up_proj.output_sizes = (cfg.intermediate_size, cfg.intermediate_size)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        inter, names = (cfg.intermediate_size, 1), ("intermediate_size", "intermediate_size")
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, (inter, inter), cfg.mlp_bias, names)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, cfg.mlp_bias, "intermediate_size")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
