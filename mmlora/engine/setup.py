@@ -13,6 +13,7 @@ import torch
 from mmlora.config import EngineConfig
 from mmlora.distributed.state import all_reduce_min, tp_group
 from mmlora.distributed.step import set_comm_device
+from mmlora.engine.cpu_decode import auto_cpu_dtype
 from mmlora.hub import resolve_lora_config, resolve_model_source, resolve_tokenizer
 from mmlora.kvcache.allocator import KVCache
 from mmlora.layers.attention import AttentionBackend, get_attention_backend
@@ -66,7 +67,7 @@ def resolve_dtype(name: str, device: torch.device, hf_config: Any) -> torch.dtyp
     if name != "auto":
         return _DTYPES[name]
     if device.type == "cpu":
-        return torch.float32
+        return auto_cpu_dtype()
     configured = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
     return configured if configured in (torch.float16, torch.bfloat16) else torch.bfloat16
 

@@ -13,7 +13,8 @@ A batch mixes prefill chunks and decode tokens. Request b contributes query toke
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -38,6 +39,8 @@ class AttentionMetadata:
     max_seq_len: int
     query_lens_host: list[int]
     seq_lens_host: list[int]
+    # Per-step tensors a backend derives once and every layer reuses (CPU: gather rows, masks).
+    derived: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
     def is_decode(self) -> bool:

@@ -112,7 +112,25 @@ def test_cpu_cli_on_a_tiny_checkpoint(tmp_path, capsys):
     assert result["rows"] == ["lora0", "lora1", None]
     # fp32, same weights: mmlora's greedy tokens equal HF + PEFT's on every row
     assert result["greedy_rows_equal_to_hf_peft"] == "3/3"
-    assert "mixed / base-only" in capsys.readouterr().out
+    # issue 21's figures: each done-when check, and decode steps against a positive roofline floor
+    assert set(result["checks"]) == {
+        "mmlora_vs_hf_peft", "mixed_vs_base", "decode_fraction_of_fp32_roofline", "bf16_vs_fp32",
+    }  # fmt: skip
+    roof = result["roofline_fp32_mixed"]
+    assert roof["decode_steps"] == 2 and roof["decode_floor_seconds"] > 0 and roof["weight_bytes"] > 0
+    assert 0 < result["checks"]["decode_fraction_of_fp32_roofline"]["value"] == roof["fraction_of_roofline"]
+    assert "mixed adapters / own base-only" in capsys.readouterr().out
+
+
+def test_cpu_bf16_flags_read_from_cpuinfo(tmp_path):
+    from mmlora.engine.cpu_decode import cpu_bf16_flags
+
+    with_bf16, without = tmp_path / "with_bf16", tmp_path / "without"
+    with_bf16.write_text("processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16 amx_tile\n")
+    without.write_text("processor\t: 0\nflags\t\t: fpu avx2\n")
+    assert cpu_bf16_flags(str(with_bf16)) == {"avx512_bf16"}
+    assert cpu_bf16_flags(str(without)) == frozenset()
+    assert cpu_bf16_flags(str(tmp_path / "missing")) == frozenset()
 
 
 def test_random_adapters_follow_each_model_class_layout(tmp_path):

@@ -20,29 +20,36 @@ from mmlora.layers.attention.base import (
 )
 
 
-def _gather_pages(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> torch.Tensor:
-    """cache [N, bs, Hkv, D], block_tables [B, M] -> [B, max_len, Hkv, D] (positions past a request's length are junk)."""
-    bs = cache.shape[1]
-    pos = torch.arange(max_len, device=cache.device)
-    blocks = block_tables[:, pos // bs].long()  # [B, L]
-    flat = blocks * bs + (pos % bs)
-    return cache.view(-1, *cache.shape[2:])[flat]
+def _page_rows(block_tables: torch.Tensor, block_size: int, max_len: int) -> torch.Tensor:
+    """[B, max_len] int64 flat cache rows of each request's first ``max_len`` positions."""
+    pos = torch.arange(max_len, device=block_tables.device)
+    return block_tables[:, pos // block_size].long() * block_size + (pos % block_size)
+
+
+def _gather_pages(cache: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """cache [N, bs, Hkv, D], rows [B, L] from :func:`_page_rows` -> [B, L, Hkv, D] (positions past a
+    request's length are junk). One ``index_select`` of whole rows: on CPU it copies each row once."""
+    flat = cache.view(-1, cache.shape[2] * cache.shape[3])
+    return flat.index_select(0, rows.view(-1)).view(*rows.shape, *cache.shape[2:])
+
+
+def _allowed(q_pos: torch.Tensor, kv_len: torch.Tensor, L: int, sliding_window: int | None) -> torch.Tensor:
+    """[B, Tq, L] bool: key j is visible to the query at q_pos (causal, within kv_len and the window)."""
+    j = torch.arange(L, device=q_pos.device)
+    allowed = (j[None, None, :] <= q_pos[:, :, None]) & (j[None, None, :] < kv_len[:, None, None])
+    if sliding_window:
+        allowed &= j[None, None, :] > q_pos[:, :, None] - sliding_window
+    return allowed
 
 
 def _masked_attention(
     q: torch.Tensor,  # [B, Tq, Hq, D]
     k: torch.Tensor,  # [B, L, Hkv, D]
     v: torch.Tensor,
-    q_pos: torch.Tensor,  # [B, Tq] absolute positions (-1 = padding)
-    kv_len: torch.Tensor,  # [B]
+    allowed: torch.Tensor,  # [B, Tq, L] from _allowed
     scale: float,
-    sliding_window: int | None,
     logit_softcap: float | None,
 ) -> torch.Tensor:
-    j = torch.arange(k.shape[1], device=q.device)
-    allowed = (j[None, None, :] <= q_pos[:, :, None]) & (j[None, None, :] < kv_len[:, None, None])
-    if sliding_window:
-        allowed &= j[None, None, :] > q_pos[:, :, None] - sliding_window
     qf = q.float().transpose(1, 2)  # [B, Hq, Tq, D]
     if not logit_softcap:
         # Same math as below in one fused call (GQA without copying K/V per query head); rows with
@@ -72,17 +79,13 @@ class TorchAttention(AttentionBackend):
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         B = meta.num_seqs
         if meta.is_decode:
-            kk = _gather_pages(k_cache, meta.block_tables[:B], meta.max_seq_len)
-            vv = _gather_pages(v_cache, meta.block_tables[:B], meta.max_seq_len)
-            q_pos = (meta.seq_lens[:B] - 1).long().unsqueeze(1)
+            rows, allowed = _decode_plan(meta, k_cache.shape[1], sliding_window)
             out = _masked_attention(
                 q[:B].unsqueeze(1),
-                kk,
-                vv,
-                q_pos,
-                meta.seq_lens[:B].long(),
+                _gather_pages(k_cache, rows),
+                _gather_pages(v_cache, rows),
+                allowed,
                 scale,
-                sliding_window,
                 logit_softcap,
             )
             return out.squeeze(1)
@@ -92,13 +95,47 @@ class TorchAttention(AttentionBackend):
             n, L = meta.query_lens_host[b], meta.seq_lens_host[b]
             if n == 0:
                 continue
-            kk = _gather_pages(k_cache, meta.block_tables[b : b + 1], L)
-            vv = _gather_pages(v_cache, meta.block_tables[b : b + 1], L)
-            q_pos = torch.arange(L - n, L, device=q.device).unsqueeze(0)
-            kv_len = torch.tensor([L], device=q.device)
-            o = _masked_attention(
-                q[start : start + n].unsqueeze(0), kk, vv, q_pos, kv_len, scale, sliding_window, logit_softcap
-            )
+            rows, allowed = _prefill_plan(meta, b, k_cache.shape[1], sliding_window)
+            if n == L:  # the whole sequence is new: its K/V are this step's own, no need to gather them
+                kk, vv = k[start : start + n].unsqueeze(0), v[start : start + n].unsqueeze(0)
+            else:
+                kk, vv = _gather_pages(k_cache, rows), _gather_pages(v_cache, rows)
+            o = _masked_attention(q[start : start + n].unsqueeze(0), kk, vv, allowed, scale, logit_softcap)
             out[start : start + n] = o[0]
             start += n
         return out
+
+
+def _decode_plan(
+    meta: AttentionMetadata, block_size: int, sliding_window: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cache rows and the mask of a decode step. On CPU they are made once per step and shared by
+    every layer (``meta.derived``); on CUDA each call makes its own, as a captured graph must."""
+    key = f"torch-decode-{block_size}-{sliding_window}"
+    if key in meta.derived:
+        return meta.derived[key]
+    B = meta.num_seqs
+    rows = _page_rows(meta.block_tables[:B], block_size, meta.max_seq_len)
+    seq_lens = meta.seq_lens[:B].long()
+    plan = rows, _allowed((seq_lens - 1).unsqueeze(1), seq_lens, meta.max_seq_len, sliding_window)
+    if seq_lens.device.type == "cpu":
+        meta.derived[key] = plan
+    return plan
+
+
+def _prefill_plan(
+    meta: AttentionMetadata, b: int, block_size: int, sliding_window: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Request ``b``'s cache rows and mask in a step with prefill chunks; shared by every layer on CPU
+    as :func:`_decode_plan`'s are."""
+    key = f"torch-prefill-{b}-{block_size}-{sliding_window}"
+    if key in meta.derived:
+        return meta.derived[key]
+    n, L = meta.query_lens_host[b], meta.seq_lens_host[b]
+    device = meta.block_tables.device
+    rows = _page_rows(meta.block_tables[b : b + 1], block_size, L)
+    q_pos = torch.arange(L - n, L, device=device).unsqueeze(0)
+    plan = rows, _allowed(q_pos, torch.tensor([L], device=device), L, sliding_window)
+    if device.type == "cpu":
+        meta.derived[key] = plan
+    return plan

@@ -1,0 +1,122 @@
+"""CPU decode steps against their roofline, and a torch.profiler per-op profile of one decode step.
+
+Used by ``python -m mmlora.bench cpu``. A decode step must read every weight once and each request's
+K/V so far; its floor is those bytes (:class:`mmlora.bench.serving_parts.StepRecorder`) over the copy
+bandwidth measured in the same process (a STREAM-like ``copy_`` of a buffer far larger than the caches).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from torch.profiler import ProfilerActivity, profile
+
+from mmlora.bench.serving_parts import StepRecorder, weight_bytes
+from mmlora.engine.cpu_decode import cpu_bf16_flags
+
+#: The decode step (counted from the first) that is profiled; it is left out of the roofline figures.
+PROFILED_DECODE_STEP = 8
+
+
+def _is_decode(sched: Any) -> bool:
+    return bool(len(sched)) and all(
+        n == 1 and r.num_computed + 1 == r.num_tokens for r, n in zip(sched.requests, sched.num_new)
+    )
+
+
+def measure_decode_roofline(engine: Any, generate: Callable[[], Any], bandwidth: float) -> dict[str, Any]:
+    """Run ``generate`` once with each forward of ``engine`` timed; decode steps against their floor.
+
+    Returns the decode steps' summed wall seconds and floor seconds, their ratio (fraction of the
+    roofline reached), the same for prefill-holding steps (time only), and the per-op profile of one
+    decode step (the ``PROFILED_DECODE_STEP``-th).
+    """
+    runner = engine.runner
+    own_forward = runner.__dict__.get("forward")
+    dtype = next(engine.model.parameters()).dtype
+    recorder = StepRecorder(engine, weight_bytes(engine.model), dtype)
+    recorded = runner.forward
+    prefill_seconds: list[float] = []
+    profiled: dict[str, Any] = {}
+    seen = {"decode": 0}
+
+    def forward(sched):  # noqa: ANN001, ANN202
+        decode = _is_decode(sched)
+        if decode:
+            seen["decode"] += 1
+        if decode and seen["decode"] == PROFILED_DECODE_STEP and not profiled:
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                out = recorded(sched)
+            recorder.pending = None
+            profiled.update(_profile_summary(prof, len(sched)))
+            return out
+        t0 = time.perf_counter()
+        out = recorded(sched)
+        seconds = time.perf_counter() - t0
+        if decode:
+            recorder.after_step(seconds)
+        else:
+            prefill_seconds.append(seconds)
+        return out
+
+    runner.forward = forward
+    try:
+        generate()
+    finally:
+        if own_forward is None:
+            del runner.forward
+        else:
+            runner.forward = own_forward
+    steps = recorder.steps
+    actual = sum(s[0] for s in steps)
+    floor = sum(recorder.floor_seconds(ctx, ranks, bandwidth) for _, _, ctx, ranks in steps)
+    return {
+        "dtype": str(dtype).removeprefix("torch."),
+        "weight_bytes": recorder.weights,
+        "kv_bytes_per_token": recorder.kv_per_token,
+        "decode_steps": len(steps),
+        "decode_seconds": actual,
+        "decode_floor_seconds": floor,
+        "mean_decode_step_ms": 1e3 * actual / max(len(steps), 1),
+        "mean_decode_floor_ms": 1e3 * floor / max(len(steps), 1),
+        "fraction_of_roofline": floor / actual if actual else 0.0,
+        "prefill_steps": len(prefill_seconds),
+        "prefill_seconds": sum(prefill_seconds),
+        "profile": profiled,
+    }
+
+
+def _profile_summary(prof: Any, batch: int, rows: int = 15) -> dict[str, Any]:
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in events)
+    return {
+        "batch": batch,
+        "self_cpu_ms_total": total / 1e3,
+        "ops_called": sum(e.count for e in events),
+        "top_ops": [
+            {"op": e.key, "calls": e.count, "self_cpu_ms": e.self_cpu_time_total / 1e3} for e in events[:rows]
+        ],
+    }
+
+
+def format_profile(summary: dict[str, Any]) -> list[str]:
+    """Report lines: one decode step's top ops by self CPU time."""
+    if not summary:
+        return ["  (no decode step was profiled: fewer decode steps than PROFILED_DECODE_STEP)"]
+    total = summary["self_cpu_ms_total"]
+    lines = [
+        f"  per-op profile of one decode step (batch {summary['batch']}): {total:.1f} ms self CPU, "
+        f"{summary['ops_called']} op calls",
+        f"    {'op':48s} {'calls':>6s} {'ms':>8s} {'share':>6s}",
+    ]
+    for op in summary["top_ops"]:
+        share = op["self_cpu_ms"] / total if total else 0.0
+        lines.append(f"    {op['op'][:48]:48s} {op['calls']:6d} {op['self_cpu_ms']:8.2f} {share:6.1%}")
+    return lines
+
+
+def cpu_has_fast_bf16() -> bool:
+    """Whether this CPU computes bf16 matmuls natively (AVX-512 BF16 or AMX-BF16, from /proc/cpuinfo)."""
+    return bool(cpu_bf16_flags())
