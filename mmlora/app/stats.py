@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mmlora.engine.background import BackgroundEngine
+from mmlora.server.client_metrics import describe_top
 
 
 @dataclass(frozen=True)
@@ -142,6 +143,7 @@ def summary_markdown(sample: StatsSample | None) -> str:
         f"**KV cache** {100 * s['kv_cache_usage']:.0f}% · "
         f"**generated** {s['generation_tokens_total']} tokens · **preemptions** {s['num_preemptions_total']}"
         f"  \n{prefix_cache_line(s)}"
+        + (f"  \n**top clients** {top}" if (top := describe_top(s.get("clients"))) else "")
     )
 
 

@@ -59,9 +59,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = make_parser("python -m mmlora.bench serving", __doc__.split("\n\n")[0])
     p.add_argument(
         "--workload",
-        choices=["standard", "shared-prefix"],
+        choices=["standard", "shared-prefix", "two-tenants"],
         default="standard",
-        help="shared-prefix: the prefix cache on against off (mmlora.bench.serving_prefix)",
+        help="shared-prefix: the prefix cache on against off (mmlora.bench.serving_prefix); two-tenants: "
+        "a heavy adapter at 10x the rate of 7 light ones, fcfs against vtc (mmlora.bench.serving_tenants)",
     )
     p.add_argument(
         "--shared-prefix",
@@ -200,6 +201,7 @@ def _engine(args: argparse.Namespace, slots: int, rank: int) -> Any:
         disable_cuda_graph=args.disable_cuda_graph,
         tp_size=args.tp_size,
         seed=args.seed,
+        schedule_policy=getattr(args, "schedule_policy", "fcfs"),
     )
 
 
@@ -425,6 +427,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         from mmlora.bench import serving_prefix
 
         return serving_prefix.main(args)
+    if args.workload == "two-tenants":
+        from mmlora.bench import serving_tenants
+
+        return serving_tenants.main(args)
     result = run(args)
     out = Path(args.out)
     (out / "serving.json").write_text(json.dumps(result, indent=2, default=str))

@@ -418,6 +418,7 @@ class Engine:
             "slots_used": self.lora.slots_used,
             "num_preemptions_total": sched.num_preemptions,
             "prefill_tokens_computed_total": sched.num_prefill_tokens,
+            "clients": sched.client_stats(),
             **sched.prefix_cache.stats(),
             **self.counters,
         }

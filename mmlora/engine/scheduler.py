@@ -20,6 +20,7 @@ instead of computing it again. Preemption and finishing release references; page
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 
@@ -78,6 +79,19 @@ class Scheduler:
     def client_of(req: Request) -> str:
         """Who a request is billed to: its client id, else its adapter, else the base model."""
         return req.client_id or req.lora_name or BASE_CLIENT
+
+    def client_stats(self) -> dict[str, dict[str, float]]:
+        """Per client: weighted service (the VTC counter), tokens served, waiting and running requests,
+        and its caps (0: none). Kept under either policy, so fcfs servers show it too."""
+        limits = self.client_limits
+        return {
+            client: {
+                **dataclasses.asdict(stats),
+                "max_running": limits.running_cap(client),
+                "max_queued": limits.queued_cap(client),
+            }
+            for client, stats in self.vtc.clients.items()
+        }
 
     def check_client_queue(self, client: str) -> None:
         """Raise OverflowError when ``client`` already has its cap of waiting requests."""

@@ -17,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from mmlora.engine.background import BackgroundEngine
 from mmlora.engine.sampling_params import RequestOutput
+from mmlora.server.client_metrics import client_metrics
 from mmlora.server.residency import ResidencyCollector, residency_snapshot
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -56,8 +57,9 @@ _E2E_BUCKETS = (
 class _EngineStatsCollector:
     """Exposes the last ``engine.stats()`` snapshot (set just before each scrape)."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, max_client_labels: int) -> None:
         self.model_name = model_name
+        self.max_client_labels = max_client_labels
         self.stats: dict[str, Any] = {}
 
     def describe(self) -> list[Metric]:
@@ -111,6 +113,7 @@ class _EngineStatsCollector:
             time.time(),
         )
         yield info
+        yield from client_metrics(s.get("clients") or {}, self.model_name, self.max_client_labels)
 
 
 class ServerMetrics:
@@ -155,7 +158,7 @@ class ServerMetrics:
             ["model_name", "finished_reason"],
             registry=self.registry,
         )
-        self._engine = _EngineStatsCollector(model_name)
+        self._engine = _EngineStatsCollector(model_name, max_adapter_labels)
         self.registry.register(self._engine)  # type: ignore[arg-type]
         self._residency = ResidencyCollector(model_name, max_adapter_labels)
         self.registry.register(self._residency)  # type: ignore[arg-type]

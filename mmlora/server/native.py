@@ -128,6 +128,7 @@ async def _build(body: GenerateRequest, state: ServerState) -> tuple[list[dict[s
                     "return_logprob": bool(logprob[i]),
                     "top_logprobs_num": int(top_n[i]) if logprob[i] else 0,
                     "logprob_start_len": int(starts[i]),
+                    "client_id": body.client_id,
                 }
             )
             named.append(loras[i])

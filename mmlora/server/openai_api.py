@@ -153,6 +153,7 @@ async def completions(req: CompletionRequest, request: Request) -> Any:
                     "return_logprob": want_logprobs or with_prompt,
                     "top_logprobs_num": top_n,
                     "logprob_start_len": 0 if with_prompt else -1,
+                    "client_id": req.user or None,
                 }
             )
     echo = [_echo_text(state, items[i]) if req.echo else "" for i in range(len(items))]
@@ -314,6 +315,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Any:
             "lora": lora,
             "return_logprob": req.logprobs,
             "top_logprobs_num": req.top_logprobs or 0,
+            "client_id": req.user or None,
         }
         for one in sp.samples()
     ]

@@ -87,6 +87,7 @@ class GenerateRequest(BaseModel):
     logprob_start_len: Int64 | list[Int64] | None = -1
     rid: Text | list[Text] | None = None
     session_id: Text | None = None  # SGLang sessions are not supported; null is accepted
+    client_id: Text | None = None  # who the request is billed to under --schedule-policy vtc
 
 
 class StreamOptions(BaseModel):
