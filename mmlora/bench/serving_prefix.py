@@ -145,9 +145,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def main(args: argparse.Namespace) -> dict[str, Any]:
-    result = run(args)
-    path = Path(args.out) / "serving_prefix.json"
+def write_result(result: dict[str, Any], path: Path) -> dict[str, Any]:
+    """Write a workload's result JSON (also used by the two-tenants workload)."""
     path.write_text(json.dumps(result, indent=2, default=str))
     print(f"wrote {path} ({result['wall_s']:.0f} s)")
     return result
+
+
+def main(args: argparse.Namespace) -> dict[str, Any]:
+    return write_result(run(args), Path(args.out) / "serving_prefix.json")

@@ -180,3 +180,23 @@ def test_grammar_cli_on_a_tiny_checkpoint(tmp_path, capsys):
     assert bench_main(argv) == 0
     out = capsys.readouterr().out
     assert "B=4, 2 constrained" in out and "% of a step" in out
+
+
+def test_serving_two_tenants_workload_on_cpu(tmp_path, capsys):
+    base = make_checkpoint(tmp_path / "base", "llama")
+    out = tmp_path / "tenants"
+    argv = [
+        "serving", "--workload", "two-tenants", "--model", str(base), "--device", "cpu", "--dtype", "float32",
+        "--num-requests", "24", "--arrival", "poisson", "--rate", "200", "--input-len", "4", "10",
+        "--output-len", "3", "6", "--max-model-len", "64", "--max-running-requests", "2", "--ranks", "4",
+        "--out", str(out),
+    ]  # fmt: skip
+    assert bench_main(argv) == 0
+    result = json.loads((out / "serving_tenants.json").read_text())
+    assert [len(result["policies"][p]) for p in ("fcfs", "vtc")] == [2, 2]  # each policy twice
+    for run in result["policies"]["fcfs"] + result["policies"]["vtc"]:
+        assert sum(run["requests"].values()) == 24 and run["output_tok_per_s"] > 0
+        assert run["light_ttft_p99_s"] >= run["light_ttft_p50_s"] > 0
+    worst = max(v["light_ttft_p99_s"] / f["light_ttft_p99_s"] for f, v in zip(*result["policies"].values()))
+    assert result["ratios"]["light_ttft_p99_vtc_over_fcfs"] == worst
+    assert "light-class TTFT p99, vtc / fcfs" in capsys.readouterr().out
