@@ -62,7 +62,7 @@ async def _runtime_adapter_folder(state: ServerState, path: str) -> str:
     """A folder under --lora-root, or a hub id (with --allow-hub-adapters) fetched off the engine thread."""
     root = state.config.lora_root
     ref = parse_hub_ref(path)
-    if ref is None or (root and os.path.isdir(os.path.join(os.path.realpath(root), path))):
+    if ref is None or (root and os.path.lexists(os.path.join(os.path.realpath(root), path))):
         try:
             return confine_adapter_path(path, root)
         except AdapterFolderMissing as e:
