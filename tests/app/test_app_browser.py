@@ -258,7 +258,9 @@ def test_live_stats_show_running_work_and_the_table_full_paths(
     import re
 
     page = open_page(browser, app)
-    _set_number(page, "max-new-tokens", MAX_NEW_TOKENS)
+    # Long enough that the stats panel's next tick (every second) sees the chat in flight: with a few
+    # tokens the reply could finish between two ticks on a fast machine.
+    _set_number(page, "max-new-tokens", 400)
     page.locator("#chat-input textarea").fill("Tell me about")
     page.locator("#chat-send").click()
     sync_api.expect(page.locator("#stats")).to_contain_text(re.compile(r"in flight\s*[1-9]"), timeout=15_000)
