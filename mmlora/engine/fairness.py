@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import heapq
+import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -49,9 +50,6 @@ class VirtualTokenCounter:
         self.decode_weight = decode_weight
         self.clients: dict[str, ClientStats] = collections.defaultdict(ClientStats)
         self._last_left = 0.0
-
-    def backlogged(self) -> list[str]:
-        return [c for c, s in self.clients.items() if s.waiting > 0]
 
     def on_arrival(self, client: str) -> None:
         """A request of ``client`` joins the waiting queue (a new one, or a preempted one re-queued)."""
@@ -116,8 +114,6 @@ def load_client_limits(path: str | None, max_running: int, max_queued: int) -> C
     """Limits from flags, overridden per client by a JSON file ``{"client": {"max_running": n, ...}}``."""
     if not path:
         return ClientLimits(max_running, max_queued)
-    import json
-
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
