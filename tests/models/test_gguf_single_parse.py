@@ -23,19 +23,36 @@ def smollm2():
 
 
 def test_config_tokenizer_and_weights_come_from_one_parse(smollm2, monkeypatch):
+    from transformers.integrations import gguf as fast
+
     gguf._cached_parse.cache_clear()
-    parses = []
-    original = legacy.load_gguf_checkpoint
+    gguf._cached_tokenizer.cache_clear()
+    parses, tokenizer_reads = [], []
+    original, original_read = legacy.load_gguf_checkpoint, fast.get_gguf_tokenizer
 
     def counting(path, *args, **kwargs):
         parses.append(path)
         return original(path, *args, **kwargs)
 
+    def counting_read(path):
+        tokenizer_reads.append(path)
+        return original_read(path)
+
     monkeypatch.setattr(legacy, "load_gguf_checkpoint", counting)
+    monkeypatch.setattr(fast, "get_gguf_tokenizer", counting_read)
     config = load_config(smollm2)
     load_tokenizer(smollm2, None)
     first = next(iter_weights(smollm2, config))
-    assert len(parses) == 1 and first[1].dtype == torch.float32
+    # SmolLM2 (llama) takes the fast header read: no legacy GGUFReader walk, one tokenizer read
+    assert parses == [] and len(tokenizer_reads) == 1 and first[1].dtype == torch.float32
+
+
+def test_the_header_parse_equals_the_legacy_parse(smollm2):
+    ours = gguf._header_parse(smollm2.path)
+    ref = legacy.load_gguf_checkpoint(smollm2.path, return_tensors=False)
+    assert ours is not None
+    assert ours["config"] == ref["config"]
+    assert ours["tokenizer"] == ref["tokenizer"]
 
 
 def test_the_results_equal_transformers(smollm2):
