@@ -10,6 +10,7 @@ when ``allocate`` runs out of free pages.
 from __future__ import annotations
 
 import collections
+import math
 from collections.abc import Callable, Iterable
 
 import torch
@@ -150,10 +151,13 @@ class KVCache:
         device: torch.device,
     ) -> None:
         shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
-        # On CPU the OS maps an allocation this large as zero pages on first touch, so `empty` is already
-        # zeros and costs memory only as pages are used (zeroing the default 1.5 GB took 2-3 s of a
-        # build). CUDA's caching allocator hands back used memory: zero it there.
-        alloc = torch.zeros if device.type == "cuda" else torch.empty
+        # glibc serves a CPU allocation past its 32 MiB mmap threshold from fresh mmap pages, which are
+        # zero and cost memory only once touched: zeroing SmolLM2's default 1.5 GB by hand took 2-3 s of
+        # a build. Smaller ones may reuse freed heap memory, and CUDA's caching allocator reuses used
+        # memory: those are zeroed (a masked-out position times a stale NaN would still be NaN).
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        fresh_pages = device.type == "cpu" and nbytes >= 64 << 20
+        alloc = torch.empty if fresh_pages else torch.zeros
         self.data = alloc(shape, dtype=dtype, device=device)
         self.allocator = BlockAllocator(num_blocks, block_size)
 
