@@ -11,6 +11,7 @@ import sys
 import threading
 
 from mmlora.app.cli import build_engine, checked_engine_config, launch, parse_args
+from mmlora.preflight import exit_on_config_error
 
 
 def main() -> None:
@@ -22,7 +23,9 @@ def main() -> None:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stop.set())
-    bg = build_engine(args, config)
+    # A mistake found only when the engine starts (a hub id that cannot be fetched, a checkpoint that
+    # does not fit) is one line and status 2 too, as in launch_server.
+    bg = exit_on_config_error(build_engine, args, config)
     demo = None
     try:
         if not stop.is_set():
