@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from mmlora.bench.cli import make_parser
+from mmlora.bench.cli import make_parser, progress, quiet_third_party, target_mark
 
 TARGETS = {"fewer_loads": 5.0, "throughput": 1.3}
 
@@ -167,9 +167,9 @@ def run_mode(
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
+    quiet_third_party()
     import ray
     from ray import serve
-    from tqdm import tqdm
 
     from mmlora.bench.adapters import _config_of, write_random_adapters
 
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": args.port})
         try:
-            for routing in tqdm(args.routing, desc="routing modes"):
+            for routing in progress(args.routing, "routing modes"):
                 results["modes"][routing] = r = run_mode(args, routing, root, work)
                 print(
                     f"{routing:>8}: {r['adapter_loads']:5d} adapter loads, {r['output_tok_per_s']:8.1f} out tok/s, "
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             ("fewer_loads", fewer, "x fewer adapter loads"),
             ("throughput", speed, "x throughput"),
         ):
-            mark = "met" if value >= TARGETS[name] else "MISSED"
+            mark = target_mark(value, TARGETS[name])
             print(f"routing by adapter: {value:.2f}{unit} (target >= {TARGETS[name]}: {mark})")
         print(f"routing by adapter: TTFT p99 {results['ratios']['ttft_p99']:.2f}x of Ray's default router's")
     if args.out:

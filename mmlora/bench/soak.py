@@ -24,7 +24,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from mmlora.bench.cli import make_parser
+from mmlora.bench.cli import check_engine_options, make_parser, quiet_third_party, target_mark
 
 CHURN = "soak-churn"
 
@@ -223,6 +223,7 @@ def _cli(args: argparse.Namespace) -> SoakReport:
     import sys
 
     import uvicorn
+    from tqdm.auto import tqdm
 
     from mmlora import Engine
     from mmlora.engine.background import BackgroundEngine
@@ -230,19 +231,26 @@ def _cli(args: argparse.Namespace) -> SoakReport:
     from mmlora.server.config import ServerConfig
 
     logging.basicConfig(level=logging.WARNING)
+    quiet_third_party()
     root = os.path.realpath(args.lora_root)
+    if not os.path.isdir(root):
+        sys.stderr.write(f"error: --lora-root {root}: no such folder\n")
+        raise SystemExit(2)
     folders = sorted(
         d for d in os.listdir(root) if os.path.isfile(os.path.join(root, d, "adapter_config.json"))
     )
     if len(folders) < 2:
-        sys.exit(f"--lora-root {root}: needs at least two adapter folders")
+        sys.stderr.write(f"error: --lora-root {root}: needs at least two adapter folders\n")
+        raise SystemExit(2)
     served, churn = folders[:-1], folders[-1]
-    engine = Engine(
+    engine_kwargs = dict(
         model=args.model,
         device=args.device,
         lora_paths={n: os.path.join(root, n) for n in served},
         max_loras_per_batch=4,
     )
+    check_engine_options(**engine_kwargs)
+    engine = Engine(**engine_kwargs)
     bg = BackgroundEngine(engine)
     config = ServerConfig(
         port=_free_port(), enable_lora_runtime_update=True, lora_root=root, log_level="warning"
@@ -257,6 +265,14 @@ def _cli(args: argparse.Namespace) -> SoakReport:
     out = sys.stdout
     out.write(f"soak: {args.clients} streaming clients for {args.duration:.0f} s, churning {churn!r}\n")
     out.write(f"{'t (s)':>8} {'RSS (MiB)':>10}\n")
+    # A bar over the run's seconds on stderr, advanced at each RSS sample; the table stays on stdout.
+    bar = tqdm(total=round(args.warmup + args.duration), desc="soak", unit="s", leave=False)
+
+    def on_sample(t: float, mb: float) -> None:
+        bar.update(max(0, min(round(t), bar.total) - bar.n))
+        out.write(f"{t:8.1f} {mb:10.1f}\n")
+        out.flush()
+
     report = run_soak(
         url,
         bg,
@@ -266,13 +282,17 @@ def _cli(args: argparse.Namespace) -> SoakReport:
         clients=args.clients,
         warmup=args.warmup,
         sample_every=args.sample_every,
-        on_sample=lambda t, mb: out.write(f"{t:8.1f} {mb:10.1f}\n") or out.flush(),
+        on_sample=on_sample,
         seed=args.seed,
     )
+    bar.close()
     server.should_exit = True
     bg.shutdown(drain=False, timeout=10)
     out.write(f"requests: {report.requests} {dict(report.outcomes)}\nadmin: {dict(report.admin)}\n")
-    out.write(f"idle: {report.idle}\nRSS growth after warm-up: {report.rss_growth_mb:+.1f} MiB\n")
+    growth = report.rss_growth_mb
+    mark = target_mark(growth, args.max_rss_growth_mb, at_least=False)
+    out.write(f"idle: {report.idle}\nRSS growth after warm-up: {growth:+.1f} MiB ")
+    out.write(f"(target <= {args.max_rss_growth_mb:g} MiB: {mark})\n")
     problems = report.problems(args.max_rss_growth_mb)
     out.write(
         "invariants: " + ("all hold\n" if not problems else "FAILED\n  " + "\n  ".join(problems) + "\n")
