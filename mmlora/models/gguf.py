@@ -25,9 +25,11 @@ import torch
 _patch_lock = threading.RLock()
 
 
-# GGUF architectures whose legacy metadata parse is the plain key renaming, with no special case in
-# ``load_gguf_checkpoint`` (it renames llama files named "mistral", rewrites gemma3/t5/lfm2/..., etc.).
-_PLAIN_ARCHITECTURES = frozenset({"llama", "qwen2", "gemma2"})
+# GGUF architectures whose legacy metadata parse is the plain key renaming (no special case in
+# ``load_gguf_checkpoint``, which renames llama files named "mistral", rewrites gemma3/t5/lfm2/...),
+# and that a test holds equal to it: llama, the architecture of SmolLM2 and most GGUF files. Others
+# take the legacy parse.
+_PLAIN_ARCHITECTURES = frozenset({"llama"})
 
 
 def _transformers_parse(path: str) -> dict:
