@@ -20,6 +20,7 @@ from pathlib import Path
 
 from mmlora.config import LoRAConfig, ModelConfig, split_lora_spec
 from mmlora.models.loader import ModelSource, resolve_model
+from mmlora.preflight import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +35,7 @@ _REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9_.-]+")
 _SNAPSHOT = re.compile(r"models--(?P<org>[^/]+?)--(?P<name>[^/]+)/snapshots/(?P<commit>[0-9a-f]{40})/?$")
 
 
-class HubError(ValueError):
+class HubError(ConfigError):
     """A hub id that cannot be resolved; the message is one line naming the repo and what to do."""
 
 

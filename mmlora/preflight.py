@@ -46,10 +46,9 @@ def check_engine_config(config: EngineConfig, *, images: Any = None) -> ModelFac
     """Every check of ``config`` (and of ``images``, if given) that needs no weights; raises ConfigError.
 
     Returns the model's facts, or None for a model given by hub id (not downloaded yet)."""
-    _check_backend_names(config)
+    check_backend_names(config)
     _check_device(config.model.device, config.model.dtype)
-    # Hub ids are checked (and fetched) by mmlora.hub when the engine starts, still before any weight.
-    paths = [p for p in (split_lora_spec(spec)[1] for spec in config.lora.lora_paths) if not _is_hub_id(p)]
+    paths = [_fetched_adapter(split_lora_spec(spec)[1], config) for spec in config.lora.lora_paths]
     for path in paths:  # the commonest mistake, found before torch is imported
         if not os.path.isdir(path):
             problem = "no such adapter folder" if not os.path.exists(path) else "is not a folder"
@@ -62,6 +61,18 @@ def check_engine_config(config: EngineConfig, *, images: Any = None) -> ModelFac
         _check_adapter_targets(path, adapter_config, facts)
     check_images(facts, images)
     return facts
+
+
+def _fetched_adapter(path: str, config: EngineConfig) -> str:
+    """A hub id's snapshot folder (fetched now, before torch is imported: a wrong id fails in seconds;
+    the engine's own resolution is then a cache hit); a path passes as is."""
+    if not _is_hub_id(path):
+        return path
+    from mmlora.hub import resolve_adapter  # its HubError is a ConfigError
+
+    return resolve_adapter(
+        path, download_dir=config.model.download_dir, allow_pickled=config.lora.allow_pickled_adapters
+    )
 
 
 def _is_hub_id(spec: str) -> bool:
@@ -116,14 +127,14 @@ def model_facts(model: str) -> ModelFacts:
         hf = SimpleNamespace(architectures=None, model_type=gguf_architecture(source.path))
     else:
         hf = _read_config_json(os.path.join(source.path, "config.json"))
-    from mmlora.models.registry import model_class_for
+    from mmlora.models.families import family_for
 
     try:
-        cls = model_class_for(hf)
+        family = family_for(hf)
     except ValueError as e:
         raise ConfigError(f"model: {e}") from None
     arch = (hf.architectures or [hf.model_type])[0]
-    return ModelFacts(source.name, str(arch), tuple(cls.lora_module_parents), cls.is_multimodal)
+    return ModelFacts(source.name, str(arch), tuple(family.lora_module_parents), family.is_multimodal)
 
 
 def gguf_architecture(path: str) -> str:
@@ -178,7 +189,8 @@ def _read_config_json(file: str) -> SimpleNamespace:
     return SimpleNamespace(architectures=data.get("architectures"), model_type=data.get("model_type"))
 
 
-def _check_backend_names(config: EngineConfig) -> None:
+def check_backend_names(config: EngineConfig) -> None:
+    """The LoRA and attention backend names are registered ones (or auto)."""
     lora_backend = config.lora.lora_backend
     registry = sys.modules.get("mmlora.backends.registry")
     known = {*BUILTIN_LORA_BACKENDS, *(registry.available_backends() if registry else ())}

@@ -3,7 +3,24 @@
 ``build_ui`` needs gradio (``pip install 'mmlora[app]'``); the controller and stats do not.
 """
 
-from mmlora.app.controller import BASE, MAX_COMPARE, AppController, StreamView, make_sampling
-from mmlora.app.stats import StatsMonitor
+from __future__ import annotations
 
-__all__ = ["BASE", "MAX_COMPARE", "AppController", "StatsMonitor", "StreamView", "make_sampling"]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "BASE": "controller",
+    "MAX_COMPARE": "controller",
+    "AppController": "controller",
+    "StreamView": "controller",
+    "make_sampling": "controller",
+    "StatsMonitor": "stats",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    # Imported on first use: ``python app.py`` checks its options (mmlora.app.cli) before torch loads.
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'mmlora.app' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"mmlora.app.{_EXPORTS[name]}"), name)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-from mmlora.bench.cli import quiet_third_party
+from mmlora.bench.cli import precheck_backend_names, quiet_third_party
 
 SUBCOMMANDS: dict[str, str] = {
     "kernels": "mmlora.bench.kernels",
@@ -33,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
             f"usage: python -m mmlora.bench {{{names}}} [options]  (--help after one for its options)\n"
         )
         return 2
+    precheck_backend_names(argv[1:])
     quiet_third_party()
     importlib.import_module(SUBCOMMANDS[argv[0]]).main(argv[1:])
     return 0

@@ -54,6 +54,23 @@ def target_mark(value: Any, target: float, *, at_least: bool = True) -> str:
     return "met" if ok else "MISSED"
 
 
+def precheck_backend_names(argv: list[str]) -> None:
+    """``--lora-backend`` and ``--attention-backend`` checked before a benchmark's module (and so torch)
+    is imported: a misspelt backend is one line and exit status 2 in a fraction of a second. Options a
+    benchmark does not take are left to its own parser."""
+    from mmlora.config import EngineConfig
+    from mmlora.preflight import check_backend_names, exit_on_config_error
+
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--lora-backend", default="auto")
+    parser.add_argument("--attention-backend", default="auto")
+    args, _ = parser.parse_known_args(argv)
+    config = exit_on_config_error(
+        EngineConfig.from_kwargs, lora_backend=args.lora_backend, attention_backend=args.attention_backend
+    )
+    exit_on_config_error(check_backend_names, config)
+
+
 def check_engine_options(**engine_kwargs: Any) -> None:
     """The engine options a benchmark will use, checked before anything loads: one line, exit status 2."""
     from mmlora.config import EngineConfig

@@ -21,6 +21,7 @@ from mmlora.layers.norms import RMSNorm
 from mmlora.layers.rotary import share_rotary
 from mmlora.models.arch_config import ArchConfig
 from mmlora.models.base import CausalLM
+from mmlora.models.families import GEMMA2
 from mmlora.models.llama import GatedMLP, LlamaAttention, LlamaForCausalLM
 
 _TANH_GELUS = ("gelu_pytorch_tanh", "gelu_tanh", "gelu_new", "gelu_fast")
@@ -79,10 +80,10 @@ class Gemma2Model(nn.Module):
 
 
 class Gemma2ForCausalLM(CausalLM):
-    hf_architectures = ("Gemma2ForCausalLM",)
-    hf_model_types = ("gemma2",)
+    hf_architectures = GEMMA2.hf_architectures
+    hf_model_types = GEMMA2.hf_model_types
     packed_modules_mapping = LlamaForCausalLM.packed_modules_mapping
-    lora_module_parents = LlamaForCausalLM.lora_module_parents
+    lora_module_parents = dict(GEMMA2.lora_module_parents)
     lora_target_paths = LlamaForCausalLM.lora_target_paths
     lora_layers_prefix = "model.layers"
 

@@ -22,6 +22,7 @@ from mmlora.layers.parallel_linear import ColumnParallelLinear, RowParallelLinea
 from mmlora.layers.rotary import MRotaryEmbedding, RotaryEmbedding, share_rotary
 from mmlora.models.arch_config import ArchConfig
 from mmlora.models.base import CausalLM
+from mmlora.models.families import LLAMA
 
 
 class LlamaAttention(nn.Module):
@@ -136,21 +137,13 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(CausalLM):
-    hf_architectures = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-    hf_model_types = ("llama", "mistral", "qwen2")
+    hf_architectures = LLAMA.hf_architectures
+    hf_model_types = LLAMA.hf_model_types
     packed_modules_mapping = {
         "qkv_proj": ("q_proj", "k_proj", "v_proj"),
         "gate_up_proj": ("gate_proj", "up_proj"),
     }
-    lora_module_parents = {
-        "q_proj": "self_attn",
-        "k_proj": "self_attn",
-        "v_proj": "self_attn",
-        "o_proj": "self_attn",
-        "gate_proj": "mlp",
-        "up_proj": "mlp",
-        "down_proj": "mlp",
-    }
+    lora_module_parents = dict(LLAMA.lora_module_parents)
     lora_target_paths = {
         "qkv_proj": "self_attn.qkv_proj",
         "o_proj": "self_attn.o_proj",

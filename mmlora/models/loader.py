@@ -9,9 +9,10 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # the loader is imported by preflight and hub checks, which must not wait for torch
+    import torch
 
 logger = logging.getLogger(__name__)
 

