@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from mmlora.bench import serving_tenants
 from mmlora.bench.adapters import write_random_adapters
 from mmlora.bench.breakdown import StepBreakdown, format_summary
 from mmlora.bench.cli import check_engine_options, make_parser, progress
@@ -62,7 +63,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         choices=["standard", "shared-prefix", "two-tenants"],
         default="standard",
         help="shared-prefix: the prefix cache on against off (mmlora.bench.serving_prefix); two-tenants: "
-        "a heavy adapter at 10x the rate of 7 light ones, fcfs against vtc (mmlora.bench.serving_tenants)",
+        "a heavy adapter at --heavy-load x capacity and 7 light ones at capacity/10, fcfs against vtc "
+        "(mmlora.bench.serving_tenants; --num-requests, --rate and --arrival do not apply)",
     )
     p.add_argument(
         "--shared-prefix",
@@ -72,6 +74,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         metavar=("SYSTEM", "USER", "OUTPUT"),
         help="shared-prefix workload: system prompt tokens per adapter, user-turn tokens in, tokens out",
     )
+    serving_tenants.add_arguments(p)
     p.add_argument("--model", default="dummy:mistral-7b-v0.3")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", help="auto: bfloat16 on CUDA, float32 on CPU")
@@ -152,6 +155,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     check_engine_options(
         model=args.model, device=args.device, dtype=args.dtype, lora_backend=args.lora_backend
     )
+    if args.workload == "two-tenants" and not (
+        args.heavy_load > 0 and args.duration > 0 and args.rounds >= 1
+    ):
+        raise ValueError("--heavy-load and --duration: must be > 0; --rounds: must be >= 1")
     if args.workload == "shared-prefix" and (
         min(args.shared_prefix) < 1 or sum(args.shared_prefix) > args.max_model_len
     ):
@@ -428,8 +435,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
         return serving_prefix.main(args)
     if args.workload == "two-tenants":
-        from mmlora.bench import serving_tenants
-
         return serving_tenants.main(args)
     result = run(args)
     out = Path(args.out)

@@ -416,6 +416,7 @@ class Engine:
             "waiting_loras": sorted({r.lora_name for r in sched.waiting if r.lora is not None}),
             "max_loras": self.lora.num_slots,
             "slots_used": self.lora.slots_used,
+            "lora_slot_loads_total": self.lora.slot_loads,
             "num_preemptions_total": sched.num_preemptions,
             "prefill_tokens_computed_total": sched.num_prefill_tokens,
             "clients": sched.client_stats(),

@@ -20,7 +20,7 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # identity: queue searches compare requests, and a field-by-field compare costs
 class Request:
     """Tokens ``all_ids[:num_computed]`` have their K/V in the request's pages; the rest run next.
 
@@ -62,6 +62,7 @@ class Request:
     sent_ids_len: int = 0
     generator: torch.Generator | None = None
     num_preemptions: int = 0
+    queue_seq: int = 0  # the scheduler's key for its place in the waiting queue (smaller: nearer the head)
     # Prefix cache (mmlora.kvcache.prefix_cache): keys of the full pages, how many leading pages are in
     # the cache, and the prompt tokens the first admission found cached.
     block_hashes: list[bytes] = field(default_factory=list)

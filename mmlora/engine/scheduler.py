@@ -9,7 +9,8 @@ adapters are served in arrival order.
 
 Which waiting request goes first is the policy's choice (``schedule_policy``): ``fcfs`` takes them in
 arrival order; ``vtc`` takes the head of the least-served backlogged client first (see fairness.py), and a
-client at its running cap is skipped without losing its place.
+client at its running cap is skipped without losing its place. Besides the one waiting queue, each client
+has its own (same order), so finding the next client costs O(backlogged clients), not O(waiting requests).
 
 Prefix cache (mmlora.kvcache.prefix_cache): an admitted request first takes the cached pages of its
 prefix and starts prefill at its first uncached token. A request whose next page a running request is
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import logging
 from dataclasses import dataclass, field
 
@@ -67,6 +69,9 @@ class Scheduler:
         self.lora = lora
         self.prefix_cache = prefix_cache or PrefixCache(allocator, enabled=False)
         self.waiting: collections.deque[Request] = collections.deque()
+        # Per client, its waiting requests in the order of ``waiting``; a key only while non-empty.
+        self._client_queues: dict[str, collections.deque[Request]] = {}
+        self._seq = itertools.count(1)  # queue_seq of requests joining at the tail (and, negated, the head)
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.num_prefill_tokens = 0  # tokens scheduled that were not a decode step (prompt, recompute)
@@ -100,8 +105,30 @@ class Scheduler:
             raise OverflowError(f"client {client!r} has {cap} waiting requests, its limit")
 
     def add(self, req: Request) -> None:
-        self.waiting.append(req)
+        self._enqueue(req, front=False)
         self.vtc.on_arrival(self.client_of(req))
+
+    def _enqueue(self, req: Request, front: bool) -> None:
+        queue = self._client_queues.setdefault(self.client_of(req), collections.deque())
+        req.queue_seq = -next(self._seq) if front else next(self._seq)  # keeps ``waiting``'s order
+        if front:
+            self.waiting.appendleft(req)
+            queue.appendleft(req)
+        else:
+            self.waiting.append(req)
+            queue.append(req)
+
+    def _dequeue(self, req: Request) -> None:
+        """Take ``req`` out of the waiting queues (the caller settles its client's counters)."""
+        self.waiting.remove(req)
+        client = self.client_of(req)
+        queue = self._client_queues[client]
+        if queue[0] is req:  # the usual case: a client's head is admitted
+            queue.popleft()
+        else:
+            queue.remove(req)
+        if not queue:
+            del self._client_queues[client]
 
     def _busy_adapters(self) -> set[int]:
         return {r.lora.uid for r in self.running if r.lora is not None}
@@ -128,7 +155,7 @@ class Scheduler:
         req.status = Status.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self._enqueue(req, front=True)
         self.vtc.on_preempt(self.client_of(req))
         logger.info("preempted %s (KV cache full); it will be recomputed", req.rid)
 
@@ -177,21 +204,26 @@ class Scheduler:
             yield from list(self.waiting)
             return
         passed: set[str] = set()
+        stats = self.vtc.clients
         while True:
-            heads: dict[str, Request] = {}
-            for req in self.waiting:
-                client = self.client_of(req)
-                if client not in passed and client not in heads:
-                    heads[client] = req
-            if not heads:
+            # The least-served client; ties go to the one whose head waited longest (its place in ``waiting``).
+            client, counter, seq = None, 0.0, 0
+            for name, queue in self._client_queues.items():
+                c = stats[name].counter
+                if (client is None or c < counter or (c == counter and queue[0].queue_seq < seq)) and (
+                    name not in passed
+                ):
+                    client, counter, seq = name, c, queue[0].queue_seq
+            if client is None:
                 return
-            client = self.vtc.order(heads)[0]
             cap = self.client_limits.running_cap(client)
             if cap and self.vtc.clients[client].running >= cap:
                 passed.add(client)
                 continue
-            yield heads[client]
-            if heads[client] in self.waiting:
+            head = self._client_queues[client][0]
+            yield head
+            queue = self._client_queues.get(client)
+            if queue and queue[0] is head:  # still waiting: skipped, so its client is not offered again
                 passed.add(client)
 
     def after_forward(self, batch: ScheduledBatch) -> None:
@@ -239,14 +271,14 @@ class Scheduler:
                 try:
                     req.slot = self.lora.admit(req.lora, busy)
                 except ValueError as e:  # the adapter's files changed since it was validated
-                    self.waiting.remove(req)
+                    self._dequeue(req)
                     self.vtc.on_leave_queue(self.client_of(req))
                     self.release(req)
                     req.error = str(e)
                     failed.append(req)
                     continue
                 busy.add(req.lora.uid)
-            self.waiting.remove(req)
+            self._dequeue(req)
             self.vtc.on_admit(self.client_of(req), len(req.prompt_ids), charge=req.num_preemptions == 0)
             req.status = Status.RUNNING
             self.running.append(req)
@@ -263,7 +295,7 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
             self.vtc.on_finish(self.client_of(req))
-        elif req in self.waiting:
-            self.waiting.remove(req)
+        elif req in self._client_queues.get(self.client_of(req), ()):
+            self._dequeue(req)
             self.vtc.on_leave_queue(self.client_of(req))
         self.release(req)

@@ -149,6 +149,11 @@ class LoRAManager:
     def slots_used(self) -> int:
         return self._pool.slots_used
 
+    @property
+    def slot_loads(self) -> int:
+        """Adapter loads into device slots since start (adapter churn)."""
+        return self._pool.slot_loads
+
     def nbytes(self) -> int:
         return self._pool.nbytes()
 

@@ -53,6 +53,9 @@ class LoRAPool:
         self._slot_of: dict[int, int] = {}
         self._slot_clock = [0] * num_slots
         self._clock = 0
+        # Adapter loads into a slot since start: churn, which a scheduling policy that spreads admissions
+        # over more adapters than slots drives up (each load copies the adapter's weights to the device).
+        self.slot_loads = 0
         self.host: OrderedDict[int, LoadedAdapter] = OrderedDict()
         self.pinned: set[int] = set()
 
@@ -107,6 +110,7 @@ class LoRAPool:
             if old is not None:
                 del self._slot_of[old]
             self.write_slot(slot, self.host[uid])
+            self.slot_loads += 1
             self.slot_uid[slot] = uid
             self._slot_of[uid] = slot
         self._slot_clock[slot] = self._clock

@@ -99,6 +99,9 @@ class _EngineStatsCollector:
             s.get("prefix_cache_hits_total", 0),
         )
         yield gauge("mmlora:lora_slots_used", "Adapter slots holding an adapter.", s.get("slots_used", 0))
+        yield counter(
+            "mmlora:lora_slot_loads", "Adapter loads into device slots.", s.get("lora_slot_loads_total", 0)
+        )
         info = GaugeMetricFamily(
             "vllm:lora_requests_info",
             "Running and waiting LoRA adapters (comma-separated labels); the value is the scrape time.",

@@ -37,6 +37,7 @@ def test_batch_never_holds_more_adapters_than_slots_and_fifo(tiny):
     rids = [eng.add_request("Hello world", sampling_params=GREEDY, lora=name) for name in order]
     first_scheduled: dict[str, int] = {}
     step = 0
+    resident, loads = [None, None], 0  # slot contents seen after each step: an oracle for slot loads
     while eng.has_unfinished():
         assert step < 500, "7 requests of 6 tokens did not finish within 500 steps"
         running = [r for r in eng.scheduler.running if r.lora is not None]
@@ -47,7 +48,11 @@ def test_batch_never_holds_more_adapters_than_slots_and_fifo(tiny):
             first_scheduled.setdefault(r.rid, step)
             if r.lora is not None:
                 assert eng.lora.slot_of(r.lora) == r.slot  # its slot really holds its adapter
+        now = list(eng.lora._pool.slot_uid)  # a slot loaded in a step holds a busy adapter till its end
+        loads += sum(u is not None and u != before for before, u in zip(resident, now))
+        resident = now
         step += 1
+    assert eng.stats()["lora_slot_loads_total"] == loads >= 4  # four adapters through two slots
     adapter_rids = [rid for rid, name in zip(rids, order) if name is not None]
     starts = [first_scheduled[rid] for rid in adapter_rids]
     assert starts == sorted(starts)  # adapters are served in arrival order

@@ -111,3 +111,16 @@ def test_batch_info_fill_segments(slots):
     assert info.max_rank == 4
     with pytest.raises(ValueError, match="slot"):
         info.fill([1], [slots])
+
+
+def test_slot_loads_count_copies_into_slots_not_hits_or_refusals():
+    pool, _ = make_pool(slots=2)
+    for uid in (1, 2, 3):
+        pool.put_host(uid, adapter(2, float(uid)), set())
+    pool.acquire_slot(1, set())  # load
+    pool.acquire_slot(2, set())  # load
+    pool.acquire_slot(1, set())  # already resident: no load
+    assert pool.acquire_slot(3, busy={1, 2}) is None  # refused: no load
+    pool.acquire_slot(3, set())  # load, evicting 2
+    pool.acquire_slot(2, set())  # load again: churn
+    assert pool.slot_loads == 4
