@@ -63,6 +63,14 @@ def sm_count(device: torch.device) -> int:
     return _sm_count(device.type, device.index)
 
 
+# Host-side launch arithmetic. Since Triton 3.5, ``triton.cdiv`` and ``triton.next_power_of_2`` are
+# constexpr functions whose host calls go through a wrapper (4.6 and 5.6 us a call against 0.2 us for
+# the plain expression, triton 3.9 on the shared 2-core CPU); an eager Mistral-7B forward made about
+# 1,000 of them. Equal to Triton's for every int ``a`` and ``b > 0``, and for ``n >= 1``.
+def cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
 def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
