@@ -15,6 +15,13 @@ forwards actually ran, recomputation after preemption included) and the step-tim
 (mmlora.bench.breakdown: per step kind, per host phase, uploads, Triton compiles); per pair the on/off
 ratios, and per workload the worse of the pairs against the issue's targets. Writes
 ``serving_prefix.json`` into ``--out``.
+
+With every request arriving at once and ``--max-running-requests`` below ``--num-requests``, requests
+run in waves of that many (every turn has the same output length, so a wave ends together): at 256
+requests and 128 running, TTFT p50 is the midpoint between the last of wave one and the first of wave
+two, for the cache on and off alike. The cap bounds the decode batch (and the CUDA graphs captured), which
+the cache does not make cheaper, so it stays a setting applied to both sides rather than something the
+scheduler lifts when prefixes hit; benchmarks/h200_prefix.sh runs both 128 and 256.
 """
 
 from __future__ import annotations
