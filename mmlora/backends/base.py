@@ -29,7 +29,8 @@ from mmlora.forward.lora import LoRABatchInfo, LoRAWeights
 
 
 class LoRABackend(ABC):
-    """A family of batched LoRA kernels. Instances are stateless apart from scratch buffers."""
+    """A family of batched LoRA kernels. Instances are stateless apart from scratch buffers and host-side
+    memos of checks already made."""
 
     name: ClassVar[str]
 

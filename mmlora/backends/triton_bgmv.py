@@ -26,6 +26,7 @@ from torch import Tensor
 from mmlora.backends.registry import register_backend
 from mmlora.backends.triton_common import (
     FusedTritonBackend,
+    cdiv,
     check_expand_args,
     check_shrink_args,
     next_pow2,
@@ -182,13 +183,13 @@ class _ShrinkPlan:
         self.block_r = min(next_pow2(top_rank), max(1, 256 // self.ns_p2))
         rows = self.ns_p2 * self.block_r
         self.block_k = min(256, max(32, TUNING["shrink_tile"] // rows))
-        self.r_tiles = triton.cdiv(R, self.block_r)  # cover R, not this batch's max rank: graph-safe
-        active = T * triton.cdiv(top_rank, self.block_r)
-        k_blocks = triton.cdiv(in_features, self.block_k)
-        want = split_k or triton.cdiv(TUNING["waves"] * sm_count(device), active)
+        self.r_tiles = cdiv(R, self.block_r)  # cover R, not this batch's max rank: graph-safe
+        active = T * cdiv(top_rank, self.block_r)
+        k_blocks = cdiv(in_features, self.block_k)
+        want = split_k or cdiv(TUNING["waves"] * sm_count(device), active)
         split = max(1, min(want, TUNING["max_split_k"], k_blocks))
-        self.k_per_split = triton.cdiv(k_blocks, split) * self.block_k
-        self.split_k = triton.cdiv(in_features, self.k_per_split)
+        self.k_per_split = cdiv(k_blocks, split) * self.block_k
+        self.split_k = cdiv(in_features, self.k_per_split)
 
 
 def _shrink_partials(
@@ -233,7 +234,7 @@ def _expand(
     n_out = B.shape[1]
     block_r = min(64, max(16, next_pow2(info.max_rank)))
     block_n = min(512, max(32, TUNING["expand_tile"] // block_r))
-    n_tiles = triton.cdiv(n_out, block_n)
+    n_tiles = cdiv(n_out, block_n)
     grid = (info.num_tokens * n_tiles,)
     _bgmv_expand_kernel[grid](
         p, B, out, scalings, info.token_slots, info.ranks,

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from mmlora.backends.registry import register_backend
-from mmlora.backends.triton_common import dot_upcast, next_pow2, offset_args, select_bound
+from mmlora.backends.triton_common import cdiv, dot_upcast, next_pow2, offset_args, select_bound
 from mmlora.backends.triton_sgmv import TritonSGMVBackend
 from mmlora.forward import LoRABatchInfo, LoRAWeights
 
@@ -111,7 +111,7 @@ def fused_decode_add_lora(
     R = B.shape[2]
     widths = [b - a for a, b in zip(slice_offsets, slice_offsets[1:])]
     chunk = TUNING["chunk"]
-    chunks = triton.cdiv(max(widths), chunk)
+    chunks = cdiv(max(widths), chunk)
     T = info.num_tokens
     grid = (T * n * chunks,)
     _fused_decode_kernel[grid](

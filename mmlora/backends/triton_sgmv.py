@@ -22,6 +22,7 @@ from torch import Tensor
 from mmlora.backends.registry import register_backend
 from mmlora.backends.triton_common import (
     FusedTritonBackend,
+    cdiv,
     check_expand_args,
     check_shrink_args,
     dot_upcast,
@@ -205,7 +206,7 @@ class _Tiles:
     tile (decode, CUDA graphs) need none."""
 
     def __init__(self, info: LoRABatchInfo, block_m: int) -> None:
-        max_seg = max(info.seg_lens_host)
+        max_seg = info.max_seg_len
         self.block_m = block_m
         self.tiled = max_seg > block_m
         self.m_tiles = 1  # untiled, every segment fits one tile
@@ -252,19 +253,19 @@ def _shrink_planes(
     ns_p2 = next_pow2(n)
     top_rank = info.max_rank if skip_pad else R
     block_r = min(max(16, next_pow2(R)), max(16, 128 // ns_p2))
-    tiles = _Tiles.of(info, _block_m(max(info.seg_lens_host), TUNING["shrink_block_m"]))
+    tiles = _Tiles.of(info, _block_m(info.max_seg_len, TUNING["shrink_block_m"]))
     block_k = 64 if tiles.block_m >= 64 else 128
     if split_k:  # a forced split (tests, benchmarks) gets blocks small enough to honour it
-        block_k = min(block_k, max(16, next_pow2(triton.cdiv(in_f, split_k))))
-    r_tiles = triton.cdiv(R, block_r)  # cover R (zeros past the rank), not just this batch's ranks
+        block_k = min(block_k, max(16, next_pow2(cdiv(in_f, split_k))))
+    r_tiles = cdiv(R, block_r)  # cover R (zeros past the rank), not just this batch's ranks
     # Split in_features until the launch has a few waves of programs: a long segment alone would
     # otherwise leave most of the GPU idle (the rank dimension gives almost no parallelism).
-    busy = tiles.count * triton.cdiv(top_rank, block_r)
-    k_blocks = triton.cdiv(in_f, block_k)
-    want = split_k or triton.cdiv(TUNING["waves"] * sm_count(x.device), busy)
+    busy = tiles.count * cdiv(top_rank, block_r)
+    k_blocks = cdiv(in_f, block_k)
+    want = split_k or cdiv(TUNING["waves"] * sm_count(x.device), busy)
     split = max(1, min(want, TUNING["max_split_k"], k_blocks))
-    k_per_split = triton.cdiv(k_blocks, split) * block_k
-    split = triton.cdiv(in_f, k_per_split)
+    k_per_split = cdiv(k_blocks, split) * block_k
+    split = cdiv(in_f, k_per_split)
     dtype = x.dtype if split == 1 and not fp32_planes else torch.float32
     # Planes padded to 16 rows: their stride keeps the same divisibility for every batch.
     h = torch.empty((split, -(-T // 16) * 16, A.shape[1]), dtype=dtype, device=x.device)[:, :T]
@@ -286,10 +287,10 @@ def _expand_planes(
     B, scalings, slice_offsets = weights.B, weights.scalings, weights.slice_offsets
     n = weights.n_slices
     widths = [b - a for a, b in zip(slice_offsets, slice_offsets[1:])]
-    tiles = _Tiles.of(info, _block_m(max(info.seg_lens_host), TUNING["block_m"]))
+    tiles = _Tiles.of(info, _block_m(info.max_seg_len, TUNING["block_m"]))
     block_n = TUNING["block_n"]
     block_k = min(64, max(16, next_pow2(R)))
-    n_tiles = triton.cdiv(max(widths), block_n)
+    n_tiles = cdiv(max(widths), block_n)
     grid = (tiles.count * n * n_tiles,)
     _sgmv_expand_kernel[grid](
         h, B, out, scalings, info.seg_indptr, info.weight_indices, info.ranks, tiles.seg, tiles.m0,

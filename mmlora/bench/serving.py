@@ -75,6 +75,19 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         help="shared-prefix workload: system prompt tokens per adapter, user-turn tokens in, tokens out",
     )
     serving_tenants.add_arguments(p)
+    p.add_argument(
+        "--prefix-workloads",
+        nargs="+",
+        choices=["shared-prefix", "no-sharing"],
+        default=["shared-prefix", "no-sharing"],
+        help="shared-prefix workload: which workloads run the cache on against off",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=2,
+        help="shared-prefix workload: timed on/off pairs per workload, the order alternating",
+    )
     p.add_argument("--model", default="dummy:mistral-7b-v0.3")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", help="auto: bfloat16 on CUDA, float32 on CPU")
@@ -140,7 +153,14 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         args.num_adapters = [n for n in args.num_adapters if n <= 128] or args.num_adapters[:1]
         args.num_requests = min(args.num_requests, 192)
         args.time_budget = args.time_budget or 300.0
-    for name in ("num_requests", "max_loras_per_batch", "max_running_requests", "hf_tokens", "micro_context"):
+    for name in (
+        "num_requests",
+        "max_loras_per_batch",
+        "max_running_requests",
+        "hf_tokens",
+        "micro_context",
+        "repeats",
+    ):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}: must be >= 1")
     for name in ("input_len", "output_len"):

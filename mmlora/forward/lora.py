@@ -45,7 +45,8 @@ class LoRABatchInfo:
       ranks          [num_slots]       rank of the adapter in each slot (0 when empty)
     Host mirrors (Python lists / ints) let backends make launch decisions without a device sync:
       num_tokens, num_segments, max_rank (largest rank in this batch, 0 when no row has an adapter),
-      seg_lens_host, seg_slots_host, ranks_host.
+      seg_lens_host, seg_slots_host, ranks_host, max_seg_len (longest segment, 0 when none: kernels
+      size token tiles by it, so it is found once per fill, not once per layer).
     ``host_derived`` is emptied by every fill: backends may cache routing they derive from the host
     mirrors there (once per forward, shared by every layer).
     """
@@ -65,6 +66,7 @@ class LoRABatchInfo:
         self.max_rank = 0
         self.seg_lens_host: list[int] = []
         self.seg_slots_host: list[int] = []
+        self.max_seg_len = 0
         self.ranks_host: list[int] = [0] * num_slots
         self.host_derived: dict[str, object] = {}
 
@@ -118,6 +120,7 @@ class LoRABatchInfo:
         self.num_segments = nseg
         self.seg_lens_host = seg_lens
         self.seg_slots_host = seg_slots
+        self.max_seg_len = max(seg_lens, default=0)
         self.host_derived = {}
         self.max_rank = max((self.ranks_host[s] for s in seg_slots if s >= 0), default=0)
 
@@ -137,4 +140,5 @@ class LoRABatchInfo:
         self.max_rank = max_rank
         self.seg_lens_host = [1] * n
         self.seg_slots_host = list(slots)
+        self.max_seg_len = 1 if n else 0
         self.host_derived = {}

@@ -52,12 +52,30 @@ class CachedSequence(Protocol):
 
 
 def page_key(parent: bytes, adapter_uid: int, tokens: Sequence[int], images: Sequence[bytes]) -> bytes:
+    """The key of one page, as the module docstring defines it (``PrefixCache.keys`` computes the same
+    bytes for many pages at once; a test holds the two equal)."""
     h = hashlib.sha256(parent)
     h.update(struct.pack("<q", adapter_uid))
     h.update(array("q", tokens).tobytes())
     for image in images:
         h.update(image)
     return h.digest()
+
+
+def _page_images(mm: ImageSpans | None, block_size: int, first: int, end: int) -> list[list[bytes]]:
+    """Per page in [first, end), the hashes of the images whose placeholder run overlaps it, in image
+    order: one sweep over the images, each touching only its own pages."""
+    per_page: list[list[bytes]] = [[] for _ in range(end - first)]
+    if mm is None:
+        return per_page
+    for (start, length), image in zip(mm.spans, mm.image_hashes):
+        # pages p with p*bs < start+length and start < (p+1)*bs (an empty run strictly inside a page
+        # overlaps it, as the interval test does)
+        lo = max(start // block_size, first)
+        hi = min((start + length - 1) // block_size, end - 1)
+        for page in range(lo, hi + 1):
+            per_page[page - first].append(image)
+    return per_page
 
 
 class PrefixCache:
@@ -84,23 +102,30 @@ class PrefixCache:
         del self._uid_of[page]
 
     def keys(self, seq: CachedSequence, num_tokens: int) -> list[bytes]:
-        """The keys of the sequence's full pages within its first ``num_tokens`` tokens (memoised on it)."""
+        """The keys of the sequence's full pages within its first ``num_tokens`` tokens (memoised on it).
+
+        One pass over the new pages: their token ids become bytes in one conversion and each page's key
+        is one sha256 over (parent key, adapter uid, the page's slice, its images), the bytes page_key
+        hashes."""
         bs, keys = self.block_size, seq.block_hashes
         want = num_tokens // bs
-        if len(keys) < want:
-            ids = seq.all_ids
-            spans = self._image_spans(seq.mm_inputs)
-            for i in range(len(keys), want):
-                lo, hi = i * bs, (i + 1) * bs
-                images = [h for s, n, h in spans if s < hi and lo < s + n]
-                keys.append(page_key(keys[-1] if keys else b"", seq.adapter_uid, ids[lo:hi], images))
+        first = len(keys)
+        if first < want:
+            tokens = memoryview(array("q", seq.all_ids[first * bs : want * bs]).tobytes())
+            uid = struct.pack("<q", seq.adapter_uid)
+            images = _page_images(seq.mm_inputs, bs, first, want)
+            step = 8 * bs  # bytes of one page's ids
+            parent = keys[-1] if keys else b""
+            sha256 = hashlib.sha256
+            for j in range(want - first):
+                h = sha256(parent)
+                h.update(uid)
+                h.update(tokens[j * step : (j + 1) * step])
+                for image in images[j]:
+                    h.update(image)
+                parent = h.digest()
+                keys.append(parent)
         return keys[:want]
-
-    @staticmethod
-    def _image_spans(mm: ImageSpans | None) -> list[tuple[int, int, bytes]]:
-        if mm is None:
-            return []
-        return [(s, n, h) for (s, n), h in zip(mm.spans, mm.image_hashes)]
 
     def lookup(self, seq: CachedSequence) -> tuple[list[int], bytes | None]:
         """The cached pages of the sequence's longest cached run of leading full pages, and the key of the

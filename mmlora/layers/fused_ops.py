@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mmlora.backends.triton_common import cdiv, next_pow2
+
 #: Launch heuristics (read at every launch, so a benchmark can sweep them): the widest row RMSNorm keeps
 #: in registers in one tile (wider rows loop over tiles of this width, reading the row twice), columns
 #: per program of the gated activations and their warps, and elements (heads x half head_dim) per rotary
@@ -280,8 +282,8 @@ def rms_norm_triton(
         r2 = _unit_cols(residual.reshape(-1, N))
         s = torch.empty((rows, N), dtype=x.dtype, device=x.device)
     if rows and N:
-        block = block or min(triton.next_power_of_2(N), TUNING["norm_max_block"])
-        tiles = triton.cdiv(N, block)
+        block = block or min(next_pow2(N), TUNING["norm_max_block"])
+        tiles = cdiv(N, block)
         _rms_norm_kernel[(rows,)](
             x2, r2, weight, y, s,
             N, x2.stride(0), r2.stride(0), y.stride(0), s.stride(0), float(eps), float(offset),
@@ -336,8 +338,8 @@ def _act_and_mul_triton(name: str, gate_up: torch.Tensor, act: int) -> torch.Ten
     g2 = _unit_cols(gate_up.reshape(-1, 2 * inter))
     out = torch.empty((g2.shape[0], inter), dtype=gate_up.dtype, device=gate_up.device)
     if g2.shape[0] and inter:
-        block = min(triton.next_power_of_2(inter), TUNING["act_block"])
-        grid = (g2.shape[0], triton.cdiv(inter, block))
+        block = min(next_pow2(inter), TUNING["act_block"])
+        grid = (g2.shape[0], cdiv(inter, block))
         _act_and_mul_kernel[grid](
             g2, out, inter, g2.stride(0), out.stride(0), ACT=act, BLOCK=block, num_warps=TUNING["act_warps"],
             enable_fp_fusion=True,  # fma inside act, as nvcc builds torch's own activation kernels
@@ -404,10 +406,10 @@ def apply_rotary_triton(
     if T == 0 or D == 0:
         return qo, ko
     half = D // 2
-    block_d = triton.next_power_of_2(half)
-    block_h = max(1, min(TUNING["rope_tile"] // block_d, triton.next_power_of_2(max(Hq, Hkv))))
-    q_blocks = triton.cdiv(Hq, block_h)
-    grid = (T, q_blocks + triton.cdiv(Hkv, block_h))
+    block_d = next_pow2(half)
+    block_h = max(1, min(TUNING["rope_tile"] // block_d, next_pow2(max(Hq, Hkv))))
+    q_blocks = cdiv(Hq, block_h)
+    grid = (T, q_blocks + cdiv(Hkv, block_h))
     _rope_kernel[grid](
         q, k, cos, sin, qo, ko,
         Hq, Hkv, half, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0),

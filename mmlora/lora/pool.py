@@ -139,6 +139,8 @@ class LoRAPool:
         torch._foreach_zero_([t[slot] for bufs in self.buffers.values() for t in bufs])
         dst: list[torch.Tensor] = []
         src: list[torch.Tensor] = []
+        scale_dst: list[torch.Tensor] = []
+        scale_values: list[float] = []
         for (layer, target), (A, B, scalings) in self.buffers.items():
             weights = adapter.weights.get((layer, target))
             if weights is None:
@@ -152,8 +154,17 @@ class LoRAPool:
                 dst += [A[slot, i * R : i * R + r], B[slot, offsets[i] : offsets[i + 1], :r]]
                 src += [a, b]
                 scale[i] = float(s)
-            dst.append(scalings[slot])
-            src.append(torch.tensor(scale, dtype=torch.float32))
+            scale_dst.append(scalings[slot])
+            scale_values += scale
+        if scale_dst:
+            # All scalings from one host tensor, pinned on CUDA. A pageable source (one small tensor per
+            # module before) makes each copy wait for the stream: the whole upload blocked the host for
+            # its GPU time (1.9 s host for 1.95 s GPU at 1000 adapters on the H200, issue 13).
+            host = torch.tensor(scale_values, dtype=torch.float32)
+            if self.device.type == "cuda":
+                host = host.pin_memory()
+            dst += scale_dst
+            src += list(host.split([t.numel() for t in scale_dst]))
         if dst:
             torch._foreach_copy_(dst, src, non_blocking=True)
         self._on_slot_change(slot, adapter.rank)

@@ -82,19 +82,27 @@ def test_serving_shared_prefix_workload_on_cpu(tmp_path, capsys):
     result = json.loads((out / "serving_prefix.json").read_text())
     rows = {r["workload"]: r for r in result["results"]}
     assert set(rows) == {"shared-prefix", "no-sharing"}
-    shared = rows["shared-prefix"]
-    # 6 turns over 2 system prompts of 40 tokens (16-token pages): 4 turns find 32 of their 44 tokens cached.
-    assert shared["off"]["prefill_tokens_computed"] == 6 * 44
-    assert shared["on"]["prefill_tokens_computed"] == 6 * 44 - 4 * 32
-    assert shared["on"]["cached_prompt_tokens"] == 4 * 32 and shared["off"]["cached_prompt_tokens"] == 0
-    assert (
-        rows["no-sharing"]["on"]["prefill_tokens_computed"]
-        == rows["no-sharing"]["off"]["prefill_tokens_computed"]
-    )
-    for run in (shared["on"], shared["off"]):
-        assert (
-            run["output_tok_per_s"] > 0 and run["ttft_p50_s"] > 0 and run["ttft_p99_s"] >= run["ttft_p50_s"]
+    for row in rows.values():  # two timed pairs (the default), the order alternating
+        assert [p["order"] for p in row["pairs"]] == ["on first", "off first"]
+        assert row["worse"]["throughput_on_over_off"] == min(
+            p["ratios"]["throughput_on_over_off"] for p in row["pairs"]
         )
+        assert row["worse"]["ttft_p50_on_over_off"] == max(
+            p["ratios"]["ttft_p50_on_over_off"] for p in row["pairs"]
+        )
+    for pair in rows["shared-prefix"]["pairs"]:
+        on, off = pair["on"], pair["off"]
+        # 6 turns over 2 system prompts of 40 tokens (16-token pages): 4 turns find 32 of their 44 tokens cached.
+        assert off["prefill_tokens_computed"] == 6 * 44
+        assert on["prefill_tokens_computed"] == 6 * 44 - 4 * 32
+        assert on["cached_prompt_tokens"] == 4 * 32 and off["cached_prompt_tokens"] == 0
+        for run in (on, off):
+            assert run["output_tok_per_s"] > 0 and run["ttft_p99_s"] >= run["ttft_p50_s"] > 0
+            kinds = run["breakdown"]["step_kinds"]
+            assert sum(k["count"] for k in kinds.values()) > 0
+            assert run["breakdown"]["host_phases_s"]["schedule"] > 0
+    for pair in rows["no-sharing"]["pairs"]:
+        assert pair["on"]["prefill_tokens_computed"] == pair["off"]["prefill_tokens_computed"]
     assert "prefill computed" in capsys.readouterr().out
 
 

@@ -59,6 +59,31 @@ def test_slot_contents_match_adapter_and_padding_is_zero():
     assert info.ranks_host[slot] == 2 and int(info.ranks[slot]) == 2
 
 
+def test_a_reused_slot_holds_only_the_new_adapter():
+    """Weights and scalings of every layer come from the adapter last written (one host tensor feeds all
+    scalings); modules it leaves out are zero, whatever the slot held before."""
+    pool, _ = make_pool(slots=1)
+    old = adapter(4, 3.0)
+    old.weights[(1, "o_proj")] = LoRAModuleWeights(
+        A=(torch.full((4, 8), 3.0),), B=(torch.full((8, 4), 3.0),), scalings=(7.0,)
+    )
+    pool.put_host(1, old, set())
+    pool.acquire_slot(1, set())
+    new = adapter(2, 1.5)
+    for layer in range(2):  # distinct scalings per layer, to catch a misrouted one
+        w = new.weights[(layer, "qkv_proj")]
+        new.weights[(layer, "qkv_proj")] = LoRAModuleWeights(w.A, w.B, (2.0 + layer, 0.0, 0.5 + layer))
+    pool.put_host(2, new, set())
+    slot = pool.acquire_slot(2, set())
+    for layer in range(2):
+        A, B, s = pool.buffers[(layer, "qkv_proj")]
+        assert s[slot].tolist() == [2.0 + layer, 0.0, 0.5 + layer]
+        assert torch.equal(A[slot, 0:2], torch.full((2, 8), 1.5)) and A[slot, 2:4].abs().sum() == 0
+        assert torch.equal(B[slot, 12:16, :2], torch.full((4, 2), 1.5)) and B[slot, :, 2:].abs().sum() == 0
+    A, B, s = pool.buffers[(1, "o_proj")]
+    assert A[slot].abs().sum() == 0 and B[slot].abs().sum() == 0 and s[slot].abs().sum() == 0
+
+
 def test_lru_eviction_never_takes_busy_or_pinned():
     pool, _ = make_pool(slots=2)
     for uid in (1, 2, 3):

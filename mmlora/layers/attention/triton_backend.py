@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from mmlora.backends.triton_common import cdiv, next_pow2
 from mmlora.forward.attention import AttentionMetadata
 from mmlora.layers.attention.base import (
     AttentionBackend,
@@ -90,16 +91,16 @@ def store_kv_triton(
         kc.stride(1),
         NUM_HEADS=hkv,
         HEAD_DIM=d,
-        BLOCK_H=triton.next_power_of_2(hkv),
-        BLOCK_D=triton.next_power_of_2(d),
+        BLOCK_H=next_pow2(hkv),
+        BLOCK_D=next_pow2(d),
     )
 
 
 def auto_num_kv_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
     """Enough splits to give every SM a few programs, but no split shorter than 256 tokens."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    by_len = triton.cdiv(max(max_seq_len, 1), _MIN_TOKENS_PER_SPLIT)
-    by_occupancy = triton.cdiv(2 * sms, max(num_seqs * num_kv_heads, 1))
+    by_len = cdiv(max(max_seq_len, 1), _MIN_TOKENS_PER_SPLIT)
+    by_occupancy = cdiv(2 * sms, max(num_seqs * num_kv_heads, 1))
     return max(1, min(by_len, by_occupancy, _MAX_SPLITS))
 
 

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mmlora.backends.triton_common import next_pow2
 from mmlora.layers.attention.triton_common import dot_precision, dot_upcast, scale_scores, softmax_args
 
 
@@ -176,7 +177,7 @@ def decode_attention(
     _, page, hkv, d = k_cache.shape
     hq = q.shape[1]
     group = hq // hkv
-    block_d = triton.next_power_of_2(d)
+    block_d = next_pow2(d)
     block_n = 64 if block_d <= 128 else 32
     mid_o = torch.empty((num_seqs, hq, num_splits, d), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((num_seqs, hq, num_splits), dtype=torch.float32, device=q.device)
@@ -204,7 +205,7 @@ def decode_attention(
         cap_mult,
         sliding_window or 0,
         GROUP=group,
-        BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_G=max(16, next_pow2(group)),
         HEAD_DIM=d,
         BLOCK_D=block_d,
         PAGE=page,
@@ -229,7 +230,7 @@ def decode_attention(
         out.stride(0),
         out.stride(1),
         NUM_SPLITS=num_splits,
-        BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+        BLOCK_S=max(2, next_pow2(num_splits)),
         HEAD_DIM=d,
         BLOCK_D=block_d,
         num_warps=4,

@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mmlora.backends.triton_common import cdiv, next_pow2
 from mmlora.layers.attention.triton_common import dot_precision, dot_upcast, scale_scores, softmax_args
 
 
@@ -144,14 +145,14 @@ def prefill_attention(
     """
     _, page, hkv, d = k_cache.shape
     group = q.shape[1] // hkv
-    block_d = triton.next_power_of_2(d)
+    block_d = next_pow2(d)
     # rows = tokens x group heads; head_dim 256 takes smaller tiles to stay within registers
-    block_m = max(128 if block_d <= 128 else 64, triton.next_power_of_2(group))
+    block_m = max(128 if block_d <= 128 else 64, next_pow2(group))
     block_n = 64 if block_d <= 128 else 32
     tokens = block_m // group
     mult, cap_mult = softmax_args(scale, logit_softcap)
     kc = k_cache.view(-1, hkv, d)
-    grid = (triton.cdiv(max_query_len, tokens), num_seqs, hkv)
+    grid = (cdiv(max_query_len, tokens), num_seqs, hkv)
     _prefill_kernel[grid](
         q,
         kc,
