@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mmlora.layers.attention.triton_common import dot_precision, dot_upcast, scale_scores, softmax_args
+from mmlora.layers.attention.triton_common import attend_key_tile, dot_precision, dot_upcast, softmax_args
 
 
 @triton.jit
@@ -86,28 +86,12 @@ def _decode_split_kernel(
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     bt_row = block_tables_ptr + b * stride_bt
-    for s0 in range(start, end, BLOCK_N):
-        j = s0 + offs_n
-        j_mask = j < end
-        blk = tl.load(bt_row + j // PAGE, mask=j_mask, other=0).to(tl.int64)
-        kv_off = (blk * PAGE + j % PAGE)[:, None] * stride_cs + kvh * stride_ch + offs_d[None, :]
-        kv_mask = j_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
-        s = scale_scores(s, mult, cap_mult, USE_SOFTCAP)
-        s = tl.where(j_mask[None, :], s, float("-inf"))
-        # every iteration holds at least one valid key (j = s0 < end), so m_new is finite
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        if UPCAST:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-        m_i = m_new
+    for s0 in range(start, end, BLOCK_N):  # [start, end) lies in the window: no causal mask (pos 0 unused)
+        acc, m_i, l_i = attend_key_tile(
+            q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, bt_row, s0, end, 0, window, kvh,
+            stride_cs, stride_ch, offs_n, offs_d, d_mask, mult, cap_mult,
+            PAGE, USE_SOFTCAP, False, USE_WINDOW, DOT_PREC, UPCAST,
+        )  # fmt: skip
 
     has = l_i > 0.0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
