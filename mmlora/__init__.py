@@ -89,10 +89,10 @@ def _cached_engine(config: Any) -> Engine:
 def shutdown() -> None:
     """Release the engines that ``generate`` keeps for reuse (their weights, KV cache and adapters)."""
     with _engines_lock:
+        engines = list(_engines.values())
         _engines.clear()
-    import gc
-
-    gc.collect()
+    for engine in engines:
+        engine.close()
 
 
 atexit.register(shutdown)

@@ -1,13 +1,69 @@
-"""Test-wide setup: the shared helpers in tests/ are importable (``import tiny_models``), and without a
-GPU Triton kernels run in the interpreter (it must be set before any kernel is defined)."""
+"""Test-wide setup: the shared helpers in tests/ are importable (``import tiny_models``), without a GPU
+Triton kernels run in the interpreter (it must be set before any kernel is defined), and every engine a
+test (or a module's fixtures) built is closed when that test (or module) ends: a tiny engine on a GPU
+sizes its KV cache to the free memory, so one left alive starves the next."""
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
+import weakref
+from collections.abc import Iterator
+from typing import Any
 
+import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+_built: list[weakref.ref] = []  # every Engine built in this session, in order
+
+
+def _track_engines() -> None:
+    """Wrap ``Engine.__init__`` once so each engine built is noted (weakly: noting keeps none alive)."""
+    from mmlora.engine.engine import Engine
+
+    init = Engine.__init__
+    if getattr(init, "tracked", False):
+        return
+
+    @functools.wraps(init)
+    def tracked_init(self: Engine, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        _built.append(weakref.ref(self))
+
+    tracked_init.tracked = True  # type: ignore[attr-defined]
+    Engine.__init__ = tracked_init  # type: ignore[method-assign]
+
+
+def _close_built_since(mark: int) -> None:
+    refs = _built[mark:]
+    del _built[mark:]
+    for ref in refs:
+        engine = ref()
+        if engine is not None:
+            engine.close()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _close_module_engines() -> Iterator[None]:
+    """Engines of module-scoped fixtures: autouse, so set up before them and torn down after them."""
+    _track_engines()
+    mark = len(_built)
+    yield
+    _close_built_since(mark)
+
+
+@pytest.fixture(autouse=True)
+def _close_test_engines() -> Iterator[None]:
+    """Engines a test built, and those ``mmlora.generate`` cached for reuse, closed after the test (and
+    after its own fixtures, which may still stop a background thread that steps one)."""
+    mark = len(_built)
+    yield
+    import mmlora
+
+    mmlora.shutdown()
+    _close_built_since(mark)

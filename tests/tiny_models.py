@@ -280,6 +280,8 @@ def mmlora_greedy(
     adapter slots (fewer than adapters, so admission rotates them), greedy; (engine, outputs)."""
     import mmlora
 
+    if torch.cuda.is_available():  # the KV cache would take most of the free GPU memory
+        engine_kwargs.setdefault("max_kv_tokens", 4096)
     engine = mmlora.Engine(
         model=str(base_folder), lora_paths={n: str(p) for n, p in adapters.items()}, max_loras_per_batch=2,
         max_lora_rank=8, dtype="float32", **engine_kwargs,

@@ -26,13 +26,14 @@ from torch import Tensor
 from mmlora.backends.registry import register_backend
 from mmlora.backends.triton_common import (
     FusedTritonBackend,
+    ShrinkJob,
     cdiv,
     check_expand_args,
-    check_shrink_args,
     next_pow2,
     offset_args,
+    shrink_entry,
     slice_bound,
-    sm_count,
+    split_k_plan,
 )
 from mmlora.forward.lora import LoRABatchInfo, LoRAWeights
 
@@ -185,25 +186,16 @@ class _ShrinkPlan:
         self.block_k = min(256, max(32, TUNING["shrink_tile"] // rows))
         self.r_tiles = cdiv(R, self.block_r)  # cover R, not this batch's max rank: graph-safe
         active = T * cdiv(top_rank, self.block_r)
-        k_blocks = cdiv(in_features, self.block_k)
-        want = split_k or cdiv(TUNING["waves"] * sm_count(device), active)
-        split = max(1, min(want, TUNING["max_split_k"], k_blocks))
-        self.k_per_split = cdiv(k_blocks, split) * self.block_k
-        self.split_k = cdiv(in_features, self.k_per_split)
+        self.k_per_split, self.split_k = split_k_plan(
+            in_features, self.block_k, active, device, split_k, TUNING
+        )
 
 
-def _shrink_partials(
-    x: torch.Tensor,
-    A: torch.Tensor,
-    info: LoRABatchInfo,
-    n: int,
-    R: int,
-    skip_pad: bool,
-    split_k: int | None,
-    zero: bool,
-) -> torch.Tensor:
-    T = info.num_tokens
-    top_rank = info.max_rank if skip_pad else R
+def _shrink_partials(job: ShrinkJob, zero: bool = True) -> torch.Tensor:
+    """Launch shrink; returns its fp32 split-K partials [SPLIT_K, T, n*R] (zeroed first with ``zero``:
+    rank padding is then 0 rather than unwritten)."""
+    x, A, info, n, R, skip_pad, split_k = job
+    T, top_rank = info.num_tokens, job.top_rank
     key = ("bgmv_plan", x.shape[1], n, R, top_rank, split_k)  # once per forward and module shape
     plan = info.host_derived.get(key)
     if plan is None:
@@ -253,11 +245,7 @@ def bgmv_shrink(
     ``n_slices`` lets the kernel skip rank padding per slice (see :func:`sgmv_shrink`); ``split_k``
     overrides the split-K heuristic (for tests and benchmarks).
     """
-    n, R = check_shrink_args(x, A, info, n_slices)
-    if not info.has_lora or info.num_tokens == 0:
-        return x.new_zeros(info.num_tokens, A.shape[1])
-    p = _shrink_partials(x, A, info, n, R, n_slices is not None, split_k, zero=True)
-    return p.sum(0).to(x.dtype)
+    return shrink_entry(_shrink_partials, x, A, info, n_slices, split_k)
 
 
 def bgmv_expand(h: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo, out: torch.Tensor) -> None:
@@ -276,5 +264,6 @@ class TritonBGMVBackend(FusedTritonBackend):
         self, out: torch.Tensor, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo, R: int
     ) -> None:
         """Partials unzeroed: shrink skips rank padding per slice and expand masks it out."""
-        p = _shrink_partials(x, weights.A, info, weights.n_slices, R, True, self.split_k, zero=False)
+        job = ShrinkJob(x, weights.A, info, weights.n_slices, R, True, self.split_k)
+        p = _shrink_partials(job, zero=False)
         _expand(p, weights, info, out, R, x.dtype)

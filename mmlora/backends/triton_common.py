@@ -10,6 +10,8 @@ from __future__ import annotations
 import functools
 import os
 from abc import abstractmethod
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import triton
@@ -73,6 +75,55 @@ def cdiv(a: int, b: int) -> int:
 
 def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def split_k_plan(
+    in_features: int, block_k: int, busy: int, device: torch.device, forced: int | None, tuning: dict
+) -> tuple[int, int]:
+    """(k_per_split, splits) of a shrink's split of in_features into whole ``block_k`` blocks:
+    ``forced`` splits, else enough for ``tuning["waves"]`` waves of programs on the device's SMs when one
+    split keeps ``busy`` programs busy; at most ``tuning["max_split_k"]`` (every split non-empty)."""
+    k_blocks = cdiv(in_features, block_k)
+    want = forced or cdiv(tuning["waves"] * sm_count(device), busy)
+    split = max(1, min(want, tuning["max_split_k"], k_blocks))
+    k_per_split = cdiv(k_blocks, split) * block_k
+    return k_per_split, cdiv(in_features, k_per_split)
+
+
+class ShrinkJob(NamedTuple):
+    """A validated shrink, what each backend's launcher takes: ``h[t] = x[t] @ A[slot of t].T`` with A
+    [slots, n*R, K] holding ``n`` slices of pool rank ``R``. ``skip_pad``: programs stop at each slice's
+    rank (A's rows are n slices); ``split_k``: a forced split of K (None: the launcher's heuristic)."""
+
+    x: torch.Tensor
+    A: torch.Tensor
+    info: LoRABatchInfo
+    n: int
+    R: int
+    skip_pad: bool
+    split_k: int | None
+
+    @property
+    def top_rank(self) -> int:
+        """The highest rank the kernels compute: the batch's with ``skip_pad``, else the pool's."""
+        return self.info.max_rank if self.skip_pad else self.R
+
+
+def shrink_entry(
+    launch: Callable[[ShrinkJob], torch.Tensor],
+    x: torch.Tensor,
+    A: torch.Tensor,
+    info: LoRABatchInfo,
+    n_slices: int | None,
+    split_k: int | None,
+) -> torch.Tensor:
+    """A backend's public shrink: checks, zeros when nothing is computed, else ``launch``'s planes
+    ``[splits, T, n*R]`` summed to x.dtype."""
+    n, R = check_shrink_args(x, A, info, n_slices)
+    if not info.has_lora or info.num_tokens == 0:
+        return x.new_zeros(info.num_tokens, A.shape[1])
+    planes = launch(ShrinkJob(x, A, info, n, R, n_slices is not None, split_k))
+    return planes[0].to(x.dtype) if planes.shape[0] == 1 else planes.sum(0).to(x.dtype)
 
 
 def offset_args(slice_offsets: tuple[int, ...]) -> tuple[int, ...]:

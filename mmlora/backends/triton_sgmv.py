@@ -22,14 +22,15 @@ from torch import Tensor
 from mmlora.backends.registry import register_backend
 from mmlora.backends.triton_common import (
     FusedTritonBackend,
+    ShrinkJob,
     cdiv,
     check_expand_args,
-    check_shrink_args,
     dot_upcast,
     next_pow2,
     offset_args,
     select_bound,
-    sm_count,
+    shrink_entry,
+    split_k_plan,
 )
 from mmlora.forward.lora import LoRABatchInfo, LoRAWeights
 
@@ -236,22 +237,13 @@ class _Tiles:
         return info.host_derived[key]
 
 
-def _shrink_planes(
-    x: torch.Tensor,
-    A: torch.Tensor,
-    info: LoRABatchInfo,
-    n: int,
-    R: int,
-    skip_pad: bool,
-    split_k: int | None,
-    fp32_planes: bool = False,
-) -> torch.Tensor:
+def _shrink_planes(job: ShrinkJob, fp32_planes: bool = False) -> torch.Tensor:
     """Launch shrink; returns h as [SPLIT_K, T, n*R] planes (fp32 partials, or x.dtype when there is one
     plane and not ``fp32_planes``). Launch constants follow the pool rank R, not this batch's ranks,
     so batches of any rank mix share one compiled kernel (programs still stop at their slot's rank)."""
-    T, in_f = info.num_tokens, x.shape[1]
+    x, A, info, n, R, skip_pad, split_k = job
+    T, in_f, top_rank = info.num_tokens, x.shape[1], job.top_rank
     ns_p2 = next_pow2(n)
-    top_rank = info.max_rank if skip_pad else R
     block_r = min(max(16, next_pow2(R)), max(16, 128 // ns_p2))
     tiles = _Tiles.of(info, _block_m(info.max_seg_len, TUNING["shrink_block_m"]))
     block_k = 64 if tiles.block_m >= 64 else 128
@@ -261,11 +253,7 @@ def _shrink_planes(
     # Split in_features until the launch has a few waves of programs: a long segment alone would
     # otherwise leave most of the GPU idle (the rank dimension gives almost no parallelism).
     busy = tiles.count * cdiv(top_rank, block_r)
-    k_blocks = cdiv(in_f, block_k)
-    want = split_k or cdiv(TUNING["waves"] * sm_count(x.device), busy)
-    split = max(1, min(want, TUNING["max_split_k"], k_blocks))
-    k_per_split = cdiv(k_blocks, split) * block_k
-    split = cdiv(in_f, k_per_split)
+    k_per_split, split = split_k_plan(in_f, block_k, busy, x.device, split_k, TUNING)
     dtype = x.dtype if split == 1 and not fp32_planes else torch.float32
     # Planes padded to 16 rows: their stride keeps the same divisibility for every batch.
     h = torch.empty((split, -(-T // 16) * 16, A.shape[1]), dtype=dtype, device=x.device)[:, :T]
@@ -310,11 +298,7 @@ def sgmv_shrink(
     None, A's rows are one slice of width n*R and every row is computed (same result, more work).
     ``split_k`` overrides the split-K heuristic (tests, benchmarks).
     """
-    n, R = check_shrink_args(x, A, info, n_slices)
-    if not info.has_lora or info.num_tokens == 0:
-        return x.new_zeros(info.num_tokens, A.shape[1])
-    h = _shrink_planes(x, A, info, n, R, n_slices is not None, split_k)
-    return h[0] if h.shape[0] == 1 else h.sum(0).to(x.dtype)
+    return shrink_entry(_shrink_planes, x, A, info, n_slices, split_k)
 
 
 def sgmv_expand(h: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo, out: torch.Tensor) -> None:
@@ -334,5 +318,6 @@ class TritonSGMVBackend(FusedTritonBackend):
     ) -> None:
         """Shrink knows the slice count, so it skips rank padding per slice; its planes are always fp32
         (expand rounds h to x.dtype), so the kernels' signatures do not depend on the batch."""
-        h = _shrink_planes(x, weights.A, info, weights.n_slices, R, True, self.split_k, fp32_planes=True)
+        job = ShrinkJob(x, weights.A, info, weights.n_slices, R, True, self.split_k)
+        h = _shrink_planes(job, fp32_planes=True)
         _expand_planes(h, weights, info, out, R)

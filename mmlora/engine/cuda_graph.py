@@ -94,11 +94,15 @@ class CudaGraphRunner:
         self.capture = capture
         if capture and runner.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, the engine runs on {runner.device}")
-        self.runner = runner
+        # The runner's parts, not the runner: it holds this object (runner.cuda_graphs), and a reference
+        # back would make a cycle that keeps the KV cache alive after the engine is dropped.
+        self.model = runner.model
+        self.lora = runner.lora
+        self.allocator = runner.kv_cache.allocator
         self.device = runner.device
         self.block_size = runner.block_size
         self.max_model_len = max_model_len
-        alloc = runner.kv_cache.allocator
+        alloc = self.allocator
         if alloc.num_free < 2:
             raise ValueError("CUDA graphs: the KV cache is too small to reserve a padding page")
         # A page only padding rows write to; out of the allocator for good (num_blocks shrinks by one).
@@ -157,11 +161,10 @@ class CudaGraphRunner:
     # ---- capture --------------------------------------------------------------------------------
 
     def _forward(self, bs: int) -> torch.Tensor:
-        runner = self.runner
         batch = self._batch(bs)
-        with runner.lora.prepared():
-            hidden = runner.model(batch)
-            return runner.model.compute_logits(hidden)
+        with self.lora.prepared():
+            hidden = self.model(batch)
+            return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
@@ -173,7 +176,7 @@ class CudaGraphRunner:
         stream = torch.cuda.Stream(device=self.device)
         for bs in reversed(self.buckets):  # largest first: later graphs reuse its pool memory
             for with_lora in (True, False):
-                self.runner.lora.prepare_capture(bs, with_lora)
+                self.lora.prepare_capture(bs, with_lora)
                 stream.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(stream):
                     for _ in range(2):  # compile Triton kernels, build RoPE tables, settle the allocator
@@ -191,8 +194,15 @@ class CudaGraphRunner:
             self.buckets,
             time.monotonic() - t0,
             self.pad_page,
-            self.runner.kv_cache.allocator.num_blocks,
+            self.allocator.num_blocks,
         )
+
+    def close(self) -> None:
+        """Free the graphs and their memory pool (the static buffers go with this object)."""
+        for entry in self.graphs.values():
+            if entry.graph is not None:
+                entry.graph.reset()
+        self.graphs.clear()
 
     # ---- replay ---------------------------------------------------------------------------------
 
@@ -203,7 +213,7 @@ class CudaGraphRunner:
             n == 1 and r.num_computed + 1 == r.num_tokens for r, n in zip(sched.requests, sched.num_new)
         ):
             return False
-        model = self.runner.model
+        model = self.model
         return not model.is_multimodal or all(
             decode_position(r.mm_inputs, r.num_computed) is not None for r in sched.requests
         )
@@ -217,7 +227,7 @@ class CudaGraphRunner:
         bsz = self.block_size
         ids, pos, slots_kv, seq_lens, lora_slots, tables = [], [], [], [], [], []
         max_blocks = 1
-        model = self.runner.model
+        model = self.model
         # Rows that share an adapter side by side: neighbouring programs of the LoRA kernels then read the
         # same adapter (L2 hits rather than one DRAM read per row). Logits come back with batch indices.
         order = sorted(range(n), key=lambda b: sched.requests[b].slot)
@@ -242,7 +252,7 @@ class CudaGraphRunner:
         self.i64[:, :bs].copy_(i64, non_blocking=True)
         self.seq_lens[:bs].copy_(torch.tensor(seq_lens + [1] * pad, dtype=torch.int32), non_blocking=True)
         self.block_tables[:bs, :max_blocks].copy_(torch.tensor(rows, dtype=torch.int32), non_blocking=True)
-        with_lora = self.runner.lora.prepare_replay(lora_slots + [-1] * pad)
+        with_lora = self.lora.prepare_replay(lora_slots + [-1] * pad)
         entry = self.graphs[(bs, with_lora)]
         self.num_replays += 1
         if entry.graph is None:

@@ -49,6 +49,7 @@ class Engine:
             config = config.replace(**kwargs)
         check_engine_config(config)  # every mistake that needs no weights, before any is read
         self.config = config
+        self._closed = False
         self._workers: Workers | None = None
         tp = config.parallel.tp_size
         if tp > 1:  # workers are spawned copies of this program; this process is rank 0
@@ -124,6 +125,7 @@ class Engine:
         With ``return_logprob``, prompt-token logprobs are returned from token ``logprob_start_len`` on
         (SGLang's meaning; -1: the last prompt token only).
         """
+        self._check_open()
         sp = SamplingParams.from_any(sampling_params)
         if sp.n != 1:
             raise ValueError("sampling_params.n: add_request takes n=1; generate() expands n")
@@ -189,6 +191,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One scheduling step; the outputs of every request that progressed or finished. Raises
         WorkerFailure, naming the worker, when a tensor-parallel rank died or stopped answering."""
+        self._check_open()
         if self._workers is None:
             return self._step()
         try:
@@ -207,6 +210,33 @@ class Engine:
             logger.warning("a tensor-parallel worker was already gone at shutdown")
         workers.join(self.config.parallel.dist_timeout_s)
         shutdown_tp()
+
+    def close(self) -> None:
+        """Release what the engine holds on its device, even while something still references the
+        engine: decode graphs, KV cache, adapter slots and host cache, model weights (moved to the meta
+        device); stop the tensor-parallel workers. Idempotent; the engine takes no work afterwards.
+        ``with Engine(...) as engine:`` closes it on leaving the block."""
+        if self._closed:
+            return
+        self._closed = True
+        self.shutdown()
+        self._requests.clear()
+        self.runner.close()
+        self.lora.close()
+        self.kv_cache.close()
+        self.model.to("meta")
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this engine is closed (Engine.close): build a new one")
 
     def _step(self) -> list[RequestOutput]:
         ended = [self._requests[rid] for rid in self._aborts if rid in self._requests]

@@ -43,6 +43,14 @@ class ModelRunner:
 
         self.cuda_graphs = capture_decode_graphs(self, max_batch_size, max_model_len)
 
+    def close(self) -> None:
+        """Drop the decode graphs and the layers' views of the KV cache (the views alone keep it alive)."""
+        if self.cuda_graphs is not None:
+            self.cuda_graphs.close()
+            self.cuda_graphs = None
+        for layer in self.model.layers:
+            layer.self_attn.k_cache = layer.self_attn.v_cache = None
+
     def _i32(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int32).to(self.device, non_blocking=True)
 

@@ -163,8 +163,9 @@ def _plan_kv_blocks(
     """Pages that fit: on GPU what ``mem_fraction_static`` leaves after weights and adapter slots."""
     block_size = config.cache.block_size
     if device.type == "cuda":
-        # An engine dropped earlier in this process holds its KV cache until its reference cycles are
-        # collected: collect them first, so `del engine` is enough before building another one.
+        # An engine's own parts make no reference cycle, but one dropped earlier may still sit in a cycle
+        # made outside it (a traceback, a wrapper of its methods): collect those first. Engine.close()
+        # frees its memory whatever still references it.
         gc.collect()
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)

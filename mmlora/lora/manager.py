@@ -109,13 +109,24 @@ class LoRAManager:
             self.load(name, path)
 
     def _wrap(self, model: LoRATargetModel) -> None:
+        self._wrapped: list[tuple[nn.Module, str, LoRALinear]] = []  # (parent, attribute, wrapper)
         for i, layer in enumerate(model.layers):
             for target in self._pool.spec.targets:
                 parent_path, attr = model.lora_target_paths[target.name].rsplit(".", 1)
                 parent = layer.get_submodule(parent_path)
                 A, B, scalings = self._pool.buffers[(i, target.name)]
                 weights = LoRAWeights(A, B, scalings, target.slice_offsets)
-                setattr(parent, attr, LoRALinear(getattr(parent, attr), weights, self._ctx))
+                wrapper = LoRALinear(getattr(parent, attr), weights, self._ctx)
+                setattr(parent, attr, wrapper)
+                self._wrapped.append((parent, attr, wrapper))
+
+    def close(self) -> None:
+        """Free the adapter slots: the model gets its base linears back (the wrappers hold views of the
+        slot buffers), then the pool drops the buffers and its host cache."""
+        for parent, attr, wrapper in self._wrapped:
+            setattr(parent, attr, wrapper.base)
+        self._wrapped.clear()
+        self._pool.close()
 
     def warm_up_kernels(self) -> int:
         """Compile the backend's kernel variants now (see :mod:`mmlora.backends.warmup`); returns calls."""

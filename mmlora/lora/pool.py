@@ -173,6 +173,11 @@ class LoRAPool:
     def slots_used(self) -> int:
         return len(self._slot_of)
 
+    def close(self) -> None:
+        """Drop the slot buffers and the host cache (``LoRALinear`` views of the buffers go separately)."""
+        self.buffers.clear()
+        self.host.clear()
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for bufs in self.buffers.values() for t in bufs)
 

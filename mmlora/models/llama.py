@@ -9,7 +9,7 @@ packed modules through the class-level data below.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -101,12 +101,15 @@ class LlamaDecoderLayer(nn.Module):
     delta and the running residual, and returns its own; the residual add happens inside the next norm
     (one kernel on CUDA). The hidden state after the layer is ``delta + residual``."""
 
+    norm_offset: ClassVar[float] = 0.0  # RMSNorm scales by (offset + weight)
+    make_mlp: ClassVar[Callable[[ArchConfig], GatedMLP]] = staticmethod(llama_mlp)
+
     def __init__(self, cfg: ArchConfig, layer_idx: int) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer_idx)
-        self.mlp = llama_mlp(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = self.make_mlp(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.norm_offset)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.norm_offset)
 
     def forward(
         self, hidden: torch.Tensor, batch: ForwardBatch, residual: torch.Tensor | None = None
@@ -119,15 +122,23 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    """Embeddings, the decoder layers and the final norm; a family swaps the layer class and norm offset
+    (and may scale the embeddings: ``embed``)."""
+
+    layer_cls: ClassVar[type[LlamaDecoderLayer]] = LlamaDecoderLayer
+
     def __init__(self, cfg: ArchConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(self.layer_cls(cfg, i) for i in range(cfg.num_hidden_layers))
         share_rotary(self.layers)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.layer_cls.norm_offset)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        hidden = self.embed_tokens(batch.input_ids)
+        hidden = self.embed(batch.input_ids)
         if batch.input_embeds is not None:
             hidden = hidden.index_copy(0, batch.embed_rows, batch.input_embeds.to(hidden.dtype))
         residual = None
@@ -151,10 +162,11 @@ class LlamaForCausalLM(CausalLM):
         "down_proj": "mlp.down_proj",
     }
     lora_layers_prefix = "model.layers"
+    model_cls: ClassVar[type[LlamaModel]] = LlamaModel
 
     def __init__(self, hf_config: Any) -> None:
         super().__init__(hf_config)
-        self.model = LlamaModel(self.arch)
+        self.model = self.model_cls(self.arch)
         self.lm_head = self.make_lm_head(self.model.embed_tokens)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

@@ -7,6 +7,23 @@ from __future__ import annotations
 
 from typing import Any
 
+# Qwen2-7B's decoder; Qwen2-VL-7B's language tower is the same (their windows differ).
+_QWEN2_7B_DECODER: dict[str, Any] = {
+    "hidden_size": 3584,
+    "intermediate_size": 18944,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 28,
+    "num_key_value_heads": 4,
+    "vocab_size": 152064,
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "use_sliding_window": False,
+    "max_window_layers": 28,
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
+}
+
 PRESETS: dict[str, dict[str, Any]] = {
     "mistral-7b-v0.3": {
         "architectures": ["MistralForCausalLM"],
@@ -43,20 +60,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     "qwen2-7b": {
         "architectures": ["Qwen2ForCausalLM"],
         "model_type": "qwen2",
-        "hidden_size": 3584,
-        "intermediate_size": 18944,
-        "num_hidden_layers": 28,
-        "num_attention_heads": 28,
-        "num_key_value_heads": 4,
-        "vocab_size": 152064,
-        "max_position_embeddings": 32768,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 1000000.0,
-        "use_sliding_window": False,
+        **_QWEN2_7B_DECODER,
         "sliding_window": 131072,
-        "max_window_layers": 28,
-        "tie_word_embeddings": False,
-        "hidden_act": "silu",
     },
     "smollm2-135m": {
         "architectures": ["LlamaForCausalLM"],
@@ -102,21 +107,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     "qwen2-vl-7b": {
         "architectures": ["Qwen2VLForConditionalGeneration"],
         "model_type": "qwen2_vl",
-        "hidden_size": 3584,
-        "intermediate_size": 18944,
-        "num_hidden_layers": 28,
-        "num_attention_heads": 28,
-        "num_key_value_heads": 4,
-        "vocab_size": 152064,
-        "max_position_embeddings": 32768,
-        "max_window_layers": 28,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 1000000.0,
+        **_QWEN2_7B_DECODER,
         "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
         "sliding_window": 32768,
-        "use_sliding_window": False,
-        "tie_word_embeddings": False,
-        "hidden_act": "silu",
         "bos_token_id": 151643,
         "eos_token_id": 151645,
         "vision_start_token_id": 151652,

@@ -6,7 +6,6 @@ Used by the CUDA-only smoke tests of the Gemma2 and Qwen2-VL test files (bf16, r
 
 from __future__ import annotations
 
-import gc
 import json
 import math
 from pathlib import Path
@@ -80,8 +79,5 @@ def smoke_batch(
         assert len(out.output_ids) == max_new, out
         assert all(math.isfinite(lp) for lp in out.logprobs), out
     assert engine.kv_cache.allocator.usage == 0.0
-    del engine  # free the 9B weights and the KV cache before the next test builds another engine
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    engine.close()  # free the 9B weights and the KV cache before the next test builds another engine
     return outs

@@ -2,6 +2,7 @@
 import itertools, json, os
 import torch
 from mmlora.backends import triton_bgmv as bg, triton_sgmv as sg
+from mmlora.backends.triton_common import ShrinkJob
 from mmlora.bench.kernels import _Point, _time_calls, _copy_bandwidth
 dev = torch.device("cuda")
 bw = _copy_bandwidth(dev)
@@ -12,10 +13,10 @@ def pt(proj, in_f, widths, T, phase, pop, rank=16):
 def timeit(p, mod):
     n = len(p.offsets) - 1; R = p.B.shape[2]
     if mod is bg:
-        sh = lambda k: bg._shrink_partials(p.x, p.A, p.infos[k], n, R, True, None, zero=False)
+        sh = lambda k: bg._shrink_partials(ShrinkJob(p.x, p.A, p.infos[k], n, R, True, None), zero=False)
         ex = lambda k, h: bg._expand(h, p.B, p.scalings, p.infos[k], p.out, p.offsets, R, p.x.dtype)
     else:
-        sh = lambda k: sg._shrink_planes(p.x, p.A, p.infos[k], n, R, True, None)
+        sh = lambda k: sg._shrink_planes(ShrinkJob(p.x, p.A, p.infos[k], n, R, True, None))
         ex = lambda k, h: sg._expand_planes(h, p.B, p.scalings, p.infos[k], p.out, p.offsets, R)
     hs = [sh(k) for k in range(len(p.infos))]
     t_s, _ = _time_calls([lambda k=k: sh(k) for k in range(len(p.infos))], dev)

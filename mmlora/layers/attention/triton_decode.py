@@ -20,43 +20,19 @@ import triton
 import triton.language as tl
 
 from mmlora.backends.triton_common import next_pow2
-from mmlora.layers.attention.triton_common import dot_precision, dot_upcast, scale_scores, softmax_args
+from mmlora.layers.attention.triton_common import attend_key_tile, dot_precision, dot_upcast, softmax_args
 
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    block_tables_ptr,
-    seq_lens_ptr,
-    mid_o_ptr,
-    mid_lse_ptr,
-    stride_qt,
-    stride_qh,
-    stride_cs,
-    stride_ch,
-    stride_bt,
-    stride_mo_b,
-    stride_mo_h,
-    stride_mo_s,
-    stride_ml_b,
-    stride_ml_h,
-    mult,
-    cap_mult,
-    window,
-    GROUP: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    PAGE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    USE_SOFTCAP: tl.constexpr,
-    USE_WINDOW: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-    UPCAST: tl.constexpr,
-):
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr,
+    stride_qt, stride_qh, stride_cs, stride_ch, stride_bt,
+    stride_mo_b, stride_mo_h, stride_mo_s, stride_ml_b, stride_ml_h,
+    mult, cap_mult, window,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -87,28 +63,12 @@ def _decode_split_kernel(
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     bt_row = block_tables_ptr + b * stride_bt
-    for s0 in range(start, end, BLOCK_N):
-        j = s0 + offs_n
-        j_mask = j < end
-        blk = tl.load(bt_row + j // PAGE, mask=j_mask, other=0).to(tl.int64)
-        kv_off = (blk * PAGE + j % PAGE)[:, None] * stride_cs + kvh * stride_ch + offs_d[None, :]
-        kv_mask = j_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
-        s = scale_scores(s, mult, cap_mult, USE_SOFTCAP)
-        s = tl.where(j_mask[None, :], s, float("-inf"))
-        # every iteration holds at least one valid key (j = s0 < end), so m_new is finite
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        if UPCAST:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-        m_i = m_new
+    for s0 in range(start, end, BLOCK_N):  # [start, end) lies in the window: no causal mask (pos 0 unused)
+        acc, m_i, l_i = attend_key_tile(
+            q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, bt_row, s0, end, 0, window, kvh,
+            stride_cs, stride_ch, offs_n, offs_d, d_mask, mult, cap_mult,
+            PAGE, USE_SOFTCAP, False, USE_WINDOW, DOT_PREC, UPCAST,
+        )  # fmt: skip
 
     has = l_i > 0.0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -120,21 +80,10 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_reduce_kernel(
-    mid_o_ptr,
-    mid_lse_ptr,
-    o_ptr,
-    stride_mo_b,
-    stride_mo_h,
-    stride_mo_s,
-    stride_ml_b,
-    stride_ml_h,
-    stride_ot,
-    stride_oh,
-    NUM_SPLITS: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
+    mid_o_ptr, mid_lse_ptr, o_ptr,
+    stride_mo_b, stride_mo_h, stride_mo_s, stride_ml_b, stride_ml_h, stride_ot, stride_oh,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -184,54 +133,20 @@ def decode_attention(
     kc = k_cache.view(-1, hkv, d)
     mult, cap_mult = softmax_args(scale, logit_softcap)
     _decode_split_kernel[(num_seqs, hkv, num_splits)](
-        q,
-        kc,
-        v_cache.view(-1, hkv, d),
-        block_tables,
-        seq_lens,
-        mid_o,
-        mid_lse,
-        q.stride(0),
-        q.stride(1),
-        kc.stride(0),
-        kc.stride(1),
-        block_tables.stride(0),
-        mid_o.stride(0),
-        mid_o.stride(1),
-        mid_o.stride(2),
-        mid_lse.stride(0),
-        mid_lse.stride(1),
-        mult,
-        cap_mult,
-        sliding_window or 0,
-        GROUP=group,
-        BLOCK_G=max(16, next_pow2(group)),
-        HEAD_DIM=d,
-        BLOCK_D=block_d,
-        PAGE=page,
-        BLOCK_N=block_n,
-        NUM_SPLITS=num_splits,
-        USE_SOFTCAP=bool(logit_softcap),
-        USE_WINDOW=bool(sliding_window),
-        DOT_PREC=dot_precision(q.dtype),
-        UPCAST=dot_upcast(q.dtype),
-        num_warps=4,
-        num_stages=2,
-    )
+        q, kc, v_cache.view(-1, hkv, d), block_tables, seq_lens, mid_o, mid_lse,
+        q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), block_tables.stride(0),
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        mult, cap_mult, sliding_window or 0,
+        GROUP=group, BLOCK_G=max(16, next_pow2(group)), HEAD_DIM=d, BLOCK_D=block_d,
+        PAGE=page, BLOCK_N=block_n, NUM_SPLITS=num_splits,
+        USE_SOFTCAP=bool(logit_softcap), USE_WINDOW=bool(sliding_window),
+        DOT_PREC=dot_precision(q.dtype), UPCAST=dot_upcast(q.dtype),
+        num_warps=4, num_stages=2,
+    )  # fmt: skip
     _decode_reduce_kernel[(num_seqs, hq)](
-        mid_o,
-        mid_lse,
-        out,
-        mid_o.stride(0),
-        mid_o.stride(1),
-        mid_o.stride(2),
-        mid_lse.stride(0),
-        mid_lse.stride(1),
-        out.stride(0),
-        out.stride(1),
-        NUM_SPLITS=num_splits,
-        BLOCK_S=max(2, next_pow2(num_splits)),
-        HEAD_DIM=d,
-        BLOCK_D=block_d,
-        num_warps=4,
-    )
+        mid_o, mid_lse, out,
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1),
+        NUM_SPLITS=num_splits, BLOCK_S=max(2, next_pow2(num_splits)), HEAD_DIM=d,
+        BLOCK_D=block_d, num_warps=4,
+    )  # fmt: skip

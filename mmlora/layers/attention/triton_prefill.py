@@ -17,40 +17,18 @@ import triton
 import triton.language as tl
 
 from mmlora.backends.triton_common import cdiv, next_pow2
-from mmlora.layers.attention.triton_common import dot_precision, dot_upcast, scale_scores, softmax_args
+from mmlora.layers.attention.triton_common import attend_key_tile, dot_precision, dot_upcast, softmax_args
 
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    o_ptr,
-    block_tables_ptr,
-    query_start_loc_ptr,
-    seq_lens_ptr,
-    stride_qt,
-    stride_qh,
-    stride_ot,
-    stride_oh,
-    stride_cs,
-    stride_ch,
-    stride_bt,
-    mult,
-    cap_mult,
-    window,
-    GROUP: tl.constexpr,
-    TOKENS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    PAGE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    USE_SOFTCAP: tl.constexpr,
-    USE_WINDOW: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-    UPCAST: tl.constexpr,
-):
+    q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_cs, stride_ch, stride_bt,
+    mult, cap_mult, window,
+    GROUP: tl.constexpr, TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
     tile = tl.program_id(0)
     b = tl.program_id(1)
     kvh = tl.program_id(2)
@@ -89,31 +67,11 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     bt_row = block_tables_ptr + b * stride_bt
     for s0 in range(lo, hi, BLOCK_N):
-        j = s0 + offs_n
-        j_mask = j < hi
-        blk = tl.load(bt_row + j // PAGE, mask=j_mask, other=0).to(tl.int64)
-        kv_off = (blk * PAGE + j % PAGE)[:, None] * stride_cs + kvh * stride_ch + offs_d[None, :]
-        kv_mask = j_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
-        s = scale_scores(s, mult, cap_mult, USE_SOFTCAP)
-        allowed = (j[None, :] <= pos[:, None]) & j_mask[None, :]
-        if USE_WINDOW:
-            allowed = allowed & (j[None, :] > pos[:, None] - window)
-        s = tl.where(allowed, s, float("-inf"))
-        # a row may have no allowed key in this tile (window, padding rows): keep exp2 away from NaN
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        if UPCAST:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-        m_i = m_new
+        acc, m_i, l_i = attend_key_tile(
+            q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, bt_row, s0, hi, pos, window, kvh,
+            stride_cs, stride_ch, offs_n, offs_d, d_mask, mult, cap_mult,
+            PAGE, USE_SOFTCAP, True, USE_WINDOW, DOT_PREC, UPCAST,
+        )  # fmt: skip
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(
@@ -154,34 +112,12 @@ def prefill_attention(
     kc = k_cache.view(-1, hkv, d)
     grid = (cdiv(max_query_len, tokens), num_seqs, hkv)
     _prefill_kernel[grid](
-        q,
-        kc,
-        v_cache.view(-1, hkv, d),
-        out,
-        block_tables,
-        query_start_loc,
-        seq_lens,
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
-        kc.stride(0),
-        kc.stride(1),
+        q, kc, v_cache.view(-1, hkv, d), out, block_tables, query_start_loc, seq_lens,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), kc.stride(0), kc.stride(1),
         block_tables.stride(0),
-        mult,
-        cap_mult,
-        sliding_window or 0,
-        GROUP=group,
-        TOKENS=tokens,
-        HEAD_DIM=d,
-        BLOCK_D=block_d,
-        PAGE=page,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        USE_SOFTCAP=bool(logit_softcap),
-        USE_WINDOW=bool(sliding_window),
-        DOT_PREC=dot_precision(q.dtype),
-        UPCAST=dot_upcast(q.dtype),
-        num_warps=4 if block_m <= 64 else 8,
-        num_stages=2,
-    )
+        mult, cap_mult, sliding_window or 0,
+        GROUP=group, TOKENS=tokens, HEAD_DIM=d, BLOCK_D=block_d, PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n,
+        USE_SOFTCAP=bool(logit_softcap), USE_WINDOW=bool(sliding_window),
+        DOT_PREC=dot_precision(q.dtype), UPCAST=dot_upcast(q.dtype),
+        num_warps=4 if block_m <= 64 else 8, num_stages=2,
+    )  # fmt: skip
