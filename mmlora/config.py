@@ -15,6 +15,10 @@ from dataclasses import dataclass, field
 from typing import Any, Union, get_args, get_origin
 
 
+class ConfigError(ValueError):
+    """A configuration that cannot work; the message is one line naming the option and the problem."""
+
+
 def _f(default: Any, help: str, **extra: Any) -> Any:
     meta = {"help": help, **extra}
     if isinstance(default, (list, dict, set)):

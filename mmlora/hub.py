@@ -18,9 +18,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from mmlora.config import LoRAConfig, ModelConfig, split_lora_spec
+from mmlora.config import ConfigError, LoRAConfig, ModelConfig, split_lora_spec
 from mmlora.models.loader import ModelSource, resolve_model
-from mmlora.preflight import ConfigError
 
 logger = logging.getLogger(__name__)
 

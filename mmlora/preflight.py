@@ -19,17 +19,15 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
-from mmlora.config import EngineConfig, split_lora_spec
+from mmlora.config import ConfigError, EngineConfig, split_lora_spec
+
+__all__ = ["ConfigError", "ModelFacts", "check_engine_config", "exit_on_config_error"]
 
 # The backends mmlora registers itself; backends registered by user code are found in the registry
 # (which user code must have imported to register one). A test keeps this list equal to the registry.
 BUILTIN_LORA_BACKENDS = ("torch-gather", "triton-auto", "triton-bgmv", "triton-fused", "triton-sgmv")
 BUILTIN_ATTENTION_BACKENDS = ("torch", "triton")
 ADAPTER_WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot work; the message is one line naming the option and the problem."""
 
 
 @dataclass(frozen=True)
