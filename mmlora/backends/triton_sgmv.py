@@ -30,7 +30,7 @@ from mmlora.backends.triton_common import (
     select_bound,
     sm_count,
 )
-from mmlora.forward.lora import LoRABatchInfo, LoRAWeights
+from mmlora.forward.lora import RANK_TILE, LoRABatchInfo, LoRAWeights
 
 #: Launch heuristics (read at every launch, so a benchmark can sweep them): the largest token tile of
 #: shrink and of expand, expand's column tile, warps per program, the most splits of in_features, and
@@ -250,7 +250,7 @@ def _shrink_planes(
     so batches of any rank mix share one compiled kernel (programs still stop at their slot's rank)."""
     T, in_f = info.num_tokens, x.shape[1]
     ns_p2 = next_pow2(n)
-    top_rank = info.max_rank if skip_pad else R
+    top_rank = min(info.rank_bound, R) if skip_pad else R
     block_r = min(max(16, next_pow2(R)), max(16, 128 // ns_p2))
     tiles = _Tiles.of(info, _block_m(max(info.seg_lens_host), TUNING["shrink_block_m"]))
     block_k = 64 if tiles.block_m >= 64 else 128
@@ -288,7 +288,9 @@ def _expand_planes(
     widths = [b - a for a, b in zip(slice_offsets, slice_offsets[1:])]
     tiles = _Tiles.of(info, _block_m(max(info.seg_lens_host), TUNING["block_m"]))
     block_n = TUNING["block_n"]
-    block_k = min(64, max(16, next_pow2(R)))
+    # The rank in steps of 16 (the smallest tl.dot K): a segment stops at its slot's rank tile, so a
+    # rank-8 slot of a rank-64 pool costs one step, not four.
+    block_k = RANK_TILE
     n_tiles = triton.cdiv(max(widths), block_n)
     grid = (tiles.count * n * n_tiles,)
     _sgmv_expand_kernel[grid](

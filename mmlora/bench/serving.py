@@ -266,7 +266,7 @@ def _micro(
             ctx = [r.num_computed + 1 - steps / 2 for r in running]  # the middle of the timed steps
             ranks = {r.lora.uid: r.lora.rank for r in running if r.lora is not None}
             floor_s = recorder.floor_seconds(sum(ctx), list(ranks.values()), bw)
-            replay_s = time_graph_replay(engine, len(running), with_lora)
+            replay_s = time_graph_replay(engine)
             abort_all(engine, rids)
             rows.append(
                 {

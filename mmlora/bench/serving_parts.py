@@ -106,13 +106,13 @@ class StepRecorder:
             self.pending = None
 
 
-def time_graph_replay(engine: Any, n: int, with_lora: bool, reps: int = 20) -> float | None:
-    """Mean seconds of replaying the graph of the bucket holding ``n`` rows (inputs of the last step)."""
+def time_graph_replay(engine: Any, reps: int = 20) -> float | None:
+    """Mean seconds of replaying the graph the last step replayed (its batch bucket and rank bound, on
+    its inputs); None when that step ran eagerly."""
     graphs = engine.runner.cuda_graphs
-    if graphs is None or not graphs.capture or n > graphs.max_bs:
+    if graphs is None or not graphs.capture or graphs.last_key is None:
         return None
-    bs = next(b for b in graphs.buckets if b >= n)
-    graph = graphs.graphs[(bs, with_lora)].graph
+    graph = graphs.graphs[graphs.last_key].graph
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()

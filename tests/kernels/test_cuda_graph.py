@@ -97,6 +97,35 @@ def test_static_buffer_path_matches_eager(tiny, lora_backend):
     assert runner.cuda_graphs.num_replays > 0
 
 
+class _KeyLog(dict):
+    """The graphs dict, logging every key a replay looks up."""
+
+    def __init__(self, graphs: dict) -> None:
+        super().__init__(graphs)
+        self.used: list[tuple[int, int]] = []
+
+    def __getitem__(self, key):  # noqa: ANN001, ANN204
+        self.used.append(key)
+        return super().__getitem__(key)
+
+
+def test_decode_replays_the_graph_of_its_rank_bucket(tiny):
+    """A rank-64 pool serving rank-4 and rank-2 adapters: decode steps replay the (bucket, 16) graphs (or
+    the no-LoRA ones), never those shaped for rank 32 or 64 (issue 23), with the eager tokens."""
+    base, adapters = tiny()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    kw = dict(lora_backend="torch-gather", disable_cuda_graph=True, max_lora_rank=64)
+    ref = _generate(_engine(base, adapters, device, **kw))
+    engine = _engine(base, adapters, device, **kw)
+    graphs = engine.runner.cuda_graphs = CudaGraphRunner(
+        engine.runner, 5, engine.max_model_len, capture=False
+    )
+    assert set(graphs.graphs) == {(b, r) for b in graphs.buckets for r in (0, 16, 32, 64)}
+    graphs.graphs = _KeyLog(graphs.graphs)
+    _assert_same(ref, _generate(engine), 1e-4)
+    assert {r for _, r in graphs.graphs.used} == {0, 16}  # 0: steps left with base-only rows
+
+
 @cuda
 def test_graphs_are_on_by_default_and_can_be_disabled(tiny):
     base, adapters = tiny()
@@ -104,7 +133,8 @@ def test_graphs_are_on_by_default_and_can_be_disabled(tiny):
     graphs = engine.runner.cuda_graphs
     assert graphs is not None, "CUDA graphs were not captured on a CUDA engine"
     assert graphs.buckets == [1, 2, 4, 5]
-    assert set(graphs.graphs) == {(b, w) for b in graphs.buckets for w in (True, False)}
+    # One graph per (batch bucket, LoRA rank bound): 0 (no LoRA) and the rank-4 pool's one rank bucket.
+    assert set(graphs.graphs) == {(b, r) for b in graphs.buckets for r in (0, 4)}
     del engine, graphs
     _free()
     off = _engine(base, adapters, "cuda", disable_cuda_graph=True)
