@@ -9,7 +9,7 @@
 #     Triton compiles inside each timed run are counted (--allow-compiles: reported, not fatal).
 #  3. If time is left (started before 320 s): ranks {8} again in an engine of pool rank 8 (<= 80 s).
 # summary.txt: per mix and round, output tok/s over base-only, TTFT p50 over base-only, compiles in the
-# timed run, slot padding fraction; then the targets (>= 0.80x, >= 0.75x for {64}; {8,64} faster
+# timed run, slot padding fraction (from adapter bytes, and read off the pool's slots); then the targets (>= 0.80x, >= 0.75x for {64}; {8,64} faster
 # than {64}; TTFT p50 <= 1.3x base-only).
 set -u
 out=${1:?output folder}
@@ -64,7 +64,7 @@ for name in ("mixes", "pool8"):
     pool = data.get("pool_rank", 64 if name == "mixes" else 8)
     print(f"\n== {name} (pool rank {pool}, from {f}) ==")
     print(f"{'ranks':8}{'round':>6}{'tok/s':>9}{'base':>9}{'ratio':>7}{'TTFT50 ms':>11}{'base':>7}{'ratio':>7}"
-          f"{'TPOT50':>8}{'compiles':>9}{'padding':>8}")
+          f"{'TPOT50':>8}{'compiles':>9}{'padding':>8}{'pool':>6}")
     runs = data["runs"]
     base = {r.get("round", 0): r for r in runs if r["num_adapters"] == 0}
     for r in runs:
@@ -78,7 +78,7 @@ for name in ("mixes", "pool8"):
         print(f"{mix:8}{r.get('round', 0) + 1:6d}{r['output_tok_per_s']:9.0f}{b['output_tok_per_s']:9.0f}"
               f"{ratio:7.2f}{r['ttft_p50_s'] * 1e3:11.0f}{b['ttft_p50_s'] * 1e3:7.0f}{ttft:7.2f}"
               f"{r['tpot_p50_s'] * 1e3:8.1f}{r['breakdown']['triton_compiles']:9d}"
-              f"{r['slot_padding_fraction']:8.3f}")
+              f"{r['slot_padding_fraction']:8.3f}{r.get('slot_padding_fraction_pool', float('nan')):6.3f}")
     base_compiles = [r["breakdown"]["triton_compiles"] for r in runs if r["num_adapters"] == 0]
     print(f"compiles in base-only timed runs: {base_compiles}")
 

@@ -389,6 +389,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             own = sum(recorder.adapter_bytes(adapters[i]["rank"]) for i in used)
             res["ranks"] = [int(r) for r in label.split(",")]
             res["slot_padding_fraction"] = 1 - own / (len(used) * recorder.adapter_bytes(pool_rank))
+            # The same share read off the pool: the slots its adapters hold at the end of the run.
+            lora = engine.runner.lora
+            entries = [lora.entry(adapters[i]["name"]) for i in used]
+            res["slot_padding_fraction_pool"] = lora.slot_padding_fraction([e for e in entries if e])
             base_run = base_of_round[k]
             res["over_base"] = res["output_tok_per_s"] / base_run["output_tok_per_s"]
             res["ttft_p50_over_base"] = res["ttft_p50_s"] / base_run["ttft_p50_s"]

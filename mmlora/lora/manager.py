@@ -152,6 +152,14 @@ class LoRAManager:
     def nbytes(self) -> int:
         return self._pool.nbytes()
 
+    def slot_padding_fraction(self, entries: list[AdapterEntry] | None = None) -> float:
+        """Share of the slot memory of ``entries`` (default: every adapter in a slot) that is padding;
+        entries without a slot are left out (see LoRAPool.slot_padding_fraction)."""
+        if entries is None:
+            return self._pool.slot_padding_fraction()
+        slots = [self._pool.slot_of(e.uid) for e in entries]
+        return self._pool.slot_padding_fraction(s for s in slots if s is not None)
+
     def entry(self, name: str) -> AdapterEntry | None:
         return self._registry.get(name)
 

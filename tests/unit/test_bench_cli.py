@@ -88,6 +88,7 @@ def test_serving_repeats_and_pool_rank(tmp_path):
     assert result["pool_rank"] == 8
     for base_run, lora_run in (runs[:2], runs[2:]):
         assert lora_run["slot_padding_fraction"] == pytest.approx(0.75)
+        assert lora_run["slot_padding_fraction_pool"] == pytest.approx(0.75)
         assert lora_run["over_base"] == pytest.approx(
             lora_run["output_tok_per_s"] / base_run["output_tok_per_s"]
         )
