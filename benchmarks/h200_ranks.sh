@@ -9,6 +9,8 @@
 #     (alternating), two rounds of [base-only, each mix]: each mix against its own round's base-only run.
 #     Triton compiles inside each timed run are counted (--allow-compiles: reported, not fatal).
 #  3. If time is left (started before 300 s): ranks {8} again in an engine of pool rank 8 (<= 80 s).
+#  4. If time is left (started before 340 s): `bench kernels` on qkv, BGMV only, rank mixes 8 16 64 8,64
+#     in a rank-64 pool (<= 40 s): decode time per call should track the mix's bytes.
 # summary.txt: per mix and round, output tok/s over base-only, TTFT p50 over base-only, compiles in the
 # timed run, slot padding fraction (from adapter bytes, and read off the pool's slots); then the issue's targets (>= 0.80x, >= 0.75x for {64}; {8,64} faster
 # than {64}; TTFT p50 <= 1.3x base-only).
@@ -37,6 +39,14 @@ if [ "$SECONDS" -lt 300 ]; then
   echo "pool8 rc=$?" | tee -a "$out/rc.txt"
 else
   echo "pool8 skipped at ${SECONDS} s" | tee -a "$out/rc.txt"
+fi
+
+if [ "$SECONDS" -lt 340 ]; then  # BGMV alone on qkv: time per call for each rank mix in a rank-64 pool
+  timeout 40 python -m mmlora.bench kernels --quick --backends triton-bgmv --projections qkv \
+    --ranks 8 16 64 8,64 --pool-rank 64 --out "$out/kernels" > "$out/kernels.log" 2>&1
+  echo "kernels rc=$?" | tee -a "$out/rc.txt"
+else
+  echo "kernels skipped at ${SECONDS} s" | tee -a "$out/rc.txt"
 fi
 
 python - "$out" <<'EOF' | tee "$out/summary.txt"
@@ -95,4 +105,6 @@ if "8,64" in tok and "64" in tok:
     print(f"ranks 8,64 {tok['8,64']:.0f} vs 64 {tok['64']:.0f} out tok/s: mix faster: "
           f"{'met' if tok['8,64'] > tok['64'] else 'MISSED'}")
 EOF
-echo "total ${SECONDS} s"
+{ echo; echo "== kernels: triton-bgmv qkv, pool rank 64, times in us (kernels.log) =="
+  grep -E "^(proj|qkv) " "$out/kernels.log" 2>/dev/null | grep -E "proj|decode" ; } | tee -a "$out/summary.txt"
+echo "total ${SECONDS} s" | tee -a "$out/summary.txt"
