@@ -30,11 +30,11 @@ timeout 70 python -m pytest -q -rfE -p no:cacheprovider tests/kernels/test_rank_
 echo "pytest rc=$?" | tee -a "$out/tests.txt"
 
 timeout 280 python -m mmlora.bench serving "${common[@]}" --rank-mixes 8 16 64 8,64 --pool-rank 64 \
-  --rounds 2 --out "$out/mixes" > "$out/mixes.log" 2>&1
+  --sweep-rounds 2 --out "$out/mixes" > "$out/mixes.log" 2>&1
 echo "mixes rc=$?" | tee "$out/rc.txt"
 
 if [ "$SECONDS" -lt 300 ]; then
-  timeout 80 python -m mmlora.bench serving "${common[@]}" --ranks 8 --pool-rank 8 --rounds 2 \
+  timeout 80 python -m mmlora.bench serving "${common[@]}" --ranks 8 --pool-rank 8 --sweep-rounds 2 \
     --out "$out/pool8" > "$out/pool8.log" 2>&1
   echo "pool8 rc=$?" | tee -a "$out/rc.txt"
 else

@@ -92,7 +92,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         help="max_lora_rank of the engine: the rank its adapter slots hold (default: the largest rank run)",
     )
     p.add_argument(
-        "--rounds",
+        "--sweep-rounds",
         type=int,
         default=1,
         help="standard workload: run the base-only point and every mix point this many times, in turn; each "
@@ -156,7 +156,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "max_running_requests",
         "hf_tokens",
         "micro_context",
-        "rounds",
+        "sweep_rounds",
     ):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}: must be >= 1")
@@ -314,7 +314,7 @@ def _point(run: dict[str, Any], args: argparse.Namespace) -> str:
     its round when there are several."""
     n = str(run["num_adapters"])
     key = f"ranks {_mix_label(run['ranks'])} n={n}" if len(args.mixes) > 1 and "ranks" in run else n
-    return key + (f" round {run['round'] + 1}" if args.rounds > 1 else "")
+    return key + (f" round {run['round'] + 1}" if args.sweep_rounds > 1 else "")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -365,7 +365,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     round_points = [(_mix_label(args.mixes[0]), 0)] + [
         (_mix_label(m), n) for m in args.mixes for n in args.num_adapters
     ]
-    points = [(k, label, n) for k in range(args.rounds) for label, n in round_points]
+    points = [(k, label, n) for k in range(args.sweep_rounds) for label, n in round_points]
     base_of_round: dict[int, dict[str, Any]] = {}
     for k, label, n in progress(points, "workloads"):  # base-only first in each round: its ratios need it
         if args.time_budget and n and time.perf_counter() - t_start > 0.6 * args.time_budget:

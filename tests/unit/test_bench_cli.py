@@ -70,14 +70,14 @@ def test_serving_rank_mix_sweep(tmp_path):
     assert (out / "serving.png").stat().st_size > 0
 
 
-def test_serving_rounds_and_pool_rank(tmp_path):
-    """--rounds: base-only then the mix, in turn, each ratio against its own round's base-only run;
+def test_serving_sweep_rounds_and_pool_rank(tmp_path):
+    """--sweep-rounds: base-only then the mix, in turn, each ratio against its own round's base-only run;
     --pool-rank sizes the slots (rank 2 adapters in rank-8 slots: three quarters padding)."""
     base = make_checkpoint(tmp_path / "base", "llama")
     out = tmp_path / "serving"
     argv = [
         "serving", "--model", str(base), "--device", "cpu", "--dtype", "float32", "--ranks", "2",
-        "--pool-rank", "8", "--rounds", "2", "--num-adapters", "2", "--num-requests", "3", "--input-len", "4",
+        "--pool-rank", "8", "--sweep-rounds", "2", "--num-adapters", "2", "--num-requests", "3", "--input-len", "4",
         "8", "--output-len", "2", "4", "--max-model-len", "64", "--max-loras-per-batch", "2",
         "--max-running-requests", "3", "--hf-batch", "0", "--micro-batch", "--out", str(out),
     ]  # fmt: skip
