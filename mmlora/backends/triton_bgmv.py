@@ -11,9 +11,17 @@ than ``tl.dot``:
 - expand sums the partial planes for its token while loading them (they are tiny and L2-resident),
   rounds ``h`` to x.dtype as PEFT does, and streams B over all slices of the packed output at once.
 
-Grids depend only on host ints (``num_tokens``, the pool rank, shapes), and loops over the rank run
-to ``ranks[slot]`` at run time, so a CUDA graph captured for a token count stays right for any mix of
-slots and ranks replayed into the same LoRABatchInfo.
+Both walk the rank in tiles of ``RANK_TILE`` (16): shrink's grid has one program per rank tile up to
+the batch's rank bound (``info.rank_bound``) and a program past its slot's rank returns at once;
+expand loops over its slot's rank tiles only. So a rank-8 slot in a rank-64 pool costs one tile,
+never the pool's 64 (issue 23). Grids depend only on host ints (``num_tokens``, the rank bound,
+shapes), so a CUDA graph captured for a (token count, rank bound) stays right for any mix of slots
+and ranks below the bound replayed into the same LoRABatchInfo.
+
+Compile-time constants depend on the module shape, the dtype and the pool rank only: the split of
+in_features and the tile counts are run-time arguments (never specialised), and the partial planes
+are padded to 16 rows so their stride keeps its divisibility. One compile per module shape serves
+every batch (issue 23: compiles inside timed runs stalled every request in flight).
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ from mmlora.backends.triton_common import (
     slice_bound,
     split_k_plan,
 )
-from mmlora.forward.lora import LoRABatchInfo, LoRAWeights
+from mmlora.forward.lora import RANK_TILE, LoRABatchInfo, LoRAWeights
 
 #: Launch heuristics (read at every launch, so a benchmark can sweep them): elements per register
 #: tile of shrink and expand, warps per program, expand's per-slice reduction (else one selected h
@@ -53,7 +61,13 @@ TUNING = {
 }
 
 
-@triton.jit
+#: Integer arguments that change with the batch: compiled generically (Triton would otherwise build a
+#: variant for the value 1 inside a serving run).
+_SHRINK_BATCH_INTS = ("SPLIT_K", "R_TILES")
+_EXPAND_BATCH_INTS = ("SPLIT_K",)
+
+
+@triton.jit(do_not_specialize=_SHRINK_BATCH_INTS)
 def _bgmv_shrink_kernel(
     x_ptr, a_ptr, p_ptr, token_slots_ptr, ranks_ptr,
     in_features, R, K_PER_SPLIT, stride_xm, stride_as, stride_ar, stride_ps, stride_pm, SPLIT_K, R_TILES,
@@ -65,7 +79,8 @@ def _bgmv_shrink_kernel(
 
     x [T, in] (fp32/fp16/bf16), A [S, N_SLICES * R, in] (x.dtype), P [SPLIT_K, T, N_SLICES * R] fp32.
     Only columns below ranks[s] of each slice (all columns when not SKIP_PAD) of rows with a slot
-    are written; the caller zero-fills P when it needs the rest.
+    are written; the caller zero-fills P when it needs the rest. Program (t, k, rt) covers rank tile rt
+    (BLOCK_R ranks of every slice); R_TILES tiles cover the batch's rank bound.
     """
     pid = tl.program_id(0)
     rt = pid % R_TILES
@@ -102,11 +117,11 @@ def _bgmv_shrink_kernel(
     tl.store(p_ptr + sp * stride_ps + t.to(tl.int64) * stride_pm + col, tl.sum(acc, axis=1), mask=w_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_EXPAND_BATCH_INTS)
 def _bgmv_expand_kernel(
     p_ptr, b_ptr, out_ptr, scal_ptr, token_slots_ptr, ranks_ptr,
     R, N_OUT, stride_ps, stride_pm, stride_bs, stride_bn, stride_om, stride_ss, o0, o1, o2, o3, o4, N_TILES,
-    SPLIT_K: tl.constexpr, SPLIT_P2: tl.constexpr, N_SLICES: tl.constexpr,
+    SPLIT_K, SPLIT_P2: tl.constexpr, N_SLICES: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, H_DTYPE: tl.constexpr, PER_SLICE: tl.constexpr,
 ):  # fmt: skip
     """Expand over all slices: for token t with slot s = ts[t] >= 0, slice j, h = sum_k P[k]:
@@ -115,7 +130,8 @@ def _bgmv_expand_kernel(
     P [SPLIT_K, T, N_SLICES * R] (fp32 partials, or h itself with SPLIT_K = 1), B [S, N_OUT, R],
     scalings [S, N_SLICES] fp32, out [T, N_OUT] updated in place. h is rounded to H_DTYPE (x.dtype)
     before use, as PEFT computes it; fp32 accumulation. A program covers BLOCK_N output columns of one
-    token, which may straddle slices.
+    token, which may straddle slices, and loops over its slot's rank in BLOCK_R tiles. SPLIT_P2 (a power
+    of two >= SPLIT_K, fixed per engine) sizes the partial-plane tile.
     """
     pid = tl.program_id(0)
     nt = pid % N_TILES
@@ -136,12 +152,12 @@ def _bgmv_expand_kernel(
         rr = r0 + tl.arange(0, BLOCK_R)
         r_ok = rr < rank
         # Loads are masked by the pool rank R (known divisible: wide vector loads), not by the slot's rank
-        # (a loaded value: one element per load). B past the rank is zero or stale-but-finite, and the
-        # partials past it (never written) are dropped by the where() on h below.
+        # (a loaded value: one element per load); the columns past the rank in the last tile share its
+        # 32-byte sectors, and where() drops them (and the never-written partials past the rank below),
+        # so whatever the padding holds, even NaN, never reaches the sum.
         r_in = rr < R
-        bv = tl.load(b_base[:, None] + rr[None, :], mask=n_ok[:, None] & r_in[None, :], other=0.0).to(
-            tl.float32
-        )
+        bv = tl.load(b_base[:, None] + rr[None, :], mask=n_ok[:, None] & r_in[None, :], other=0.0)
+        bv = tl.where(r_ok[None, :], bv.to(tl.float32), 0.0)
         hsel = tl.zeros((BLOCK_N, BLOCK_R), dtype=tl.float32)
         for i in tl.static_range(N_SLICES):
             in_i = (offs_n >= slice_bound(i, o0, o1, o2, o3, o4)) & (
@@ -167,8 +183,18 @@ def _tl_dtype(dtype: torch.dtype) -> tl.dtype:
     return {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}[dtype]
 
 
+def _block_r(R: int) -> int:
+    """Ranks per tile: RANK_TILE, or the pool's rank (a power of two) when smaller."""
+    return min(RANK_TILE, next_pow2(R))
+
+
+def _split_p2() -> int:
+    return next_pow2(TUNING["max_split_k"])
+
+
 class _ShrinkPlan:
-    """Launch shape of one shrink, from host ints only."""
+    """Launch shape of one shrink, from host ints only; only ``split_k``, ``k_per_split`` and ``r_tiles``
+    follow the batch, and they are run-time arguments."""
 
     def __init__(
         self,
@@ -176,39 +202,41 @@ class _ShrinkPlan:
         in_features: int,
         n: int,
         R: int,
-        top_rank: int,
+        bound: int,
         device: torch.device,
         split_k: int | None,
     ):
         self.ns_p2 = next_pow2(n)
-        self.block_r = min(next_pow2(top_rank), max(1, 256 // self.ns_p2))
+        self.block_r = _block_r(R)
         rows = self.ns_p2 * self.block_r
         self.block_k = min(256, max(32, TUNING["shrink_tile"] // rows))
-        self.r_tiles = cdiv(R, self.block_r)  # cover R, not this batch's max rank: graph-safe
-        active = T * cdiv(top_rank, self.block_r)
+        self.even_k = in_features % self.block_k == 0  # splits are whole BLOCK_K tiles: all tiles whole
+        self.r_tiles = cdiv(bound, self.block_r)  # the batch's rank bound, not the pool's rank
         self.k_per_split, self.split_k = split_k_plan(
-            in_features, self.block_k, active, device, split_k, TUNING
+            in_features, self.block_k, T * self.r_tiles, device, split_k, TUNING
         )
 
 
 def _shrink_partials(job: ShrinkJob, zero: bool = True) -> torch.Tensor:
     """Launch shrink; returns its fp32 split-K partials [SPLIT_K, T, n*R] (zeroed first with ``zero``:
-    rank padding is then 0 rather than unwritten)."""
+    rank padding is then 0 rather than unwritten), planes padded to 16 rows."""
     x, A, info, n, R, skip_pad, split_k = job
-    T, top_rank = info.num_tokens, job.top_rank
-    key = ("bgmv_plan", x.shape[1], n, R, top_rank, split_k)  # once per forward and module shape
+    T, bound = info.num_tokens, job.top_rank
+    key = ("bgmv_plan", x.shape[1], n, R, bound, split_k)  # once per forward and module shape
     plan = info.host_derived.get(key)
     if plan is None:
-        plan = info.host_derived[key] = _ShrinkPlan(T, x.shape[1], n, R, top_rank, x.device, split_k)
+        plan = info.host_derived[key] = _ShrinkPlan(T, x.shape[1], n, R, bound, x.device, split_k)
     alloc = torch.zeros if zero else torch.empty
-    p = alloc((plan.split_k, T, A.shape[1]), dtype=torch.float32, device=x.device)
+    # Planes padded to 16 rows: their stride keeps the same divisibility (which Triton compiles for) at
+    # every token count.
+    p = alloc((plan.split_k, -(-T // 16) * 16, A.shape[1]), dtype=torch.float32, device=x.device)[:, :T]
     grid = (T * plan.split_k * plan.r_tiles,)
     _bgmv_shrink_kernel[grid](
         x, A, p, info.token_slots, info.ranks,
         x.shape[1], R, plan.k_per_split, x.stride(0), A.stride(0), A.stride(1), p.stride(0), p.stride(1),
         plan.split_k, plan.r_tiles,
         N_SLICES=n, NS_P2=plan.ns_p2, SKIP_PAD=skip_pad, BLOCK_R=plan.block_r, BLOCK_K=plan.block_k,
-        EVEN_K=x.shape[1] % plan.k_per_split == 0, num_warps=TUNING["shrink_warps"],
+        EVEN_K=plan.even_k, num_warps=TUNING["shrink_warps"],
     )  # fmt: skip
     return p
 
@@ -224,15 +252,15 @@ def _expand(
     B, scalings, slice_offsets = weights.B, weights.scalings, weights.slice_offsets
     n = weights.n_slices
     n_out = B.shape[1]
-    block_r = min(64, max(16, next_pow2(info.max_rank)))
+    block_r = _block_r(R)
     block_n = min(512, max(32, TUNING["expand_tile"] // block_r))
     n_tiles = cdiv(n_out, block_n)
     grid = (info.num_tokens * n_tiles,)
     _bgmv_expand_kernel[grid](
         p, B, out, scalings, info.token_slots, info.ranks,
         R, n_out, p.stride(0), p.stride(1), B.stride(0), B.stride(1), out.stride(0), scalings.stride(0),
-        *offset_args(slice_offsets), n_tiles,
-        SPLIT_K=p.shape[0], SPLIT_P2=next_pow2(p.shape[0]), N_SLICES=n, BLOCK_N=block_n, BLOCK_R=block_r,
+        *offset_args(slice_offsets), n_tiles, p.shape[0],
+        SPLIT_P2=max(_split_p2(), next_pow2(p.shape[0])), N_SLICES=n, BLOCK_N=block_n, BLOCK_R=block_r,
         H_DTYPE=_tl_dtype(h_dtype), PER_SLICE=TUNING["expand_per_slice"], num_warps=TUNING["expand_warps"],
     )  # fmt: skip
 

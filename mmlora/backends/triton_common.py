@@ -105,8 +105,8 @@ class ShrinkJob(NamedTuple):
 
     @property
     def top_rank(self) -> int:
-        """The highest rank the kernels compute: the batch's with ``skip_pad``, else the pool's."""
-        return self.info.max_rank if self.skip_pad else self.R
+        """The rank launch shapes cover: the batch's rank bound with ``skip_pad``, else the pool's."""
+        return min(self.info.rank_bound, self.R) if self.skip_pad else self.R
 
 
 def shrink_entry(

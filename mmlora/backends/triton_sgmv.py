@@ -32,7 +32,7 @@ from mmlora.backends.triton_common import (
     shrink_entry,
     split_k_plan,
 )
-from mmlora.forward.lora import LoRABatchInfo, LoRAWeights
+from mmlora.forward.lora import RANK_TILE, LoRABatchInfo, LoRAWeights
 
 #: Launch heuristics (read at every launch, so a benchmark can sweep them): the largest token tile of
 #: shrink and of expand, expand's column tile, warps per program, the most splits of in_features, and
@@ -277,7 +277,9 @@ def _expand_planes(
     widths = [b - a for a, b in zip(slice_offsets, slice_offsets[1:])]
     tiles = _Tiles.of(info, _block_m(info.max_seg_len, TUNING["block_m"]))
     block_n = TUNING["block_n"]
-    block_k = min(64, max(16, next_pow2(R)))
+    # The rank in steps of 16 (the smallest tl.dot K): a segment stops at its slot's rank tile, so a
+    # rank-8 slot of a rank-64 pool costs one step, not four.
+    block_k = RANK_TILE
     n_tiles = cdiv(max(widths), block_n)
     grid = (tiles.count * n * n_tiles,)
     _sgmv_expand_kernel[grid](

@@ -1,13 +1,12 @@
 """Compile every LoRA kernel variant before serving, so no Triton compile lands inside a step.
 
 Triton compiles a kernel per set of compile-time constants (and per class of some integer and pointer
-arguments). SGMV keeps those independent of the batch except for a few classes of segment length
-(decode rows, short runs, runs longer than a token tile), so one ``add_lora`` per module shape and per
-layout class below compiles all of its variants. BGMV's constants still follow the batch (its split of
-in_features and the batch's largest rank): the decode layout compiles the CUDA-graph case (pool rank)
-only, and an eager BGMV step of another shape class can still compile. A compile costs about a second; inside
-a serving run it stalled every request in flight (issue 23: rank-8 and mixed-rank runs had 2.6-2.9 s
-TTFTs).
+arguments). SGMV and BGMV keep those independent of the batch (its token count, its ranks, its split
+of in_features) except for SGMV's few classes of segment length (decode rows, short runs, runs longer
+than a token tile), so one ``add_lora`` per module shape and per layout class below compiles all of
+their variants; the CUDA-graph capture then runs every (batch bucket, rank bound) a decode step can
+replay. A compile costs about a second; inside a serving run it stalled every request in flight
+(issue 23: rank-8 and mixed-rank runs had 2.6-2.9 s TTFTs).
 """
 
 from __future__ import annotations

@@ -1,10 +1,13 @@
 """Kernel microbenchmark: LoRA shrink + expand per Mistral-7B projection, for every LoRA backend.
 
-For each projection (qkv packed as 3 slices, o, gate_up packed as 2, down), rank, token count (decode:
+For each projection (qkv packed as 3 slices, o, gate_up packed as 2, down), rank mix, token count (decode:
 one token per request; prefill: requests of 512 tokens) and adapter popularity (distinct, uniform over
 16 adapters, identical) it times ``backend.add_lora`` (shrink + expand) and the base projection's own
 GEMM, and reports achieved bandwidth: bytes of the distinct adapters' weights plus x read and out
-read + written, over the time, against a device-to-device copy measured in the same run.
+read + written, over the time, against a device-to-device copy measured in the same run. A rank mix
+(``--ranks 8 16 64 8,64``) cycles its ranks over the distinct adapters, in a pool of rank
+``--pool-rank`` (default: the mix's largest): bytes count each adapter's own rank, so a mix that
+costs the mean of its parts reaches the same bandwidth.
 
 On CUDA each timing replays a CUDA graph of several calls that rotate over up to 16 disjoint copies
 of the adapters (aiming at >= 256 MB touched per replay), so weights stream from HBM as they would in
@@ -32,7 +35,8 @@ from pathlib import Path
 
 import torch
 
-from mmlora.bench.cli import make_parser, progress, target_mark
+from mmlora.bench.cli import make_parser, progress
+from mmlora.bench.kernels_report import BACKENDS, plot, summary, table
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +47,6 @@ PROJECTIONS = {  # name -> (in_features, slice widths)
     "down": (14336, (4096,)),
 }
 SMOKE_PROJECTIONS = {"qkv": (64, (64, 16, 16)), "down": (96, (32,))}
-BACKENDS = ("torch-gather", "triton-sgmv", "triton-bgmv")
 POPULARITY = ("distinct", "uniform", "identical")
 UNIFORM_POOL = 16
 ROTATE_BYTES = 256 << 20
@@ -65,6 +68,20 @@ def _layout(
         slots = [0] * len(lens)
     remap = {s: i for i, s in enumerate(dict.fromkeys(slots))}
     return lens, [remap[s] for s in slots]
+
+
+def _rank_mix(text: str) -> tuple[int, ...]:
+    try:
+        mix = tuple(int(r) for r in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a rank mix is comma-separated integers, got {text!r}") from None
+    if min(mix) < 1:
+        raise argparse.ArgumentTypeError(f"ranks must be >= 1, got {text!r}")
+    return mix
+
+
+def _mix_label(mix: tuple[int, ...]) -> str:
+    return ",".join(map(str, mix))
 
 
 def _time_calls(fns: list[Callable[[], object]], device: torch.device) -> tuple[float, bool]:
@@ -146,30 +163,38 @@ def _copy_bandwidth(device: torch.device) -> float:
 class _Point:
     """One benchmark configuration with its pool (rotated copies), batch infos, x and out."""
 
-    def __init__(self, proj: str, in_f: int, widths: tuple[int, ...], rank: int, phase: str, T: int,
-                 popularity: str, dtype: torch.dtype, device: torch.device, req_len: int, seed: int) -> None:  # fmt: skip
+    def __init__(self, proj: str, in_f: int, widths: tuple[int, ...], mix: tuple[int, ...], pool_rank: int | None,
+                 phase: str, T: int, popularity: str, dtype: torch.dtype, device: torch.device, req_len: int,
+                 seed: int) -> None:  # fmt: skip
         from mmlora.forward.lora import LoRABatchInfo, LoRAWeights
 
-        self.meta = dict(proj=proj, in_features=in_f, out_features=sum(widths), n_slices=len(widths), rank=rank,
-                         phase=phase, tokens=T, popularity=popularity)  # fmt: skip
+        R = pool_rank or max(mix)
+        self.meta = dict(proj=proj, in_features=in_f, out_features=sum(widths), n_slices=len(widths),
+                         rank=_mix_label(mix), pool_rank=R, phase=phase, tokens=T, popularity=popularity)  # fmt: skip
         rng = random.Random(seed)
         lens, slots = _layout(phase, T, popularity, req_len, rng)
         n_distinct = max(slots) + 1
         n, out_f, es = len(widths), sum(widths), torch.finfo(dtype).bits // 8
-        per_call = n_distinct * (n * rank * in_f + out_f * rank) * es
+        ranks = [mix[s % len(mix)] for s in range(n_distinct)]  # distinct adapter s has rank ranks[s]
+        per_call = sum(n * r * in_f + out_f * r for r in ranks) * es
         n_rot = 1 if device.type != "cuda" else max(1, min(MAX_ROTATIONS, math.ceil(ROTATE_BYTES / per_call)))
         S = n_rot * n_distinct
         g = torch.Generator(device=device).manual_seed(seed)
-        self.A = (torch.randn(S, n * rank, in_f, generator=g, device=device) / in_f**0.5).to(dtype)
-        self.B = (torch.randn(S, out_f, rank, generator=g, device=device) / rank**0.5).to(dtype)
+        self.A = (torch.randn(S, n * R, in_f, generator=g, device=device) / in_f**0.5).to(dtype)
+        self.B = (torch.randn(S, out_f, R, generator=g, device=device) / R**0.5).to(dtype)
+        # Zero past each slot's rank, as the pool keeps its padding.
+        slot_ranks = torch.tensor(ranks * n_rot, device=device)
+        live = torch.arange(R, device=device)[None, :] < slot_ranks[:, None]  # [S, R]
+        self.A *= live.repeat(1, n)[:, :, None].to(dtype)
+        self.B *= live[:, None, :].to(dtype)
         self.scalings = torch.full((S, n), 2.0, device=device)
         offsets = tuple([0] + [sum(widths[: i + 1]) for i in range(n)])
         self.weights = LoRAWeights(self.A, self.B, self.scalings, offsets)
         self.infos = []
         for k in range(n_rot):
-            info = LoRABatchInfo(T, S, device)
-            info.ranks.fill_(rank)  # every slot holds a rank-`rank` adapter (one fill, not S launches)
-            info.ranks_host = [rank] * S
+            info = LoRABatchInfo(T, S, device, max_lora_rank=R)
+            info.ranks.copy_(slot_ranks)  # one copy, not S launches
+            info.ranks_host = ranks * n_rot
             info.fill(lens, [k * n_distinct + s for s in slots])
             self.infos.append(info)
         self.x = torch.randn(T, in_f, generator=g, device=device).to(dtype)
@@ -195,7 +220,7 @@ def run(args: argparse.Namespace, device: torch.device) -> dict:
     smoke = args.smoke
     dtype = torch.float32 if device.type != "cuda" else getattr(torch, args.dtype)
     projections = SMOKE_PROJECTIONS if smoke else {p: PROJECTIONS[p] for p in args.projections}
-    ranks = (8,) if smoke else tuple(args.ranks)
+    mixes = ((8,), (4, 8)) if smoke else tuple(args.ranks)
     if smoke:
         decode_t, prefill_t, req_len, pops = (1, 5), (24,), 8, ("distinct", "identical")
     elif args.quick:
@@ -217,11 +242,12 @@ def run(args: argparse.Namespace, device: torch.device) -> dict:
                 key = (proj, T)
                 if key not in gemm_cache:
                     gemm_cache[key] = _gemm_time(in_f, sum(widths), T, dtype, device)
-                for rank in ranks:
+                for mix in mixes:
                     for pop in pops:
                         pt = _Point(
-                            proj, in_f, widths, rank, phase, T, pop, dtype, device, req_len, args.seed
-                        )
+                            proj, in_f, widths, mix, args.pool_rank, phase, T, pop, dtype, device, req_len,
+                            args.seed,
+                        )  # fmt: skip
                         results.extend(_bench_point(pt, backends, gemm_cache[key], copy_gbps, device))
                         del pt
                 if device.type == "cuda":
@@ -242,7 +268,7 @@ def run(args: argparse.Namespace, device: torch.device) -> dict:
             "uniform_pool": UNIFORM_POOL,
         },
         "results": results,
-        "summary": _summary(results),
+        "summary": summary(results),
     }
 
 
@@ -271,91 +297,10 @@ def _bench_point(
     return rows
 
 
-def _summary(results: list[dict]) -> dict:
-    """The issue's targets, read off the results."""
-    by = {}
-    for r in results:
-        by.setdefault((r["proj"], r["rank"], r["phase"], r["tokens"], r["popularity"]), {})[r["backend"]] = r
-    bgmv = [r for r in results if r["backend"] == "triton-bgmv" and r["phase"] == "decode"
-            and r["popularity"] == "distinct" and r["tokens"] >= 32]  # fmt: skip
-    sgmv = [
-        r for r in results if r["backend"] == "triton-sgmv" and r["phase"] == "prefill" and r["rank"] == 16
-    ]
-    losses = {b: [] for b in ("triton-sgmv", "triton-bgmv")}
-    wins = {"decode": {}, "prefill": {}}
-    for key, row in by.items():
-        tg = row.get("torch-gather")
-        for b in losses:
-            if b in row and tg and row[b]["time_us"] >= tg["time_us"]:
-                losses[b].append("/".join(map(str, key)))
-        tri = {b: row[b]["time_us"] for b in losses if b in row}
-        if tri:
-            best = min(tri, key=tri.get)
-            wins[key[2]][best] = wins[key[2]].get(best, 0) + 1
-    return {
-        "bgmv_decode_distinct_T>=32_min_bw_frac": min((r["bw_frac"] for r in bgmv), default=None),
-        "bgmv_decode_distinct_T>=32_target": 0.60,
-        "sgmv_prefill_rank16_max_lora_over_gemm": max((r["lora_over_gemm"] for r in sgmv), default=None),
-        "sgmv_prefill_rank16_target": 0.15,
-        "max_rel_err_vs_first_backend": {
-            b: max(r["rel_err_vs_first"] for r in results if r["backend"] == b)
-            for b in dict.fromkeys(r["backend"] for r in results)
-        },
-        "points_not_faster_than_torch_gather": losses,
-        "fastest_triton_backend_count": wins,
-    }
-
-
 def _triton_version() -> str:
     import triton
 
     return triton.__version__
-
-
-def _plot(data: dict, path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    res = data["results"]
-    projs = list(dict.fromkeys(r["proj"] for r in res))
-    rank = 16 if any(r["rank"] == 16 for r in res) else res[0]["rank"]
-    fig, axes = plt.subplots(3, len(projs), figsize=(4.2 * len(projs), 10), squeeze=False)
-    rows = (
-        ("decode", "distinct", "time_us"),
-        ("prefill", "uniform", "time_us"),
-        ("decode", "distinct", "bw_frac"),
-    )
-    for j, proj in enumerate(projs):
-        for i, (phase, pop, metric) in enumerate(rows):
-            ax = axes[i][j]
-            sel = [
-                r
-                for r in res
-                if (r["proj"], r["phase"], r["popularity"], r["rank"]) == (proj, phase, pop, rank)
-            ]
-            for be in dict.fromkeys(r["backend"] for r in sel):
-                pts = sorted((r["tokens"], r[metric]) for r in sel if r["backend"] == be)
-                ax.plot(*zip(*pts), marker="o", label=be)
-            if metric == "time_us":
-                gemm = sorted({(r["tokens"], r["gemm_us"]) for r in sel})
-                if gemm:
-                    ax.plot(*zip(*gemm), "k--", label="base GEMM")
-                ax.set_yscale("log")
-            ax.set_xscale("log", base=2)
-            ax.set_title(f"{proj} {phase} {pop} r{rank}: {metric}", fontsize=9)
-            ax.set_xlabel("tokens")
-            ax.grid(alpha=0.3)
-            if sel:
-                ax.legend(fontsize=7)
-    fig.suptitle(f"LoRA shrink+expand, {data['meta']['device']}, copy {data['meta']['copy_GBps']:.0f} GB/s")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -370,7 +315,16 @@ def main(argv: list[str] | None = None) -> dict:
     )
     p.add_argument("--backends", nargs="+", default=list(BACKENDS))
     p.add_argument("--projections", nargs="+", default=list(PROJECTIONS), choices=list(PROJECTIONS))
-    p.add_argument("--ranks", nargs="+", type=int, default=[8, 16, 64])
+    p.add_argument(
+        "--ranks",
+        nargs="+",
+        type=_rank_mix,
+        default=[(8,), (16,), (64,)],
+        help="ranks or comma-separated rank mixes, e.g. 8 16 64 8,64 (a mix cycles over the adapters)",
+    )
+    p.add_argument(
+        "--pool-rank", type=int, default=None, help="slot rank of the pool (default: each mix's max)"
+    )
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -388,50 +342,11 @@ def main(argv: list[str] | None = None) -> dict:
     data = run(args, device)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "kernels.json").write_text(json.dumps(data, indent=1))
-    plotted = _plot(data, args.out / "kernels.png")
+    plotted = plot(data, args.out / "kernels.png")
     sys.stdout.write(
-        _table(data) + f"\nwrote {args.out / 'kernels.json'}" + (" and kernels.png\n" if plotted else "\n")
+        table(data) + f"\nwrote {args.out / 'kernels.json'}" + (" and kernels.png\n" if plotted else "\n")
     )
     return data
-
-
-def _table(data: dict) -> str:
-    lines = [f"copy bandwidth {data['meta']['copy_GBps']:.0f} GB/s; times in us (GEMM = base projection)"]
-    lines.append(f"{'proj':8}{'phase':8}{'T':>6}{'r':>4} {'pop':10}{'gemm':>9}" + "".join(f"{b:>15}" for b in BACKENDS)
-                 + f"{'bgmv bw%':>10}")  # fmt: skip
-    rows: dict = {}
-    for r in data["results"]:
-        rows.setdefault((r["proj"], r["phase"], r["tokens"], r["rank"], r["popularity"]), {})[
-            r["backend"]
-        ] = r
-    for (proj, phase, T, rank, pop), row in rows.items():
-        any_r = next(iter(row.values()))
-        cells = "".join(f"{row[b]['time_us']:15.1f}" if b in row else f"{'-':>15}" for b in BACKENDS)
-        bw = f"{100 * row['triton-bgmv']['bw_frac']:9.0f}%" if "triton-bgmv" in row else f"{'-':>10}"
-        lines.append(f"{proj:8}{phase:8}{T:6d}{rank:4d} {pop:10}{any_r['gemm_us']:9.1f}{cells}{bw}")
-    summary = data["summary"]
-    bw, ratio = (
-        summary["bgmv_decode_distinct_T>=32_min_bw_frac"],
-        summary["sgmv_prefill_rank16_max_lora_over_gemm"],
-    )
-    bw_target, ratio_target = (
-        summary["bgmv_decode_distinct_T>=32_target"],
-        summary["sgmv_prefill_rank16_target"],
-    )
-    lines.append(
-        f"BGMV decode, distinct adapters, T>=32: min {_fmt(bw)} of copy bandwidth "
-        f"(target >= {bw_target}: {target_mark(bw, bw_target)})"
-    )
-    lines.append(
-        f"SGMV prefill, rank 16: max {_fmt(ratio)} of the base GEMM "
-        f"(target <= {ratio_target}: {target_mark(ratio, ratio_target, at_least=False)})"
-    )
-    lines.append("summary: " + json.dumps(summary))
-    return "\n".join(lines)
-
-
-def _fmt(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}"
 
 
 if __name__ == "__main__":

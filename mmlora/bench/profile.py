@@ -160,7 +160,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 ctx = sum(r.num_computed + 1 for r in running)
                 ranks = [r.lora.rank for r in running if r.lora is not None]
                 floor_ms = recorder.floor_seconds(ctx, ranks, bw) * 1e3
-                replay = time_graph_replay(engine, len(running), with_lora)
+                replay = time_graph_replay(engine)
                 graphs = engine.runner.cuda_graphs
                 bucket = next(b for b in graphs.buckets if b >= len(running))
                 kernels = _profile(functools.partial(graphs.eager_forward, bucket), args.steps)

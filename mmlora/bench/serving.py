@@ -101,6 +101,19 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         help="a sweep over rank mixes, each comma-separated (e.g. 8 16 64 8,64): every --num-adapters point "
         "runs once per mix, one plot line each (overrides --ranks)",
     )
+    p.add_argument(
+        "--pool-rank",
+        type=int,
+        default=None,
+        help="max_lora_rank of the engine: the rank its adapter slots hold (default: the largest rank run)",
+    )
+    p.add_argument(
+        "--sweep-rounds",
+        type=int,
+        default=1,
+        help="standard workload: run the base-only point and every mix point this many times, in turn; each "
+        "ratio is against the base-only run of its own round",
+    )
     p.add_argument("--popularity", choices=["uniform", "zipf", "distinct"], default="uniform")
     p.add_argument("--zipf-alpha", type=float, default=1.0)
     p.add_argument("--arrival", choices=["poisson", "all"], default="all")
@@ -160,6 +173,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "hf_tokens",
         "micro_context",
         "repeats",
+        "sweep_rounds",
     ):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}: must be >= 1")
@@ -170,6 +184,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     args.mixes = args.rank_mixes or [list(args.ranks)]
     if any(n < 1 for n in args.num_adapters) or any(r < 1 for mix in args.mixes for r in mix):
         raise ValueError("--num-adapters, --ranks and --rank-mixes: must be >= 1")
+    top = max([r for mix in args.mixes for r in mix] + ([args.micro_rank] if args.micro_batch else []))
+    if args.pool_rank is not None and args.pool_rank < top:
+        raise ValueError(f"--pool-rank {args.pool_rank}: must hold the largest rank run ({top})")
     if args.input_len[1] + args.output_len[1] > args.max_model_len:
         raise ValueError("--max-model-len: must cover the longest input + output")
     check_engine_options(
@@ -293,7 +310,7 @@ def _micro(
             ctx = [r.num_computed + 1 - steps / 2 for r in running]  # the middle of the timed steps
             ranks = {r.lora.uid: r.lora.rank for r in running if r.lora is not None}
             floor_s = recorder.floor_seconds(sum(ctx), list(ranks.values()), bw)
-            replay_s = time_graph_replay(engine, len(running), with_lora)
+            replay_s = time_graph_replay(engine)
             abort_all(engine, rids)
             rows.append(
                 {
@@ -313,10 +330,12 @@ def _micro(
     return rows
 
 
-def _point(run: dict[str, Any], num_mixes: int) -> str:
-    """A run's key in the summary dicts: its adapter count, with its rank mix when there are several."""
+def _point(run: dict[str, Any], args: argparse.Namespace) -> str:
+    """A run's key in the summary dicts: its adapter count, with its rank mix when there are several and
+    its round when there are several."""
     n = str(run["num_adapters"])
-    return f"ranks {_mix_label(run['ranks'])} n={n}" if num_mixes > 1 and "ranks" in run else n
+    key = f"ranks {_mix_label(run['ranks'])} n={n}" if len(args.mixes) > 1 and "ranks" in run else n
+    return key + (f" round {run['round'] + 1}" if args.sweep_rounds > 1 else "")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -326,9 +345,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     all_ranks = sorted(
         {*(r for mix in args.mixes for r in mix), *([args.micro_rank] if args.micro_batch else [])}
     )
-    rank_max = all_ranks[-1]
+    pool_rank = args.pool_rank or all_ranks[-1]
     n_max = max([*args.num_adapters, *(args.micro_batch or [0])])
-    engine = _engine(args, args.max_loras_per_batch, rank_max)
+    engine = _engine(args, args.max_loras_per_batch, pool_rank)
     # Requests are random token ids: no text to produce. The engine's detokenizer re-decodes each request's
     # whole output every step (O(n^2)); SGLang/vLLM run it in another process, so it stays out of here.
     engine.tokenizer = None
@@ -364,10 +383,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     print(f"warm-up (Triton compiles of the prefill shapes, untimed) in {time.perf_counter() - t0:.1f} s")
     runs = []
     skipped = []
-    points = [(_mix_label(args.mixes[0]), 0)] + [
+    round_points = [(_mix_label(args.mixes[0]), 0)] + [
         (_mix_label(m), n) for m in args.mixes for n in args.num_adapters
     ]
-    for label, n in progress(points, "workloads"):  # base-only first: every ratio needs it
+    points = [(k, label, n) for k in range(args.sweep_rounds) for label, n in round_points]
+    base_of_round: dict[int, dict[str, Any]] = {}
+    for k, label, n in progress(points, "workloads"):  # base-only first in each round: its ratios need it
         if args.time_budget and n and time.perf_counter() - t_start > 0.6 * args.time_budget:
             skipped.append(n)  # leave time for the decode-step microbench and HF + PEFT
             print(f"skipping n={n}: past 60% of --time-budget {args.time_budget:.0f} s", flush=True)
@@ -383,15 +404,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         res["breakdown"] = breakdown.summary()
         res.update({"num_adapters": n, "system": "mmlora" if n else "base-only", "adapter_load_s": load_s})
         res["distinct_adapters_used"] = len(used)
+        res["round"] = k
         if n:
-            # Every slot is sized for the largest rank: the share of the used adapters' slot bytes that is padding.
+            # Every slot is sized for the pool rank: the share of the used adapters' slot bytes that is padding.
             own = sum(recorder.adapter_bytes(adapters[i]["rank"]) for i in used)
             res["ranks"] = [int(r) for r in label.split(",")]
-            res["slot_padding_fraction"] = 1 - own / (len(used) * recorder.adapter_bytes(rank_max))
+            res["slot_padding_fraction"] = 1 - own / (len(used) * recorder.adapter_bytes(pool_rank))
+            # The same share read off the pool: the slots its adapters hold at the end of the run.
+            lora = engine.runner.lora
+            entries = [lora.entry(adapters[i]["name"]) for i in used]
+            res["slot_padding_fraction_pool"] = lora.slot_padding_fraction([e for e in entries if e])
+            base_run = base_of_round[k]
+            res["over_base"] = res["output_tok_per_s"] / base_run["output_tok_per_s"]
+            res["ttft_p50_over_base"] = res["ttft_p50_s"] / base_run["ttft_p50_s"]
+        else:
+            base_of_round[k] = res
         runs.append(res)
         _partial(out, {"runs": runs})
         print(
-            f"{res['system']:9s} ranks {label if n else '-':6s} n={n:5d}: {res['output_tok_per_s']:9.1f} out tok/s, {res['req_per_s']:6.2f} req/s, "
+            f"{res['system']:9s} ranks {label if n else '-':6s} n={n:5d}: {res['output_tok_per_s']:9.1f} out tok/s"
+            + (f" ({res['over_base']:.2f}x base-only)" if n else "")
+            + f", {res['req_per_s']:6.2f} req/s, "
             f"TTFT p50 {res['ttft_p50_s'] * 1e3:.0f} ms, TPOT p50 {res['tpot_p50_s'] * 1e3:.1f} ms, "
             f"decode {res['decode_over_floor']:.2f}x floor, adapters loaded in {load_s:.1f} s "
             f"({time.perf_counter() - t_start:.0f} s)",
@@ -417,17 +450,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.hf_batch:
         hf = hf_peft_subset(hf_config, args, adapters, device, dtype, free=_free)
         print(f"HF + PEFT subset: {hf}", flush=True)
-    base = next(r for r in runs if r["num_adapters"] == 0)
     result = {
         **result_header("serving", args, device, dtype, lora_backend),
         "copy_bandwidth_bytes_per_s": bw,
         "weight_bytes": weights,
         "adapter_bytes_by_rank": adapter_bytes,
+        "pool_rank": pool_rank,
         "runs": runs,
         "skipped_num_adapters": skipped,
-        "mixed_over_base": {
-            _point(r, len(args.mixes)): r["output_tok_per_s"] / base["output_tok_per_s"] for r in runs
-        },
+        "mixed_over_base": {_point(r, args): r.get("over_base", 1.0) for r in runs},
         "decode_step": micro,
         "mmlora_subset": subset,
         "hf_peft": hf,
@@ -442,7 +473,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result["mmlora_over_hf_peft_same_subset"] = subset["output_tok_per_s"] / hf["output_tok_per_s"]
     if tmp is not None:
         tmp.cleanup()
-    compiled = {_point(r, len(args.mixes)): r["breakdown"]["triton_compiles"] for r in runs}
+    compiled = {_point(r, args): r["breakdown"]["triton_compiles"] for r in runs}
     result["triton_compiles_in_timed_runs"] = compiled
     result["wall_s"] = time.perf_counter() - t_start
     return result

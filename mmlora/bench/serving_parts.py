@@ -106,13 +106,13 @@ class StepRecorder:
             self.pending = None
 
 
-def time_graph_replay(engine: Any, n: int, with_lora: bool, reps: int = 20) -> float | None:
-    """Mean seconds of replaying the graph of the bucket holding ``n`` rows (inputs of the last step)."""
+def time_graph_replay(engine: Any, reps: int = 20) -> float | None:
+    """Mean seconds of replaying the graph the last step replayed (its batch bucket and rank bound, on
+    its inputs); None when that step ran eagerly."""
     graphs = engine.runner.cuda_graphs
-    if graphs is None or not graphs.capture or n > graphs.max_bs:
+    if graphs is None or not graphs.capture or graphs.last_key is None:
         return None
-    bs = next(b for b in graphs.buckets if b >= n)
-    graph = graphs.graphs[(bs, with_lora)].graph
+    graph = graphs.graphs[graphs.last_key].graph
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -362,15 +362,17 @@ def plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     runs = [r for r in result["runs"] if r["num_adapters"] > 0]
-    base = next(r for r in result["runs"] if r["num_adapters"] == 0)
+    base = float(np.mean([r["output_tok_per_s"] for r in result["runs"] if r["num_adapters"] == 0]))
     xs = sorted({r["num_adapters"] for r in runs})
     fig, ax = plt.subplots(figsize=(7, 4.5))
     mixes = sorted({tuple(r.get("ranks") or ()) for r in runs})
-    for mix in mixes:  # one line per rank mix
+    for mix in mixes:  # one line per rank mix, the mean of its rounds at each adapter count
         line = [r for r in runs if tuple(r.get("ranks") or ()) == mix]
+        ns = sorted({r["num_adapters"] for r in line})
+        tps = [np.mean([r["output_tok_per_s"] for r in line if r["num_adapters"] == n]) for n in ns]
         label = "mmlora (multi-LoRA)" + (f", ranks {','.join(map(str, mix))}" if len(mixes) > 1 else "")
-        ax.plot([r["num_adapters"] for r in line], [r["output_tok_per_s"] for r in line], "o-", label=label)
-    ax.plot(xs, [base["output_tok_per_s"]] * len(xs), "k--", label="mmlora base model only")
+        ax.plot(ns, tps, "o-", label=label)
+    ax.plot(xs, [base] * len(xs), "k--", label="mmlora base model only")
     hf, sub = result.get("hf_peft") or {}, result.get("mmlora_subset") or {}
     if "output_tok_per_s" in hf:
         label = f"HF + PEFT (batch {hf['batch']} x {hf['new_tokens_each']} tok, {hf['adapters']} adapters)"

@@ -15,9 +15,13 @@ forward plus ``compute_logits`` over static buffers:
 Host ints that shape kernel launches are fixed per bucket at capture: ``num_tokens = num_seqs =
 num_segments = bucket`` (one segment per token: segments are never merged in a graph step),
 ``max_seq_len = max_model_len`` (so the Triton decode attention picks its split count from the bucket
-and ``max_model_len``; the split lengths are computed on the device from ``seq_lens``), and
-``max_rank = max_lora_rank`` (LoRA kernels loop to each slot's rank on the device). Two graphs are
-captured per bucket: one with the LoRA layers (used when any row has an adapter) and one without.
+and ``max_model_len``; the split lengths are computed on the device from ``seq_lens``), and the LoRA
+rank bound. Graphs are keyed by (batch bucket, rank bound): one per rank bucket of the pool
+(``LoRAManager.rank_buckets``: 16, 32, 64, ... up to ``max_lora_rank``), whose LoRA launches cover
+ranks up to it (each slot's rank is still read on the device, and kernels stop there), and one with
+bound 0, without the LoRA layers. A step replays the graph of the bucket of its largest rank, so a
+batch of rank-8 adapters never pays the launch shape of a rank-64 one (issue 23). Capture compiles
+every variant a decode step can launch, so none compiles while serving.
 
 Rows past the real batch are padding: they read token 0 at position 0 with ``seq_len`` 1 from a KV page
 reserved for them at start-up (taken out of the allocator), write their K/V there, and have slot -1
@@ -118,8 +122,10 @@ class CudaGraphRunner:
         )
         self.query_start_loc = torch.arange(self.max_bs + 1, dtype=torch.int32, **dev)
         self.logits_rows = torch.arange(self.max_bs, dtype=torch.int64, **dev)
-        self.graphs: dict[tuple[int, bool], _Graph] = {}
+        self.rank_bounds = (0, *runner.lora.rank_buckets)
+        self.graphs: dict[tuple[int, int], _Graph] = {}
         self.num_replays = 0
+        self.last_key: tuple[int, int] | None = None  # (bucket, rank bound) of the last replay
         self._pad_host(self.max_bs)
         self._capture_all()
 
@@ -169,14 +175,14 @@ class CudaGraphRunner:
     @torch.inference_mode()
     def _capture_all(self) -> None:
         if not self.capture:
-            self.graphs = {(bs, w): _Graph(None, None) for bs in self.buckets for w in (True, False)}
+            self.graphs = {(bs, r): _Graph(None, None) for bs in self.buckets for r in self.rank_bounds}
             return
         t0 = time.monotonic()
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device=self.device)
         for bs in reversed(self.buckets):  # largest first: later graphs reuse its pool memory
-            for with_lora in (True, False):
-                self.lora.prepare_capture(bs, with_lora)
+            for bound in self.rank_bounds:
+                self.lora.prepare_capture(bs, bound)
                 stream.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(stream):
                     for _ in range(2):  # compile Triton kernels, build RoPE tables, settle the allocator
@@ -185,13 +191,14 @@ class CudaGraphRunner:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
                     logits = self._forward(bs)
-                self.graphs[(bs, with_lora)] = _Graph(graph, logits)
+                self.graphs[(bs, bound)] = _Graph(graph, logits)
         torch.cuda.synchronize(self.device)
         logger.info(
-            "CUDA graphs: captured %d decode graphs (batch buckets %s, with and without LoRA) in %.1f s; "
+            "CUDA graphs: captured %d decode graphs (batch buckets %s x LoRA rank bounds %s) in %.1f s; "
             "KV page %d reserved for padding rows (%d pages left)",
             len(self.graphs),
             self.buckets,
+            self.rank_bounds,
             time.monotonic() - t0,
             self.pad_page,
             self.allocator.num_blocks,
@@ -252,9 +259,10 @@ class CudaGraphRunner:
         self.i64[:, :bs].copy_(i64, non_blocking=True)
         self.seq_lens[:bs].copy_(torch.tensor(seq_lens + [1] * pad, dtype=torch.int32), non_blocking=True)
         self.block_tables[:bs, :max_blocks].copy_(torch.tensor(rows, dtype=torch.int32), non_blocking=True)
-        with_lora = self.lora.prepare_replay(lora_slots + [-1] * pad)
-        entry = self.graphs[(bs, with_lora)]
+        bound = self.lora.prepare_replay(lora_slots + [-1] * pad)
+        entry = self.graphs[(bs, bound)]
         self.num_replays += 1
+        self.last_key = (bs, bound)
         if entry.graph is None:
             return self._forward(bs)[:n], order
         entry.graph.replay()

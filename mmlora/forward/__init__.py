@@ -6,6 +6,6 @@ docs/architecture.md for the layer order, checked by tests/unit/test_import_laye
 
 from mmlora.forward.attention import AttentionMetadata
 from mmlora.forward.batch import ForwardBatch
-from mmlora.forward.lora import LoRABatchInfo, LoRAWeights
+from mmlora.forward.lora import LoRABatchInfo, LoRAWeights, rank_bucket, rank_buckets
 
-__all__ = ["AttentionMetadata", "ForwardBatch", "LoRABatchInfo", "LoRAWeights"]
+__all__ = ["AttentionMetadata", "ForwardBatch", "LoRABatchInfo", "LoRAWeights", "rank_bucket", "rank_buckets"]

@@ -13,6 +13,35 @@ from dataclasses import dataclass
 
 import torch
 
+#: The Triton LoRA kernels walk a slot's rank in tiles of this many (a slot of rank 8 reads one tile),
+#: so ranks up to it cost the same and the smallest rank bucket is this.
+RANK_TILE = 16
+
+
+def rank_buckets(max_rank: int) -> tuple[int, ...]:
+    """The rank bounds a batch can have under a pool of rank ``max_rank``: 16, 32, 64, ... (doubling,
+    below ``max_rank``), then ``max_rank`` itself. One CUDA graph is captured per (batch, rank bucket)."""
+    if max_rank < 1:
+        raise ValueError(f"max_rank must be >= 1, got {max_rank}")
+    buckets, b = [], RANK_TILE
+    while b < max_rank:
+        buckets.append(b)
+        b *= 2
+    return (*buckets, max_rank)
+
+
+def rank_bucket(rank: int, max_rank: int | None = None) -> int:
+    """The smallest bucket of :func:`rank_buckets` holding ``rank`` (0 for 0: no adapter in the batch).
+    Without ``max_rank`` the doubling is not capped."""
+    if rank <= 0:
+        return 0
+    if max_rank is not None and rank > max_rank:
+        raise ValueError(f"rank {rank} exceeds max_rank {max_rank}")
+    b = RANK_TILE
+    while b < rank:
+        b *= 2
+    return b if max_rank is None else min(b, max_rank)
+
 
 @dataclass(frozen=True)
 class LoRAWeights:
@@ -46,13 +75,18 @@ class LoRABatchInfo:
     Host mirrors (Python lists / ints) let backends make launch decisions without a device sync:
       num_tokens, num_segments, max_rank (largest rank in this batch, 0 when no row has an adapter),
       seg_lens_host, seg_slots_host, ranks_host, max_seg_len (longest segment, 0 when none: kernels
-      size token tiles by it, so it is found once per fill, not once per layer).
+      size token tiles by it, so it is found once per fill, not once per layer), rank_bound (max_rank
+      rounded up to its :func:`rank_bucket`: what launch shapes follow, so they take few values).
     ``host_derived`` is emptied by every fill: backends may cache routing they derive from the host
     mirrors there (once per forward, shared by every layer).
     """
 
-    def __init__(self, max_tokens: int, num_slots: int, device: torch.device | str) -> None:
+    def __init__(
+        self, max_tokens: int, num_slots: int, device: torch.device | str, max_lora_rank: int | None = None
+    ) -> None:
+        """``max_lora_rank`` (the pool's rank) caps the rank buckets; None leaves them uncapped."""
         self.max_tokens = max_tokens
+        self.max_lora_rank = max_lora_rank
         self.num_slots = num_slots
         self.device = torch.device(device)
         i32 = dict(dtype=torch.int32, device=self.device)
@@ -64,6 +98,7 @@ class LoRABatchInfo:
         self.num_tokens = 0
         self.num_segments = 0
         self.max_rank = 0
+        self.rank_bound = 0
         self.seg_lens_host: list[int] = []
         self.seg_slots_host: list[int] = []
         self.max_seg_len = 0
@@ -123,10 +158,17 @@ class LoRABatchInfo:
         self.max_seg_len = max(seg_lens, default=0)
         self.host_derived = {}
         self.max_rank = max((self.ranks_host[s] for s in seg_slots if s >= 0), default=0)
+        self.rank_bound = rank_bucket(self.max_rank, self.max_lora_rank)
 
-    def fill_rows(self, slots: Sequence[int], max_rank: int) -> None:
-        """One segment per row, never merged, with a fixed ``max_rank``: the shape of a CUDA-graph step,
-        whose host ints are baked in at capture (so kernels loop to each slot's rank on the device)."""
+    def bound_of(self, slots: Sequence[int]) -> int:
+        """The rank bound of a batch of these slots (-1 = base): the bucket of their largest rank."""
+        top = max((self.ranks_host[s] for s in slots if s >= 0), default=0)
+        return rank_bucket(top, self.max_lora_rank)
+
+    def fill_rows(self, slots: Sequence[int], rank_bound: int) -> None:
+        """One segment per row, never merged, with a fixed ``rank_bound`` (>= every rank among ``slots``):
+        the shape of a CUDA-graph step, whose host ints are baked in at capture (so kernels loop to each
+        slot's rank on the device, up to the bound)."""
         n = len(slots)
         if n > self.max_tokens:
             raise ValueError(f"fill_rows: {n} rows exceed the preallocated {self.max_tokens}")
@@ -137,7 +179,7 @@ class LoRABatchInfo:
         self.seg_lens[:n].fill_(1)
         self.num_tokens = n
         self.num_segments = n
-        self.max_rank = max_rank
+        self.max_rank = self.rank_bound = rank_bound
         self.seg_lens_host = [1] * n
         self.seg_slots_host = list(slots)
         self.max_seg_len = 1 if n else 0

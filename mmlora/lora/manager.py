@@ -21,7 +21,7 @@ from mmlora.backends import get_backend
 from mmlora.backends.warmup import warm_up_lora_kernels
 from mmlora.config import LoRAConfig, split_lora_spec
 from mmlora.distributed.state import tp_group
-from mmlora.forward.lora import LoRABatchInfo, LoRAWeights
+from mmlora.forward.lora import LoRABatchInfo, LoRAWeights, rank_buckets
 from mmlora.lora.adapter import LoadedAdapter, load_adapter
 from mmlora.lora.layer import LoRAContext, LoRALinear
 from mmlora.lora.paths import confine_adapter_path
@@ -83,7 +83,7 @@ class LoRAManager:
     ) -> None:
         self.config = config
         self.spec = model.lora_model_spec()  # full sizes: adapters are validated against these
-        self.info = LoRABatchInfo(max_tokens, config.max_loras_per_batch, device)
+        self.info = LoRABatchInfo(max_tokens, config.max_loras_per_batch, device, config.max_lora_rank)
         # The pool holds this tensor-parallel rank's shards (everything at tp_size 1).
         pool_args = (
             model.lora_model_spec(full=False),
@@ -167,6 +167,14 @@ class LoRAManager:
 
     def nbytes(self) -> int:
         return self._pool.nbytes()
+
+    def slot_padding_fraction(self, entries: list[AdapterEntry] | None = None) -> float:
+        """Share of the slot memory of ``entries`` (default: every adapter in a slot) that is padding;
+        entries without a slot are left out (see LoRAPool.slot_padding_fraction)."""
+        if entries is None:
+            return self._pool.slot_padding_fraction()
+        slots = [self._pool.slot_of(e.uid) for e in entries]
+        return self._pool.slot_padding_fraction(s for s in slots if s is not None)
 
     def entry(self, name: str) -> AdapterEntry | None:
         return self._registry.get(name)
@@ -318,17 +326,25 @@ class LoRAManager:
         with self.prepared() as info:
             yield info
 
-    def prepare_capture(self, rows: int, with_lora: bool) -> None:
-        """Before capturing a ``rows``-row decode graph: every row base-only, and the host ints the graph
-        bakes in (one segment per row; ``max_rank`` = the pool's rank when ``with_lora``, else 0)."""
-        self.info.fill_rows([-1] * rows, self.config.max_lora_rank if with_lora else 0)
+    @property
+    def rank_buckets(self) -> tuple[int, ...]:
+        """The rank bounds a batch can have (:func:`mmlora.forward.lora.rank_buckets`): one decode graph
+        per (batch bucket, rank bound), and 0 for the graph without LoRA."""
+        return rank_buckets(self.config.max_lora_rank)
 
-    def prepare_replay(self, row_slots: list[int]) -> bool:
+    def prepare_capture(self, rows: int, rank_bound: int) -> None:
+        """Before capturing a ``rows``-row decode graph: every row base-only, and the host ints the graph
+        bakes in (one segment per row; the LoRA kernels' launch shapes cover ranks up to ``rank_bound``,
+        one of :attr:`rank_buckets`; 0: the graph without LoRA)."""
+        self.info.fill_rows([-1] * rows, rank_bound)
+
+    def prepare_replay(self, row_slots: list[int]) -> int:
         """Before replaying a graph captured by :meth:`prepare_capture`: each row's slot (-1 = base or
-        padding), written into the captured buffers. Returns whether the LoRA graph is the one to replay."""
-        with_lora = any(s >= 0 for s in row_slots)
-        self.info.fill_rows(row_slots, self.config.max_lora_rank if with_lora else 0)
-        return with_lora
+        padding), written into the captured buffers. Returns the rank bound of the graph to replay (the
+        bucket of the rows' largest rank; 0 when no row has an adapter)."""
+        bound = self.info.bound_of(row_slots)
+        self.info.fill_rows(row_slots, bound)
+        return bound
 
     @contextlib.contextmanager
     def prepared(self) -> Iterator[LoRABatchInfo]:

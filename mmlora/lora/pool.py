@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -50,6 +50,10 @@ class LoRAPool:
                 scalings = torch.zeros(num_slots, n, dtype=torch.float32, device=device)
                 self.buffers[(layer, t.name)] = (A, B, scalings)
         self.slot_uid: list[int | None] = [None] * num_slots
+        # A and B elements each slot's adapter fills (the rest of the slot is rank padding, or modules
+        # and slices it does not target): what slot_padding_fraction measures.
+        self._slot_filled = [0] * num_slots
+        self._slot_elems = sum(A[0].numel() + B[0].numel() for A, B, _ in self.buffers.values())
         self._slot_of: dict[int, int] = {}
         self._slot_clock = [0] * num_slots
         self._clock = 0
@@ -128,6 +132,7 @@ class LoRAPool:
     def clear_slot(self, slot: int) -> None:
         """Zero a slot's weights (its bookkeeping is the caller's)."""
         torch._foreach_zero_([t[slot] for bufs in self.buffers.values() for t in bufs])
+        self._slot_filled[slot] = 0
         self._on_slot_change(slot, 0)
 
     def write_slot(self, slot: int, adapter: LoadedAdapter) -> None:
@@ -167,6 +172,7 @@ class LoRAPool:
             src += list(host.split([t.numel() for t in scale_dst]))
         if dst:
             torch._foreach_copy_(dst, src, non_blocking=True)
+        self._slot_filled[slot] = sum(t.numel() for t in src if t.dim() == 2)  # A and B, not scalings
         self._on_slot_change(slot, adapter.rank)
 
     @property
@@ -177,6 +183,17 @@ class LoRAPool:
         """Drop the slot buffers and the host cache (``LoRALinear`` views of the buffers go separately)."""
         self.buffers.clear()
         self.host.clear()
+
+    def slot_padding_fraction(self, slots: Iterable[int] | None = None) -> float:
+        """The share of the A/B memory of ``slots`` (default: every occupied slot) that their adapters
+        leave empty (0 for no slot). Slots are sized for ``max_rank`` on every target, so a rank-8
+        adapter in a rank-64 pool leaves 87.5% of its slot empty (issue 23)."""
+        if slots is None:
+            slots = (s for s, u in enumerate(self.slot_uid) if u is not None)
+        occupied = list(slots)
+        if not occupied:
+            return 0.0
+        return 1.0 - sum(self._slot_filled[s] for s in occupied) / (len(occupied) * self._slot_elems)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for bufs in self.buffers.values() for t in bufs)

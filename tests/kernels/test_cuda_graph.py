@@ -97,6 +97,35 @@ def test_static_buffer_path_matches_eager(tiny, lora_backend):
     assert runner.cuda_graphs.num_replays > 0
 
 
+class _KeyLog(dict):
+    """The graphs dict, logging every key a replay looks up."""
+
+    def __init__(self, graphs: dict) -> None:
+        super().__init__(graphs)
+        self.used: list[tuple[int, int]] = []
+
+    def __getitem__(self, key):  # noqa: ANN001, ANN204
+        self.used.append(key)
+        return super().__getitem__(key)
+
+
+def test_decode_replays_the_graph_of_its_rank_bucket(tiny):
+    """A rank-64 pool serving rank-4 and rank-2 adapters: decode steps replay the (bucket, 16) graphs (or
+    the no-LoRA ones), never those shaped for rank 32 or 64 (issue 23), with the eager tokens."""
+    base, adapters = tiny()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    kw = dict(lora_backend="torch-gather", disable_cuda_graph=True, max_lora_rank=64)
+    ref = _generate(_engine(base, adapters, device, **kw))
+    engine = _engine(base, adapters, device, **kw)
+    graphs = engine.runner.cuda_graphs = CudaGraphRunner(
+        engine.runner, 5, engine.max_model_len, capture=False
+    )
+    assert set(graphs.graphs) == {(b, r) for b in graphs.buckets for r in (0, 16, 32, 64)}
+    graphs.graphs = _KeyLog(graphs.graphs)
+    _assert_same(ref, _generate(engine), 1e-4)
+    assert {r for _, r in graphs.graphs.used} == {0, 16}  # 0: steps left with base-only rows
+
+
 @cuda
 def test_graphs_are_on_by_default_and_can_be_disabled(tiny):
     base, adapters = tiny()
@@ -104,7 +133,8 @@ def test_graphs_are_on_by_default_and_can_be_disabled(tiny):
     graphs = engine.runner.cuda_graphs
     assert graphs is not None, "CUDA graphs were not captured on a CUDA engine"
     assert graphs.buckets == [1, 2, 4, 5]
-    assert set(graphs.graphs) == {(b, w) for b in graphs.buckets for w in (True, False)}
+    # One graph per (batch bucket, LoRA rank bound): 0 (no LoRA) and the rank-4 pool's one rank bucket.
+    assert set(graphs.graphs) == {(b, r) for b in graphs.buckets for r in (0, 4)}
     del engine, graphs
     _free()
     off = _engine(base, adapters, "cuda", disable_cuda_graph=True)
@@ -194,3 +224,45 @@ def test_graphs_on_dummy_preset_with_random_adapters(tmp_path, dtype):
             same += 1
             assert abs(g.logprobs[1] - r.logprobs[1]) < 0.1
     assert same >= len(ref) // 2, f"only {same}/{len(ref)} rows agree on the first graph-decoded token (bf16)"
+
+
+@cuda
+def test_graphs_per_rank_bound_match_eager_in_a_rank_64_pool(tmp_path):
+    """Issue 23 on real captures: rank-8 and rank-64 adapters in a rank-64 pool. Steps with only rank-8
+    rows replay the (bucket, 16) graphs, steps with a rank-64 row the (bucket, 64) ones; tokens and
+    logprobs equal the eager engine's (fp32)."""
+    from mmlora.bench.adapters import write_random_adapters
+
+    made = write_random_adapters("smollm2-135m", tmp_path, 4, [8, 64], dtype="float32")
+    loras = {m["name"]: m["path"] for m in made}
+    low = [m["name"] for m in made if m["rank"] == 8]
+    prompts = [[(7 * i + j) % 4000 + 10 for j in range(5 + i % 7)] for i in range(12)]
+    rows = {
+        "rank-8 only": [[*low, None][i % 3] for i in range(12)],
+        "mixed": [[*loras, None][i % 5] for i in range(12)],
+    }
+    sp = {"max_new_tokens": 5, "temperature": 0.0, "ignore_eos": True}
+    opts = dict(
+        model="dummy:smollm2-135m", lora_paths=loras, max_loras_per_batch=4, max_lora_rank=64,
+        max_running_requests=16, max_kv_tokens=8192, device="cuda", dtype="float32", lora_backend="triton-auto",
+    )  # fmt: skip
+    eager = mmlora.Engine(**opts, disable_cuda_graph=True)
+    ref = {
+        k: eager.generate(input_ids=prompts, lora_paths=r, sampling_params=sp, return_logprob=True)
+        for k, r in rows.items()
+    }
+    del eager
+    _free()
+    engine = mmlora.Engine(**opts)
+    graphs = engine.runner.cuda_graphs
+    graphs.graphs = _KeyLog(graphs.graphs)
+    bounds = {}
+    for k, r in rows.items():
+        graphs.graphs.used.clear()
+        got = engine.generate(input_ids=prompts, lora_paths=r, sampling_params=sp, return_logprob=True)
+        bounds[k] = {b for _, b in graphs.graphs.used}
+        _assert_same(ref[k], got, 1e-3)
+    del engine, graphs
+    _free()
+    assert 16 in bounds["rank-8 only"] <= {0, 16}  # 0: a step whose rows are all base-only
+    assert 64 in bounds["mixed"] and 32 not in bounds["mixed"]

@@ -1,5 +1,5 @@
 """The LoRA kernel warm-up compiles the variants a serving step can launch (issue 23: no Triton compile
-inside a timed run). On CUDA: after the warm-up, random SGMV batches of every kind (decode, prefill,
+inside a timed run). On CUDA: after the warm-up, random batches of every kind (decode, prefill,
 mixed steps; mixed ranks; base rows) compile nothing, counted through Triton's post-compile hook."""
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def test_warm_up_runs_each_layout_once_per_distinct_shape() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device (compiles are what is counted)")
-@pytest.mark.parametrize("backend", ["triton-sgmv"])  # BGMV still compiles per batch class (warmup.py)
+@pytest.mark.parametrize("backend", ["triton-sgmv", "triton-bgmv", "triton-auto"])
 def test_no_compile_after_warm_up(backend: str) -> None:
     from triton import knobs
 

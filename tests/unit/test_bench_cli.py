@@ -70,6 +70,36 @@ def test_serving_rank_mix_sweep(tmp_path):
     assert (out / "serving.png").stat().st_size > 0
 
 
+def test_serving_sweep_rounds_and_pool_rank(tmp_path):
+    """--sweep-rounds: base-only then the mix, in turn, each ratio against its own round's base-only run;
+    --pool-rank sizes the slots (rank 2 adapters in rank-8 slots: three quarters padding)."""
+    base = make_checkpoint(tmp_path / "base", "llama")
+    out = tmp_path / "serving"
+    argv = [
+        "serving", "--model", str(base), "--device", "cpu", "--dtype", "float32", "--ranks", "2",
+        "--pool-rank", "8", "--sweep-rounds", "2", "--num-adapters", "2", "--num-requests", "3", "--input-len", "4",
+        "8", "--output-len", "2", "4", "--max-model-len", "64", "--max-loras-per-batch", "2",
+        "--max-running-requests", "3", "--hf-batch", "0", "--micro-batch", "--out", str(out),
+    ]  # fmt: skip
+    assert bench_main(argv) == 0
+    result = json.loads((out / "serving.json").read_text())
+    runs = result["runs"]
+    assert [(r["round"], r["num_adapters"]) for r in runs] == [(0, 0), (0, 2), (1, 0), (1, 2)]
+    assert result["pool_rank"] == 8
+    for base_run, lora_run in (runs[:2], runs[2:]):
+        assert lora_run["slot_padding_fraction"] == pytest.approx(0.75)
+        assert lora_run["slot_padding_fraction_pool"] == pytest.approx(0.75)
+        assert lora_run["over_base"] == pytest.approx(
+            lora_run["output_tok_per_s"] / base_run["output_tok_per_s"]
+        )
+        assert lora_run["ttft_p50_over_base"] == pytest.approx(
+            lora_run["ttft_p50_s"] / base_run["ttft_p50_s"]
+        )
+    assert set(result["mixed_over_base"]) == {"0 round 1", "2 round 1", "0 round 2", "2 round 2"}
+    with pytest.raises(ValueError, match="pool-rank"):
+        bench_main([*argv[:9], "--pool-rank", "1", *argv[11:]])
+
+
 def test_serving_shared_prefix_workload_on_cpu(tmp_path, capsys):
     base = make_checkpoint(tmp_path / "base", "llama")
     out = tmp_path / "prefix"

@@ -149,3 +149,27 @@ def test_slot_loads_count_copies_into_slots_not_hits_or_refusals():
     pool.acquire_slot(3, set())  # load, evicting 2
     pool.acquire_slot(2, set())  # load again: churn
     assert pool.slot_loads == 4
+
+
+def test_slot_padding_fraction_counts_what_adapters_leave_empty():
+    """The pool's padding share against a count of the non-zero elements in the occupied slots."""
+    pool, _ = make_pool(slots=3)
+    assert pool.slot_padding_fraction() == 0.0
+    for uid, rank in ((1, 2), (2, 4)):
+        pool.put_host(uid, adapter(rank, 1.5), set())
+        pool.acquire_slot(uid, set())
+
+    def nonzero_share() -> float:
+        occupied = [s for s, u in enumerate(pool.slot_uid) if u is not None]
+        filled = total = 0
+        for A, B, _ in pool.buffers.values():
+            for t in (A, B):
+                filled += int(t[occupied].count_nonzero())
+                total += t[occupied].numel()
+        return 1 - filled / total
+
+    assert pool.slot_padding_fraction() == pytest.approx(nonzero_share())
+    # Rank 2 in rank-4 slots, q and v of qkv only: 112 of 448 elements filled; rank 4: 224 of 448.
+    assert pool.slot_padding_fraction() == pytest.approx(1 - (112 + 224) / (2 * 448))
+    pool.drop(2)
+    assert pool.slot_padding_fraction() == pytest.approx(0.75) == pytest.approx(nonzero_share())

@@ -1,0 +1,150 @@
+"""Mixed ranks at the cost of their bytes (issue 23): rank buckets, and Triton LoRA kernels that never use
+the rank padding of a slot.
+
+Each slot's A rows and B columns past its adapter's rank are poisoned with NaN: a kernel that lets any of
+them reach the sum (even multiplied by zero) returns NaN and fails. The oracle is a plain fp64
+per-token, per-slice loop over the contract of :mod:`mmlora.backends.base`. Kernels run under
+TRITON_INTERPRET=1 on CPU (tests/conftest.py) at small shapes.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from mmlora.backends import get_backend
+from mmlora.forward.lora import LoRABatchInfo, LoRAWeights, rank_bucket, rank_buckets
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+BACKENDS = ["triton-bgmv", "triton-sgmv", "triton-auto"]
+
+
+def test_rank_buckets_double_from_16_up_to_the_pool_rank() -> None:
+    assert rank_buckets(64) == (16, 32, 64)
+    assert rank_buckets(16) == (16,)
+    assert rank_buckets(8) == (8,)
+    assert rank_buckets(48) == (16, 32, 48)
+    assert rank_buckets(256) == (16, 32, 64, 128, 256)
+    with pytest.raises(ValueError):
+        rank_buckets(0)
+
+
+@pytest.mark.parametrize(
+    "rank,cap,want", [(0, 64, 0), (1, 64, 16), (8, 64, 16), (16, 64, 16), (17, 64, 32), (33, 48, 48), (64, 64, 64),
+                      (8, 8, 8), (100, None, 128)],
+)  # fmt: skip
+def test_rank_bucket_is_the_smallest_bucket_holding_the_rank(rank: int, cap: int | None, want: int) -> None:
+    assert rank_bucket(rank, cap) == want
+    if cap is not None and rank:
+        assert want in rank_buckets(cap)
+
+
+def test_rank_bucket_refuses_a_rank_above_the_pool() -> None:
+    with pytest.raises(ValueError, match="exceeds"):
+        rank_bucket(65, 64)
+
+
+def test_batch_info_carries_the_bucket_of_its_largest_rank() -> None:
+    info = LoRABatchInfo(16, 4, "cpu", max_lora_rank=64)
+    for slot, r in enumerate([8, 64, 20, 16]):
+        info.set_slot_rank(slot, r)
+    info.fill([3, 1], [0, -1])
+    assert (info.max_rank, info.rank_bound) == (8, 16)
+    info.fill([1, 1, 2], [3, 2, 0])
+    assert (info.max_rank, info.rank_bound) == (20, 32)
+    info.fill([1, 1], [-1, -1])
+    assert (info.max_rank, info.rank_bound, info.has_lora) == (0, 0, False)
+    assert info.bound_of([0, -1, 1]) == 64 and info.bound_of([0, 3]) == 16 and info.bound_of([-1]) == 0
+    info.fill_rows([0, -1, 3], 16)  # the graph path: the bound is the graph's, fixed at capture
+    assert (info.max_rank, info.rank_bound, info.num_segments) == (16, 16, 3)
+
+
+def _case(ranks: list[int], R: int, widths: tuple[int, ...], in_f: int, seed: int):
+    """Pool of len(ranks) slots of rank R; everything past each slot's rank is NaN."""
+    g = torch.Generator().manual_seed(seed)
+    S, n = len(ranks), len(widths)
+    offs = tuple([0] + [sum(widths[: i + 1]) for i in range(n)])
+    A = torch.full((S, n * R, in_f), float("nan"))
+    B = torch.full((S, offs[-1], R), float("nan"))
+    for s, r in enumerate(ranks):
+        for i in range(n):
+            A[s, i * R : i * R + r] = torch.randn(r, in_f, generator=g) / in_f**0.5
+            B[s, offs[i] : offs[i + 1], :r] = torch.randn(widths[i], r, generator=g) / r**0.5
+    scalings = torch.rand(S, n, generator=g) + 0.5
+    return A, B, scalings, offs
+
+
+def _reference(x, A, B, scalings, offs, ranks, token_slots) -> torch.Tensor:  # noqa: ANN001
+    """``x @ A[s, slice, :r].T @ B[s, slice, :, :r].T * scaling`` per token and slice, in fp64."""
+    R = B.shape[2]
+    delta = torch.zeros(x.shape[0], offs[-1], dtype=torch.float64)
+    for t, s in enumerate(token_slots):
+        if s < 0:
+            continue
+        r = ranks[s]
+        for i in range(len(offs) - 1):
+            h = x[t].double() @ A[s, i * R : i * R + r].double().T
+            delta[t, offs[i] : offs[i + 1]] = (
+                B[s, offs[i] : offs[i + 1], :r].double() @ h * float(scalings[s, i])
+            )
+    return delta
+
+
+# (ranks per slot, pool rank R, slice widths, in_features): the {8, 64} mix of the issue, ranks that end
+# inside a 16-wide rank tile (1, 17, 33), and a pool whose rank is below one tile.
+POOLS = {
+    "mix-8-64-qkv": ([8, 64, 8, 64], 64, (32, 16, 16), 64),
+    "odd-ranks-gateup": ([1, 17, 33, 64, 16], 64, (24, 24), 48),
+    "pool-rank-8": ([8, 3, 8], 8, (40,), 32),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("pool", list(POOLS))
+@pytest.mark.parametrize("mode", ["decode", "prefill", "graph"])
+def test_padding_beyond_each_slot_rank_is_never_used(backend: str, pool: str, mode: str) -> None:
+    """Mixed ranks in one batch, NaN past every slot's rank: out matches the oracle and base rows stay
+    bit-identical. ``graph`` is a CUDA-graph step: rows filled by ``fill_rows`` with the pool's largest
+    rank bound while the batch's own ranks are smaller."""
+    ranks, R, widths, in_f = POOLS[pool]
+    rng = random.Random(sum(map(ord, pool + mode)))
+    A, B, scalings, offs = _case(ranks, R, widths, in_f, seed=len(pool))
+    S = len(ranks)
+    if mode == "prefill":
+        lens = [rng.randint(1, 9) for _ in range(5)]
+    else:
+        lens = [1] * 7
+    slots = [rng.randrange(-1, S) for _ in lens]
+    slots[0] = 0  # at least one adapter row (slot 0 has a rank below the pool's in every pool)
+    info = LoRABatchInfo(sum(lens) + 3, S, DEV, max_lora_rank=R)
+    for s, r in enumerate(ranks):
+        info.set_slot_rank(s, r)
+    if mode == "graph":
+        info.fill_rows(slots, rank_buckets(R)[-1])
+    else:
+        info.fill(lens, slots)
+    token_slots = [s for n, s in zip(lens, slots) for _ in range(n)]
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(len(token_slots), in_f, generator=g)
+    out0 = torch.randn(len(token_slots), offs[-1], generator=g)
+    want = out0.double() + _reference(x, A, B, scalings, offs, ranks, token_slots)
+    out = out0.to(DEV).clone()
+    weights = LoRAWeights(A.to(DEV), B.to(DEV), scalings.to(DEV), offs)
+    get_backend(backend).add_lora(out, x.to(DEV), weights, info)
+    got = out.double().cpu()
+    assert torch.isfinite(got).all(), "rank padding (NaN) reached the output"
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    base = torch.tensor([s < 0 for s in token_slots])
+    assert torch.equal(out.cpu()[base], out0[base]), "rows without an adapter were modified"
+
+
+@pytest.mark.parametrize("bound", [16, 32, 64])
+def test_bgmv_shrink_grid_follows_the_rank_bound_not_the_pool_rank(bound: int) -> None:
+    """The shrink launches one program per 16-rank tile up to the batch's bound: a rank-16 batch in a
+    rank-64 pool launches a quarter of the programs a rank-64 batch does."""
+    from mmlora.backends.triton_bgmv import _ShrinkPlan
+
+    plan = _ShrinkPlan(T=8, in_features=4096, n=3, R=64, bound=bound, device=torch.device("cpu"), split_k=1)
+    assert plan.block_r == 16 and plan.r_tiles == bound // 16
