@@ -6,23 +6,9 @@ imported). Each model class takes these fields from its family, so the two canno
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
-
-
-@dataclass(frozen=True)
-class ModelFamily:
-    """module, class_name: where the model class lives (imported only to build a model)."""
-
-    module: str
-    class_name: str
-    hf_architectures: tuple[str, ...]
-    hf_model_types: tuple[str, ...]
-    # HF module name -> its parent inside a decoder layer: the modules that can take LoRA.
-    lora_module_parents: Mapping[str, str]
-    is_multimodal: bool = False
-
 
 DECODER_LORA_PARENTS: Mapping[str, str] = MappingProxyType(
     {
@@ -36,28 +22,26 @@ DECODER_LORA_PARENTS: Mapping[str, str] = MappingProxyType(
     }
 )
 
-LLAMA = ModelFamily(
-    "mmlora.models.llama",
-    "LlamaForCausalLM",
-    hf_architectures=("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"),
-    hf_model_types=("llama", "mistral", "qwen2"),
-    lora_module_parents=DECODER_LORA_PARENTS,
-)
-GEMMA2 = ModelFamily(
-    "mmlora.models.gemma2",
-    "Gemma2ForCausalLM",
-    hf_architectures=("Gemma2ForCausalLM",),
-    hf_model_types=("gemma2",),
-    lora_module_parents=DECODER_LORA_PARENTS,
-)
-QWEN2_VL = ModelFamily(
-    "mmlora.models.qwen2_vl",
-    "Qwen2VLForConditionalGeneration",
-    hf_architectures=("Qwen2VLForConditionalGeneration",),
-    hf_model_types=("qwen2_vl",),
-    lora_module_parents=DECODER_LORA_PARENTS,
-    is_multimodal=True,
-)
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """module, class_name: where the model class lives (imported only to build a model)."""
+
+    module: str
+    class_name: str
+    hf_architectures: tuple[str, ...]
+    hf_model_types: tuple[str, ...]
+    is_multimodal: bool = False
+    # HF module name -> its parent inside a decoder layer: the modules that can take LoRA.
+    lora_module_parents: Mapping[str, str] = field(default_factory=lambda: DECODER_LORA_PARENTS)
+
+
+# module, class, HF architectures, HF model types (GGUF configs give only these), multimodal
+LLAMA = ModelFamily("mmlora.models.llama", "LlamaForCausalLM",
+                    ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"), ("llama", "mistral", "qwen2"))  # fmt: skip
+GEMMA2 = ModelFamily("mmlora.models.gemma2", "Gemma2ForCausalLM", ("Gemma2ForCausalLM",), ("gemma2",))
+QWEN2_VL = ModelFamily("mmlora.models.qwen2_vl", "Qwen2VLForConditionalGeneration",
+                       ("Qwen2VLForConditionalGeneration",), ("qwen2_vl",), is_multimodal=True)  # fmt: skip
 FAMILIES: tuple[ModelFamily, ...] = (LLAMA, GEMMA2, QWEN2_VL)
 
 
