@@ -11,6 +11,7 @@ from mmlora.engine.scheduler import ScheduledBatch
 from mmlora.forward import AttentionMetadata, ForwardBatch
 from mmlora.kvcache.allocator import KVCache
 from mmlora.layers.attention import AttentionBackend
+from mmlora.layers.packed_linear import prepack_linears
 from mmlora.lora.manager import LoRAManager
 from mmlora.models.base import CausalLM
 from mmlora.multimodal.features import batch_inputs
@@ -35,6 +36,8 @@ class ModelRunner:
             attn.backend = attention
             attn.k_cache, attn.v_cache = kv_cache.layer(i)
         self.attention = attention
+        if device.type == "cpu":
+            prepack_linears(model)  # once: oneDNN's blocked weight layout for every base linear and the head
         self.cuda_graphs = None  # a CudaGraphRunner once enable_cuda_graphs() has captured decode graphs
 
     def enable_cuda_graphs(self, max_batch_size: int, max_model_len: int) -> None:

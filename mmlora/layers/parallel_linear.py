@@ -1,4 +1,5 @@
-"""Megatron-style sharded linears. Both subclass ``nn.Linear`` holding this rank's shard, and say which
+"""Megatron-style sharded linears. Both subclass ``PackedLinear`` (an ``nn.Linear`` that CPU prepacks for
+oneDNN) holding this rank's shard, and say which
 part of a full tensor any rank holds, so that checkpoint weights and LoRA adapters (rank 0 cuts every
 rank's share) are sharded by the one rule.
 
@@ -15,10 +16,10 @@ At tp_size 1 both are plain linears over the full weight.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mmlora.distributed.state import all_reduce, tp_group
+from mmlora.layers.packed_linear import PackedLinear
 
 Units = tuple[int, int]  # (number of units, rows or columns per unit): (heads, head_dim) or (n, 1)
 
@@ -37,7 +38,7 @@ def unit_range(units: Units, rank: int, size: int, what: str) -> tuple[int, int]
     return rank * count // size * width, width
 
 
-class ColumnParallelLinear(nn.Linear):
+class ColumnParallelLinear(PackedLinear):
     """``slice_units`` per packed slice, in output order; ``names`` of the slices for errors."""
 
     def __init__(
@@ -68,7 +69,7 @@ class ColumnParallelLinear(nn.Linear):
         return torch.cat(parts)
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(PackedLinear):
     """Input ``in_units`` split over the ranks; ``name`` of the input for errors."""
 
     def __init__(self, in_units: Units, out_features: int, bias: bool, name: str) -> None:
@@ -88,7 +89,7 @@ class RowParallelLinear(nn.Linear):
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's term of the output (the bias counted once, on rank 0)."""
-        return F.linear(x, self.weight, self.bias if self.rank == 0 else None)
+        return self.linear(x, self.bias if self.rank == 0 else None)
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         return all_reduce(partial)

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from mmlora.forward.batch import ForwardBatch
+from mmlora.layers.packed_linear import PackedLinear
 from mmlora.layers.parallel_linear import full_weight_shape, shard_full_weight
 from mmlora.lora.spec import LoRAModelSpec, LoRATarget
 from mmlora.models.arch_config import ArchConfig
@@ -56,7 +57,7 @@ class CausalLM(nn.Module):
 
     def make_lm_head(self, embed_tokens: nn.Embedding) -> nn.Linear:
         """The LM head: its own weight, or the token embedding's when the config ties them."""
-        head = nn.Linear(self.arch.hidden_size, self.arch.vocab_size, bias=False)
+        head = PackedLinear(self.arch.hidden_size, self.arch.vocab_size, bias=False)
         if self.arch.tie_word_embeddings:
             head.weight = embed_tokens.weight
         return head

@@ -1,0 +1,115 @@
+"""PackedLinear against F.linear: the oneDNN-prepacked path on CPU fp32 and the F.linear fallback
+elsewhere (float64, autograd), over odd shapes, one row and many rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mmlora.layers.packed_linear import PackedLinear, onednn_linear_available, prepack_linears
+from mmlora.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
+
+needs_onednn = pytest.mark.skipif(not onednn_linear_available(), reason="torch built without oneDNN")
+SHAPES = [(1, 7, 13), (3, 64, 1), (17, 33, 65), (128, 96, 200), (5, 576, 1536)]  # (rows, in, out)
+
+
+def _layer(in_f: int, out_f: int, bias: bool, dtype: torch.dtype, seed: int = 0) -> PackedLinear:
+    torch.manual_seed(seed)
+    return PackedLinear(in_f, out_f, bias=bias, dtype=dtype)
+
+
+def _expected(layer: PackedLinear, x: torch.Tensor) -> torch.Tensor:
+    """The oracle: F.linear in float64 on the layer's own parameters."""
+    bias = None if layer.bias is None else layer.bias.double()
+    return F.linear(x.double(), layer.weight.double(), bias)
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows,in_f,out_f", SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_fp32_matches_f_linear(rows: int, in_f: int, out_f: int, bias: bool) -> None:
+    layer = _layer(in_f, out_f, bias, torch.float32)
+    assert layer.prepack() and layer.is_packed
+    x = torch.randn(rows, in_f)
+    with torch.inference_mode():
+        got = layer(x)
+    assert got.dtype == torch.float32 and got.shape == (rows, out_f)
+    torch.testing.assert_close(got.double(), _expected(layer, x), atol=1e-4 * in_f**0.5, rtol=1e-4)
+
+
+@needs_onednn
+def test_packed_keeps_leading_dims_and_strided_input() -> None:
+    layer = _layer(24, 40, True, torch.float32)
+    layer.prepack(batch_size=16)
+    x3 = torch.randn(2, 5, 24)
+    strided = torch.randn(24, 9).t()  # rows 9, not contiguous
+    with torch.inference_mode():
+        for x in (x3, strided):
+            torch.testing.assert_close(layer(x).double(), _expected(layer, x), atol=1e-4, rtol=1e-4)
+
+
+def test_float64_is_not_packed_and_stays_exact() -> None:
+    layer = _layer(33, 17, True, torch.float64)
+    assert not layer.prepack() and not layer.is_packed
+    x = torch.randn(9, 33, dtype=torch.float64)
+    torch.testing.assert_close(layer(x), _expected(layer, x), atol=1e-12, rtol=1e-12)
+
+
+@needs_onednn
+def test_converted_to_float64_after_packing_falls_back() -> None:
+    """A layer packed in fp32 and then converted to float64 answers exactly, as F.linear would."""
+    layer = _layer(21, 11, True, torch.float32)
+    layer.prepack()
+    x = torch.randn(4, 21, dtype=torch.float64)
+    with torch.inference_mode():
+        want = F.linear(x, layer.weight.double(), layer.bias.double())
+        torch.testing.assert_close(layer.double()(x), want, atol=1e-12, rtol=1e-12)
+
+
+@needs_onednn
+def test_autograd_uses_the_parameter() -> None:
+    layer = _layer(10, 6, True, torch.float32)
+    layer.prepack()
+    layer(torch.randn(3, 10)).sum().backward()
+    assert layer.weight.grad is not None and layer.weight.grad.abs().sum() > 0
+
+
+@needs_onednn
+def test_weight_written_after_packing_is_repacked() -> None:
+    layer = _layer(16, 8, False, torch.float32)
+    layer.prepack()
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(8, 16))
+    x = torch.randn(5, 16)
+    with torch.inference_mode():
+        got = layer(x)
+    torch.testing.assert_close(got.double(), _expected(layer, x), atol=1e-4, rtol=1e-4)
+
+
+@needs_onednn
+def test_prepack_linears_packs_the_parallel_layers_and_row_partial_matches() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict(
+        {
+            "qkv": ColumnParallelLinear(32, ((4, 8), (2, 8), (2, 8)), True, ("q", "k", "v")),
+            "o": RowParallelLinear((4, 8), 32, True, "o"),
+            "plain": torch.nn.Linear(32, 32),
+        }
+    )
+    assert prepack_linears(model) == 2
+    x = torch.randn(6, 32)
+    with torch.inference_mode():
+        for name in ("qkv", "o"):
+            layer = model[name]
+            assert layer.is_packed
+            torch.testing.assert_close(layer(x).double(), _expected(layer, x), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            model["o"].partial(x).double(), _expected(model["o"], x), atol=1e-4, rtol=1e-4
+        )
+
+
+def test_prepack_skips_other_devices_and_dtypes() -> None:
+    layers = torch.nn.ModuleList([_layer(8, 8, False, torch.float64), _layer(8, 8, False, torch.bfloat16)])
+    assert prepack_linears(layers) == 0
+    assert not any(layer.is_packed for layer in layers)
