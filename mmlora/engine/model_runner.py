@@ -6,6 +6,7 @@ import torch
 
 from mmlora.distributed.state import tp_group
 from mmlora.distributed.step import StepRouting, send_forward
+from mmlora.engine.cpu_decode import cpu_bf16_flags
 from mmlora.engine.prompt_logprobs import record_prompt_logprobs
 from mmlora.engine.scheduler import ScheduledBatch
 from mmlora.forward import AttentionMetadata, ForwardBatch
@@ -37,7 +38,10 @@ class ModelRunner:
             attn.k_cache, attn.v_cache = kv_cache.layer(i)
         self.attention = attention
         if device.type == "cpu":
-            prepack_linears(model)  # once: oneDNN's blocked weight layout for every base linear and the head
+            # Once: oneDNN's blocked weight layout for every base linear and the head (bf16 too where the
+            # CPU multiplies it natively; elsewhere bf16 stays on F.linear).
+            dtypes = (torch.float32, torch.bfloat16) if cpu_bf16_flags() else (torch.float32,)
+            prepack_linears(model, dtypes=dtypes)
         self.cuda_graphs = None  # a CudaGraphRunner once enable_cuda_graphs() has captured decode graphs
 
     def enable_cuda_graphs(self, max_batch_size: int, max_model_len: int) -> None:

@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-#: Dtypes packed for oneDNN. fp32 only: it is the dtype measured faster on CPU (see the bench).
+#: Dtypes packed for oneDNN by default. bf16 pays only where the CPU multiplies it natively, which the
+#: engine knows (:mod:`mmlora.engine.cpu_decode`) and passes to :func:`prepack_linears`.
 PACKED_DTYPES = (torch.float32,)
 
 
@@ -40,18 +41,20 @@ class PackedLinear(nn.Linear):
         super().__init__(*args, **kwargs)
         self._packed: torch.Tensor | None = None
         self._packed_version = -1  # the weight's version counter when packed
+        self._packed_dtypes = PACKED_DTYPES
 
     @property
     def is_packed(self) -> bool:
         return self._packed is not None
 
-    def prepack(self, batch_size: int | None = None) -> bool:
+    def prepack(self, batch_size: int | None = None, dtypes: tuple[torch.dtype, ...] = PACKED_DTYPES) -> bool:
         """Pack the weight for oneDNN (``batch_size``: the row count to tune the layout for, None: any);
-        True when packed, False where not possible (device, dtype, torch build)."""
+        True when packed, False where not possible (device, a dtype not in ``dtypes``, torch build)."""
         w = self.weight
         self._packed = None
+        self._packed_dtypes = dtypes
         # An inference tensor has no version counter, so a later write to it could not be noticed.
-        if w.device.type != "cpu" or w.dtype not in PACKED_DTYPES or w.is_inference():
+        if w.device.type != "cpu" or w.dtype not in dtypes or w.is_inference():
             return False
         if not onednn_linear_available():
             return False
@@ -75,7 +78,8 @@ class PackedLinear(nn.Linear):
         ):
             return F.linear(x, self.weight, bias)
         if self.weight._version != self._packed_version:
-            self.prepack()  # the parameter was written after packing (e.g. weights reloaded)
+            # The parameter was written after packing (e.g. weights reloaded).
+            self.prepack(dtypes=self._packed_dtypes)
             packed = self._packed
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
@@ -83,6 +87,9 @@ class PackedLinear(nn.Linear):
         return self.linear(x, self.bias)
 
 
-def prepack_linears(model: nn.Module, batch_size: int | None = None) -> int:
-    """Prepack every :class:`PackedLinear` of ``model`` that can be (CPU fp32); how many were packed."""
-    return sum(m.prepack(batch_size) for m in model.modules() if isinstance(m, PackedLinear))
+def prepack_linears(
+    model: nn.Module, batch_size: int | None = None, dtypes: tuple[torch.dtype, ...] = PACKED_DTYPES
+) -> int:
+    """Prepack every :class:`PackedLinear` of ``model`` that can be (CPU, one of ``dtypes``); how many
+    were packed."""
+    return sum(m.prepack(batch_size, dtypes) for m in model.modules() if isinstance(m, PackedLinear))

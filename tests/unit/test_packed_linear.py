@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from mmlora.engine.cpu_decode import cpu_bf16_flags
 from mmlora.layers.packed_linear import PackedLinear, onednn_linear_available, prepack_linears
 from mmlora.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
 
@@ -113,3 +114,17 @@ def test_prepack_skips_other_devices_and_dtypes() -> None:
     layers = torch.nn.ModuleList([_layer(8, 8, False, torch.float64), _layer(8, 8, False, torch.bfloat16)])
     assert prepack_linears(layers) == 0
     assert not any(layer.is_packed for layer in layers)
+
+
+@needs_onednn
+@pytest.mark.skipif(not cpu_bf16_flags(), reason="CPU without native bf16 (avx512_bf16 / amx_bf16)")
+@pytest.mark.parametrize("rows", [1, 16, 67])
+def test_packed_bf16_matches_f_linear_where_asked(rows: int) -> None:
+    layer = _layer(96, 130, True, torch.bfloat16)
+    assert not layer.prepack()  # bf16 is packed only when the caller says the CPU has it
+    assert layer.prepack(dtypes=(torch.float32, torch.bfloat16)) and layer.is_packed
+    x = torch.randn(rows, 96, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        got = layer(x)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double(), _expected(layer, x), atol=0.1, rtol=2e-2)
