@@ -260,6 +260,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "decode_fraction_of_fp32_roofline": _check(roofline["fraction_of_roofline"], ROOFLINE_TARGET),
         "bf16_vs_fp32": _check(bf16_ratio, BF16_TARGET),
     }
+    if bf16_ratio is None:
+        result["checks"]["bf16_vs_fp32"]["why"] = (
+            "not run (--bf16 off)" if cpu_bf16_flags() else "CPU lacks avx512_bf16 / amx_bf16"
+        )
     result["meets_targets"] = all(c["met"] is not False for c in result["checks"].values())
     return result
 
@@ -301,7 +305,8 @@ CHECK_LABELS = (
 
 def _check_line(label: str, check: dict[str, Any]) -> str:
     if check["met"] is None:
-        return f"    {label:36s}:   n/a   (target >= {check['target']}; CPU lacks avx512_bf16 / amx_bf16)"
+        why = check.get("why", "not measured")
+        return f"    {label:36s}:   n/a   (target >= {check['target']}; {why})"
     mark = "met" if check["met"] else "MISSED"
     return f"    {label:36s}: {check['value']:5.2f}   (target >= {check['target']})  {mark}"
 
