@@ -128,3 +128,28 @@ def test_packed_bf16_matches_f_linear_where_asked(rows: int) -> None:
         got = layer(x)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.double(), _expected(layer, x), atol=0.1, rtol=2e-2)
+
+
+@needs_onednn
+def test_packed_path_takes_decode_rows_in_power_of_two_buckets(monkeypatch: pytest.MonkeyPatch) -> None:
+    """oneDNN caches a primitive (about 0.5 MB) per row count: only a few bucketed counts may reach it."""
+    import mmlora.layers.packed_linear as packed_linear
+
+    seen: list[int] = []
+    real = torch.ops.mkldnn._linear_pointwise
+
+    class _Ops:
+        @staticmethod
+        def _linear_pointwise(x, *args):
+            seen.append(x.shape[0])
+            return real(x, *args)
+
+    layer = _layer(32, 48, True, torch.float32)
+    assert layer.prepack()
+    monkeypatch.setattr(packed_linear.torch.ops, "mkldnn", _Ops(), raising=False)
+    for rows in (1, 3, 17, 64, 65, 300):
+        x = torch.randn(2, rows, 32)[1]  # a view, so the reshape path is exercised
+        with torch.inference_mode():
+            got = layer(x)
+        torch.testing.assert_close(got.double(), _expected(layer, x), atol=1e-4, rtol=1e-4)
+    assert seen == [1, 4, 32, 64]  # 65 and 300 rows (prefill) take F.linear
