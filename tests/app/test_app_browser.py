@@ -10,6 +10,7 @@ gradio``. No browser is downloaded: Playwright launches ``/usr/bin/chromium``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -62,10 +63,40 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class StepGate:
+    """Lets the engine take ``budget`` more steps, then holds every request where it is; ``None``: free.
+
+    Held steps are empty, so the engine loop stays responsive (adds, aborts, the stats panel's calls). A
+    test that must see a request in flight, or stop one before it ends, then does not race a tiny random
+    model that can finish (or reach end-of-sequence) between two ticks of a loaded machine.
+    """
+
+    def __init__(self) -> None:
+        self.budget: int | None = None  # one writer (the test), one reader (the engine thread)
+
+    def take(self) -> bool:
+        if self.budget is None:
+            return True
+        if self.budget > 0:
+            self.budget -= 1
+            return True
+        return False
+
+    @contextlib.contextmanager
+    def hold(self, after_steps: int = 0) -> Iterator[None]:
+        self.budget = after_steps
+        try:
+            yield
+        finally:
+            self.budget = None
+
+
 @dataclass
 class LiveApp:
     url: str
     running_per_step: list[set[str]]  # the requests running at each engine step (their ids)
+    gate: StepGate
+    aborted: list[str]  # request ids the engine was asked to abort, in order
 
 
 @pytest.fixture(scope="module")
@@ -77,22 +108,30 @@ def app(tiny_app: Any) -> Iterator[LiveApp]:
     from mmlora.engine.background import BackgroundEngine
 
     engine = tiny_engine(tiny_app)
-    fast_step = engine.step
+    fast_step, engine_abort = engine.step, engine.abort
     running: list[set[str]] = []
+    gate = StepGate()
+    aborted: list[str] = []
 
     def slow_step() -> Any:
         running.append({r.rid for r in engine.scheduler.running})
         time.sleep(STEP_DELAY_S)
-        return fast_step()
+        # Held: an empty step, so the loop goes on running commands (adds, aborts, the stats' calls).
+        return fast_step() if gate.take() else []
+
+    def recorded_abort(request_id: str) -> None:
+        aborted.append(request_id)
+        engine_abort(request_id)
 
     engine.step = slow_step  # the BackgroundEngine calls engine.step(): an instance attribute wins
+    engine.abort = recorded_abort
     bg = BackgroundEngine(engine)
     demo = build_ui(AppController(bg, lora_root=str(tiny_app.root)), stats_interval_s=0.5)
     demo.queue(default_concurrency_limit=None)
     port = free_port()
     demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
     try:
-        yield LiveApp(f"http://127.0.0.1:{port}", running)
+        yield LiveApp(f"http://127.0.0.1:{port}", running, gate, aborted)
     finally:
         demo.close()
         bg.shutdown(drain=False, timeout=10)
@@ -241,15 +280,24 @@ def test_stop_aborts_the_streams_of_this_tab(browser: Any, app: LiveApp) -> None
     group.get_by_label("alpha").check()
     _set_number(page, "max-new-tokens", 400)
     page.locator("#compare-prompt textarea").fill("The quick brown fox")
-    page.locator("#compare-run").click()
-    # Streaming has begun (the first step after start-up can take seconds on a loaded 2-core machine).
-    sync_api.expect(page.locator("#compare-info-1")).to_contain_text("tok/s", timeout=30_000)
-    page.locator("#compare-stop").click()
+    before = len(app.aborted)
+    # Three steps (prefill and two decodes), then held: both streams show tokens and none can end, on
+    # its 400 tokens or at end-of-sequence, while the Stop click travels to the engine.
+    with app.gate.hold(after_steps=3):
+        page.locator("#compare-run").click()
+        sync_api.expect(page.locator("#compare-info-1")).to_contain_text("tok/s", timeout=30_000)
+        page.locator("#compare-stop").click()
+        deadline = time.monotonic() + 30
+        while len(app.aborted) < before + 2:
+            assert time.monotonic() < deadline, (
+                f"Stop did not reach the engine: aborted {app.aborted[before:]}"
+            )
+            page.wait_for_timeout(50)
     for i, name in enumerate((BASE, "alpha")):
         info = page.locator(f"#compare-info-{i}")
         sync_api.expect(info).to_contain_text("abort", timeout=15_000)
         tokens = int(info.inner_text().split(" · ")[1].split()[0])
-        assert info.inner_text().startswith(name) and 0 < tokens < 400
+        assert info.inner_text().startswith(name) and 0 < tokens <= 3, info.inner_text()  # held at 3 steps
         assert page.locator(f"#compare-out-{i} textarea").input_value()  # what was generated stays
 
 
@@ -259,13 +307,14 @@ def test_live_stats_show_running_work_and_the_table_full_paths(
     import re
 
     page = open_page(browser, app)
-    # Long enough that the stats panel's next tick (every second) sees the chat in flight: with a few
-    # tokens the reply could finish between two ticks on a fast machine.
-    _set_number(page, "max-new-tokens", 400)
+    _set_number(page, "max-new-tokens", 40)
     page.locator("#chat-input textarea").fill("Tell me about")
-    page.locator("#chat-send").click()
-    sync_api.expect(page.locator("#stats")).to_contain_text(re.compile(r"in flight\s*[1-9]"), timeout=30_000)
-    page.screenshot(path=str(artifacts_dir() / "app_stats_running.png"), full_page=True)
+    # Held, the chat stays in flight until the stats panel has shown it.
+    with app.gate.hold():
+        page.locator("#chat-send").click()
+        stats = page.locator("#stats")
+        sync_api.expect(stats).to_contain_text(re.compile(r"in flight\s*[1-9]"), timeout=30_000)
+        page.screenshot(path=str(artifacts_dir() / "app_stats_running.png"), full_page=True)
     deadline = time.monotonic() + 90
     while not _finished(page.locator("#chat-info")):
         assert time.monotonic() < deadline, "the chat did not finish within 90 s"
