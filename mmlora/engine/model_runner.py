@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from mmlora.backends.onednn import packable_dtypes
 from mmlora.distributed.state import tp_group
 from mmlora.distributed.step import StepRouting, send_forward
-from mmlora.engine.cpu_decode import cpu_bf16_flags
 from mmlora.engine.prompt_logprobs import record_prompt_logprobs
 from mmlora.engine.scheduler import ScheduledBatch
 from mmlora.forward import AttentionMetadata, ForwardBatch
@@ -40,8 +40,7 @@ class ModelRunner:
         if device.type == "cpu":
             # Once: oneDNN's blocked weight layout for every base linear and the head (bf16 too where the
             # CPU multiplies it natively; elsewhere bf16 stays on F.linear).
-            dtypes = (torch.float32, torch.bfloat16) if cpu_bf16_flags() else (torch.float32,)
-            prepack_linears(model, dtypes=dtypes)
+            prepack_linears(model, dtypes=packable_dtypes())
         self.cuda_graphs = None  # a CudaGraphRunner once enable_cuda_graphs() has captured decode graphs
 
     def enable_cuda_graphs(self, max_batch_size: int, max_model_len: int) -> None:

@@ -1,20 +1,13 @@
 """PackedLinear: an ``nn.Linear`` whose weight can be prepacked once for oneDNN on CPU.
 
-A CPU decode step is a few dozen thin GEMMs per layer. ``F.linear`` hands the plain row-major weight to
-the BLAS on every call, which re-blocks it each time; oneDNN can take the weight already in its blocked
-layout (``torch.ops.mkldnn._reorder_linear_weight``, once) and multiply with it directly
-(``torch.ops.mkldnn._linear_pointwise``). ``python -m mmlora.bench cpu`` measures what it gains.
-
-The packed copy is an opaque oneDNN tensor kept beside the parameter (not in the state dict): the
-parameter stays the truth that checkpoints load into, sharding cuts and tied embeddings share. A packed
-copy is used only where it gives the same answer as ``F.linear``: CPU inputs of the packed dtype, no
-autograd, and a parameter unchanged since it was packed (a later write repacks on the next call).
-Everywhere else, and where this torch build lacks the ops, the layer is ``F.linear``.
-
-oneDNN builds and caches one primitive per input row count, about 0.5 MB each (measured: 2,048 distinct
-row counts through four layers grew RSS by 1 GB). So the packed path takes only decode-sized inputs (at
-most :data:`PACKED_MAX_ROWS` rows, where the packed layout pays), padded up to a power of two: a handful
-of primitives per layer shape, all built in the first steps. Longer inputs (prefill) use ``F.linear``.
+The packed matmul and when it pays (row counts, dtypes) are :mod:`mmlora.backends.onednn`'s; ``python -m
+mmlora.bench cpu`` measures what it gains. The packed copy is an opaque oneDNN tensor kept beside the
+parameter (not in the state dict): the parameter stays the truth that checkpoints load into, sharding
+cuts and tied embeddings share. A packed copy is used only where it gives the same answer as
+``F.linear``: CPU inputs of the packed dtype and of at most ``PACKED_MAX_ROWS`` rows (prefill-sized
+inputs take ``F.linear``), no autograd, and a parameter unchanged since it was packed (a later write
+repacks on the next call). Everywhere else, and where this torch build lacks the ops, the layer is
+``F.linear``.
 """
 
 from __future__ import annotations
@@ -23,21 +16,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-#: Dtypes packed for oneDNN by default. bf16 pays only where the CPU multiplies it natively, which the
-#: engine knows (:mod:`mmlora.engine.cpu_decode`) and passes to :func:`prepack_linears`.
+from mmlora.backends.onednn import PACKED_MAX_ROWS, onednn_linear_available, pack_weight, packed_matmul
+
+__all__ = ["PACKED_DTYPES", "PACKED_MAX_ROWS", "PackedLinear", "onednn_linear_available", "prepack_linears"]
+
+#: Dtypes packed by default. bf16 pays only where the CPU multiplies it natively, which the engine knows
+#: (:func:`mmlora.backends.onednn.packable_dtypes`) and passes to :func:`prepack_linears`.
 PACKED_DTYPES = (torch.float32,)
-#: Inputs of more rows take ``F.linear``; fewer are padded to the next power of two (see above).
-PACKED_MAX_ROWS = 64
-
-
-def onednn_linear_available() -> bool:
-    """Whether this torch build has the oneDNN prepacked-linear ops."""
-    ops = torch.ops.mkldnn
-    return (
-        torch.backends.mkldnn.is_available()
-        and hasattr(ops, "_reorder_linear_weight")
-        and hasattr(ops, "_linear_pointwise")
-    )
 
 
 class PackedLinear(nn.Linear):
@@ -65,8 +50,7 @@ class PackedLinear(nn.Linear):
             return False
         if not onednn_linear_available():
             return False
-        with torch.no_grad():
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), batch_size)
+        self._packed = pack_weight(w, batch_size)
         self._packed_version = w._version
         return True
 
@@ -91,12 +75,8 @@ class PackedLinear(nn.Linear):
             # The parameter was written after packing (e.g. weights reloaded).
             self.prepack(dtypes=self._packed_dtypes)
             packed = self._packed
-        flat = x.reshape(rows, x.shape[-1])
-        bucket = 1 << (rows - 1).bit_length()
-        if bucket != rows:  # zero rows in, their outputs dropped: the same values for the real rows
-            flat = torch.cat([flat, flat.new_zeros(bucket - rows, flat.shape[1])])
-        out = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
-        return out[:rows].reshape(*x.shape[:-1], out.shape[-1])
+        out = packed_matmul(x.reshape(rows, x.shape[-1]), packed, bias)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear(x, self.bias)

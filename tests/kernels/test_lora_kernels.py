@@ -209,6 +209,27 @@ def test_add_lora_matches_reference(backend: str, name: str, dtype: torch.dtype)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_slot_writes_reach_the_next_call(backend: str, dtype: torch.dtype) -> None:
+    """A backend may keep derived copies of the pool (torch-gather's CPU decode path keeps oneDNN-packed A
+    and expand matrices): after the pool writes a slot in place, as a slot load does, the next call uses
+    the new weights and scalings."""
+    c = make_case(*CPU_CASES["decode-basemix-qkv"], dtype=dtype, seed=11)
+    backend_ = get_backend(backend)
+    out0, want = c.out.clone(), reference(c)[1]
+    backend_.add_lora(c.out, c.x, c.weights, c.info)
+    assert_out(c, c.out, want, out0)
+    other = make_case(*CPU_CASES["decode-basemix-qkv"], dtype=dtype, seed=12)  # same ranks, new weights
+    slot = max(c.token_slots)  # a slot the batch uses
+    for mine, new in ((c.A, other.A), (c.B, other.B), (c.scalings, other.scalings)):
+        mine[slot].copy_(new[slot])  # the slot's new adapter
+    c.out.copy_(out0)
+    want = reference(c)[1]
+    backend_.add_lora(c.out, c.x, c.weights, c.info)
+    assert_out(c, c.out, want, out0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", ["decode-basemix-qkv", "prefill-basemix-gateup", "mixed-ranks-1-to-128"])
 def test_shrink_then_expand(backend: str, name: str) -> None:
     """The two interface calls separately: h matches (zeros on base rows), and expand adds it."""
