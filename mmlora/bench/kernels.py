@@ -2,7 +2,7 @@
 
 For each projection (qkv packed as 3 slices, o, gate_up packed as 2, down), rank mix, token count (decode:
 one token per request; prefill: requests of 512 tokens) and adapter popularity (distinct, uniform over
-16 adapters, identical) it times ``backend.add_lora`` (shrink + expand) and the base projection's own
+16 adapters, the same sorted by adapter as decode graphs order rows, identical) it times ``backend.add_lora`` (shrink + expand) and the base projection's own
 GEMM, and reports achieved bandwidth: bytes of the distinct adapters' weights plus x read and out
 read + written, over the time, against a device-to-device copy measured in the same run. A rank mix
 (``--ranks 8 16 64 8,64``) cycles its ranks over the distinct adapters, in a pool of rank
@@ -47,7 +47,9 @@ PROJECTIONS = {  # name -> (in_features, slice widths)
     "down": (14336, (4096,)),
 }
 SMOKE_PROJECTIONS = {"qkv": (64, (64, 16, 16)), "down": (96, (32,))}
-POPULARITY = ("distinct", "uniform", "identical")
+#: grouped: uniform, with the rows sorted by adapter, as the CUDA-graph runner orders decode rows (the
+#: fused decode kernel reads an adapter once per run of rows, so it is timed on both orders).
+POPULARITY = ("distinct", "uniform", "grouped", "identical")
 UNIFORM_POOL = 16
 ROTATE_BYTES = 256 << 20
 MAX_ROTATIONS = 16
@@ -64,6 +66,8 @@ def _layout(
         slots = list(range(len(lens)))
     elif popularity == "uniform":
         slots = [rng.randrange(UNIFORM_POOL) for _ in lens]
+    elif popularity == "grouped":
+        slots = sorted(rng.randrange(UNIFORM_POOL) for _ in lens)
     else:
         slots = [0] * len(lens)
     remap = {s: i for i, s in enumerate(dict.fromkeys(slots))}
