@@ -226,7 +226,7 @@ def run(args: argparse.Namespace, device: torch.device) -> dict:
     projections = SMOKE_PROJECTIONS if smoke else {p: PROJECTIONS[p] for p in args.projections}
     mixes = ((8,), (4, 8)) if smoke else tuple(args.ranks)
     if smoke:
-        decode_t, prefill_t, req_len, pops = (1, 5), (24,), 8, ("distinct", "identical")
+        decode_t, prefill_t, req_len, pops = (1, 5), (24,), 8, ("distinct", "grouped", "identical")
     elif args.quick:
         decode_t, prefill_t, req_len, pops = (1, 32, 256), (512, 4096), 512, POPULARITY
     else:
