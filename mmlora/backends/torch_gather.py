@@ -108,43 +108,47 @@ class TorchGatherBackend(LoRABackend):
 
     def add_lora(self, out: torch.Tensor, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo) -> None:
         """Shrink then expand; small CPU batches over few slots (decode steps, short chunks) take a dense
-        path instead: two matmuls over all slots, with the rows of other slots masked to exact zeros. At
-        small batches the cost is per torch call, not per FLOP, and this keeps the call count independent
-        of the adapters and of how the rows group into segments."""
+        path instead: two matmuls over every slot's live rank rows, with the rows of other slots masked to
+        exact zeros. At small batches the cost is per torch call, not per FLOP, and this keeps the call
+        count independent of the adapters and of how the rows group into segments."""
         if not info.has_lora:
             return
         T = info.num_tokens
         if x.device.type != "cpu" or T > PACKED_MAX_ROWS or info.num_slots > _DENSE_MAX_SLOTS:
             gather_expand(gather_shrink(x, weights.A, info), weights, info, out)
             return
-        dense = self._dense(weights, packed=x.dtype in _packable())
-        mask = _slot_mask(info, weights.A.shape[1], x.dtype)
+        dense = self._dense(weights, info.ranks_host, packed=x.dtype in _packable())
+        mask = _slot_mask(info, weights.n_slices, x.dtype)
         lo, hi = weights.slice_offsets[0], weights.slice_offsets[-1]
         if dense.packed:
-            # oneDNN's blocked copies of A and of the expand matrix (as PackedLinear has for the base
-            # weights): a plain mm re-blocks its weight on every call, which at decode sizes costs more
-            # than the multiply (SmolLM2, 16 rows, the 120 LoRA modules of a step: 9.7 -> 6.8 ms).
-            h = packed_matmul(x[:T], dense.A)  # [T, S * n * R]: every slot's shrink
+            # oneDNN's blocked copies (as PackedLinear has for the base weights): a plain mm re-blocks its
+            # weight on every call, which at decode sizes costs more than the multiply (SmolLM2, 16 rows,
+            # the 120 LoRA modules of a step: 9.7 -> 6.8 ms).
+            h = packed_matmul(x[:T], dense.A)  # [T, live rows]: every slot's shrink
             h *= mask
             out[:T, lo:hi] += packed_matmul(h, dense.W)
             return
-        h = x[:T] @ weights.A.view(-1, weights.A.shape[2]).T
+        h = x[:T] @ dense.A.T.to(x.dtype)
         h *= mask
         out[:T, lo:hi].addmm_(h, dense.W.to(out.dtype))
 
-    def _dense(self, weights: LoRAWeights, packed: bool) -> _DenseWeights:
-        """The module's dense-path weights, cached; rebuilt only when the pool writes into A, B or the
-        scalings (their version counters move with every in-place change, as a slot load makes)."""
+    def _dense(self, weights: LoRAWeights, ranks: list[int], packed: bool) -> _DenseWeights:
+        """The module's dense-path weights over its slots' live rank rows (a rank-8 adapter in a rank-64
+        pool costs 8 rows, not 64), cached; rebuilt only when the pool writes into A, B or the scalings
+        (their version counters move with every in-place change, as a slot load makes) or a slot's rank
+        changes."""
         A, B, scalings = weights.A, weights.B, weights.scalings
-        versions = (A._version, B._version, scalings._version)
+        key = (A._version, B._version, scalings._version, tuple(ranks), packed)
         cached = self._dense_cache.get(B.data_ptr())
-        if cached is not None and cached.B is B and cached.versions == versions and cached.packed == packed:
+        if cached is not None and cached.B is B and cached.key == key:
             return cached
-        W = _expand_matrix(weights)
+        rows = _live_rows(weights.n_slices, A.shape[1] // weights.n_slices, ranks)
+        A_live = A.reshape(-1, A.shape[2])[rows]  # [live rows, in]
+        W_live = _expand_matrix(weights)[rows]  # [live rows, out]
         if packed:
-            dense = _DenseWeights(B, versions, True, pack_weight(A.reshape(-1, A.shape[2])), pack_weight(W.T))
+            dense = _DenseWeights(B, key, True, pack_weight(A_live), pack_weight(W_live.T.contiguous()))
         else:
-            dense = _DenseWeights(B, versions, False, None, W)
+            dense = _DenseWeights(B, key, False, A_live, W_live)
         self._dense_cache[B.data_ptr()] = dense
         return dense
 
@@ -152,10 +156,22 @@ class TorchGatherBackend(LoRABackend):
 @dataclasses.dataclass
 class _DenseWeights:
     B: torch.Tensor  # the module's B view, to tell a reused data pointer from the cached module
-    versions: tuple[int, int, int]  # A's, B's and the scalings' version counters when built
+    key: tuple  # A's, B's and the scalings' version counters, the slot ranks and packing when built
     packed: bool
-    A: torch.Tensor | None  # packed [S * n * R, in] (None unpacked: the pool's own A is used)
-    W: torch.Tensor  # the expand matrix [S * n * R, out] (packed: its transpose, for packed_matmul)
+    A: torch.Tensor  # the live rows of A [K, in] (packed: oneDNN's layout, for packed_matmul)
+    W: torch.Tensor  # the expand matrix's live rows [K, out] (packed: its transpose, for packed_matmul)
+
+
+def _live_rows(n_slices: int, R: int, ranks: list[int]) -> torch.Tensor:
+    """Rows of the flattened [S * n * R] slot layout that hold rank (slot s, slice i: its first
+    ``ranks[s]`` rows), slot-major; the rest is rank padding (zeros)."""
+    rows = [
+        (s * n_slices + i) * R + j
+        for s, r in enumerate(ranks)
+        for i in range(n_slices)
+        for j in range(min(r, R))
+    ]
+    return torch.tensor(rows, dtype=torch.long)
 
 
 def _expand_matrix(weights: LoRAWeights) -> torch.Tensor:
@@ -193,17 +209,18 @@ def _slot_groups(info: LoRABatchInfo) -> list[tuple[int, torch.Tensor]]:
     return route["groups"]
 
 
-def _slot_mask(info: LoRABatchInfo, rows_per_slot: int, dtype: torch.dtype) -> torch.Tensor:
-    """[T, S * rows_per_slot]: 1 over the block of each row's own slot (all zeros for base-only rows)."""
-    key = f"mask-{rows_per_slot}-{dtype}"
+def _slot_mask(info: LoRABatchInfo, n_slices: int, dtype: torch.dtype) -> torch.Tensor:
+    """[T, live rows of :func:`_live_rows`]: 1 over the rows of each token's own slot (all zeros for
+    base-only tokens)."""
+    key = f"mask-{n_slices}-{dtype}"
     mask = info.host_derived.get(key)
     if mask is None:
-        onehot = torch.zeros(info.num_tokens, info.num_slots, dtype=dtype, device=info.device)
+        token_slots = torch.full((info.num_tokens,), -1, dtype=torch.long)
         start = 0
         for n, slot in zip(info.seg_lens_host, info.seg_slots_host):
-            if slot >= 0:
-                onehot[start : start + n, slot] = 1
+            token_slots[start : start + n] = slot
             start += n
-        mask = onehot.repeat_interleave(rows_per_slot, dim=1)
+        row_slots = torch.tensor([s for s, r in enumerate(info.ranks_host) for _ in range(n_slices * r)])
+        mask = (token_slots[:, None] == row_slots[None, :]).to(dtype=dtype, device=info.device)
         info.host_derived[key] = mask
     return mask

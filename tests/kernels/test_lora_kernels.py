@@ -244,6 +244,19 @@ def test_shrink_then_expand(backend: str, name: str) -> None:
     assert_out(c, c.out, want, out0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["decode-distinct-qkv", "decode-basemix-qkv", "mixed-ranks-1-to-128"])
+def test_torch_gather_small_cpu_batches_skip_rank_padding(name: str, dtype: torch.dtype) -> None:
+    """torch-gather's CPU dense path (at most 64 tokens) multiplies only each slot's live rank rows: a
+    rank-8 adapter in a rank-64 pool costs 8 rows. Padding poisoned with NaN must not reach the sum."""
+    c = make_case(*CPU_CASES[name], dtype=dtype, seed=3, pad_value=float("nan"))
+    assert c.info.num_tokens <= 64
+    _, want = reference(c)
+    out0 = c.out.clone()
+    get_backend("torch-gather").add_lora(c.out, c.x, c.weights, c.info)
+    assert_out(c, c.out, want, out0)
+
+
 @pytest.mark.parametrize("backend", TRITON)
 @pytest.mark.parametrize("name", ["decode-distinct-qkv", "prefill-uniform-qkv", "mixed-ranks-1-to-128"])
 def test_rank_padding_is_never_read(backend: str, name: str) -> None:
