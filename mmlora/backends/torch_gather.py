@@ -164,12 +164,10 @@ class _DenseWeights:
 
 def _live_rows(n_slices: int, R: int, ranks: list[int]) -> torch.Tensor:
     """Rows of the flattened [S * n * R] slot layout that hold rank (slot s, slice i: its first
-    ``ranks[s]`` rows), slot-major; the rest is rank padding (zeros)."""
+    ``ranks[s]`` rows), slot-major; the rest is rank padding (zeros). :func:`_slot_mask` orders its
+    columns the same way."""
     rows = [
-        (s * n_slices + i) * R + j
-        for s, r in enumerate(ranks)
-        for i in range(n_slices)
-        for j in range(min(r, R))
+        (s * n_slices + i) * R + j for s, r in enumerate(ranks) for i in range(n_slices) for j in range(r)
     ]
     return torch.tensor(rows, dtype=torch.long)
 
@@ -215,12 +213,10 @@ def _slot_mask(info: LoRABatchInfo, n_slices: int, dtype: torch.dtype) -> torch.
     key = f"mask-{n_slices}-{dtype}"
     mask = info.host_derived.get(key)
     if mask is None:
-        token_slots = torch.full((info.num_tokens,), -1, dtype=torch.long)
-        start = 0
-        for n, slot in zip(info.seg_lens_host, info.seg_slots_host):
-            token_slots[start : start + n] = slot
-            start += n
-        row_slots = torch.tensor([s for s, r in enumerate(info.ranks_host) for _ in range(n_slices * r)])
-        mask = (token_slots[:, None] == row_slots[None, :]).to(dtype=dtype, device=info.device)
+        token_slots = info.token_slots[: info.num_tokens].long()
+        row_slots = torch.tensor(
+            [s for s, r in enumerate(info.ranks_host) for _ in range(n_slices * r)], device=info.device
+        )
+        mask = (token_slots[:, None] == row_slots[None, :]).to(dtype)
         info.host_derived[key] = mask
     return mask

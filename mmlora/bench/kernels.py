@@ -2,12 +2,13 @@
 
 For each projection (qkv packed as 3 slices, o, gate_up packed as 2, down), rank mix, token count (decode:
 one token per request; prefill: requests of 512 tokens) and adapter popularity (distinct, uniform over
-16 adapters, the same sorted by adapter as decode graphs order rows, identical) it times ``backend.add_lora`` (shrink + expand) and the base projection's own
-GEMM, and reports achieved bandwidth: bytes of the distinct adapters' weights plus x read and out
-read + written, over the time, against a device-to-device copy measured in the same run. A rank mix
-(``--ranks 8 16 64 8,64``) cycles its ranks over the distinct adapters, in a pool of rank
-``--pool-rank`` (default: the mix's largest): bytes count each adapter's own rank, so a mix that
-costs the mean of its parts reaches the same bandwidth.
+16 adapters, the same sorted by adapter as decode graphs order rows, identical) it times
+``backend.add_lora`` (shrink + expand) and the base projection's own GEMM, and reports achieved
+bandwidth: bytes of the distinct adapters' weights plus x read and out read + written, over the time,
+against a device-to-device copy measured in the same run. A rank mix (``--ranks 8 16 64 8,64``) cycles
+its ranks over the distinct adapters, in a pool of rank ``--pool-rank`` (default: the mix's largest):
+bytes count each adapter's own rank, so a mix that costs the mean of its parts reaches the same
+bandwidth.
 
 On CUDA each timing replays a CUDA graph of several calls that rotate over up to 16 disjoint copies
 of the adapters (aiming at >= 256 MB touched per replay), so weights stream from HBM as they would in

@@ -2,7 +2,7 @@
 means on CPU.
 
 bf16 halves the weight bytes of a CPU decode step and, where the CPU multiplies bf16 natively (AVX-512
-BF16 or AMX-BF16), doubles its dot-product rate (``python -m mmlora.bench cpu`` measures both). Elsewhere
+BF16 or AMX-BF16), doubles its dot-product rate (``python -m mmlora.bench cpu`` measures the bf16 / fp32 ratio). Elsewhere
 torch converts bf16 to fp32 in software and a step gets slower, so ``auto`` keeps fp32 there.
 """
 
