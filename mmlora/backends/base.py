@@ -33,6 +33,14 @@ class LoRABackend(ABC):
     memos of checks already made."""
 
     name: ClassVar[str]
+    #: How this backend wants a CUDA-graph decode step's rows routed (``LoRABatchInfo.fill_rows``): one
+    #: graph is captured per layout listed, and :meth:`graph_layout` picks one per replay.
+    graph_layouts: ClassVar[tuple[str, ...]] = ("rows",)
+
+    def graph_layout(self, num_rows: int, num_runs: int) -> str:
+        """The layout to replay for a decode step of ``num_rows`` rows forming ``num_runs`` runs of
+        adjacent rows on one adapter (padding rows included); one of :attr:`graph_layouts`."""
+        return self.graph_layouts[0]
 
     @abstractmethod
     def add_lora(self, out: torch.Tensor, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo) -> None:

@@ -5,8 +5,12 @@ kernels``): with one token per segment (decode) BGMV's split-K gather was faster
 32 tokens (qkv at 32 distinct adapters 17 vs 25 us; down 16 vs 52 us) and about even at 256;
 whenever segments are longer (prefill, or decode requests sharing an adapter next to each other)
 SGMV won every point (qkv prefill at 4096 tokens 65 vs 660 us). The rule below uses host ints only,
-so it needs no device sync; a CUDA graph captured on a decode batch bakes in BGMV, which is right for
-any slot mix replayed into the same LoRABatchInfo.
+so it needs no device sync.
+
+CUDA graphs: decode graphs are captured in both layouts of ``LoRABatchInfo.fill_rows``, BGMV over
+``rows`` and SGMV over ``runs``, and each replay picks by the same rule on its rows and runs: a batch
+of 128 rows on 32 adapters (runs of about 4 rows) reads each adapter once per run with SGMV instead of
+once per row with BGMV.
 """
 
 from __future__ import annotations
@@ -24,12 +28,23 @@ from mmlora.forward.lora import LoRABatchInfo, LoRAWeights
 class TritonAutoBackend(LoRABackend):
     """BGMV when most segments are single tokens (``num_tokens < 2 * num_segments``), else SGMV."""
 
+    graph_layouts = ("rows", "runs")
+
     def __init__(self) -> None:
         self.bgmv = TritonBGMVBackend()
         self.sgmv = TritonSGMVBackend()
 
+    @staticmethod
+    def segment_kernel_pays(num_tokens: int, num_segments: int) -> bool:
+        return num_tokens >= 2 * num_segments
+
+    def graph_layout(self, num_rows: int, num_runs: int) -> str:
+        return "runs" if self.segment_kernel_pays(num_rows, num_runs) else "rows"
+
     def pick(self, info: LoRABatchInfo) -> LoRABackend:
-        return self.bgmv if info.num_tokens < 2 * info.num_segments else self.sgmv
+        if info.graph_layout is not None:
+            return self.sgmv if info.graph_layout == "runs" else self.bgmv
+        return self.sgmv if self.segment_kernel_pays(info.num_tokens, info.num_segments) else self.bgmv
 
     def add_lora(self, out: torch.Tensor, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo) -> None:
         self.pick(info).add_lora(out, x, weights, info)

@@ -128,6 +128,8 @@ def fused_decode_add_lora(
 class TritonFusedDecodeBackend(TritonSGMVBackend):
     """The fused decode kernel when most segments are single tokens (decode, decode graphs), SGMV else."""
 
+    graph_layouts = ("rows",)  # the kernel finds runs itself, from token_slots
+
     def _fused(
         self, out: torch.Tensor, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo, R: int
     ) -> None:

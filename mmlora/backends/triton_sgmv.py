@@ -6,10 +6,11 @@ ints of the batch info (``num_segments``, the longest segment, the pool rank), s
 device sync. Programs past the end of their segment, of a base-only segment (slot -1) or of their
 adapter's rank return early: mixed ranks share one launch without computing the padding.
 
-CUDA graphs: the grid depends on ``num_segments`` and the longest segment, so a captured graph is
-valid only for replays with the same segment structure; decode graphs (where requests on the same
-adapter merge into longer segments) are better served by ``triton-bgmv``, whose grid depends on the
-token count alone.
+CUDA graphs: the grid depends on ``num_segments`` and the longest segment, so a decode graph is
+captured in the ``runs`` layout (``LoRABatchInfo.fill_rows``): as many segment entries as rows, each at
+most ``RUN_TILE`` rows long, the unused ones empty. A replay then reads each adapter once per run of
+adjacent rows on it (the graph runner sorts rows by slot), and the empty segments' programs return at
+once.
 """
 
 from __future__ import annotations
@@ -314,6 +315,8 @@ def sgmv_expand(h: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo, out:
 @register_backend("triton-sgmv")
 class TritonSGMVBackend(FusedTritonBackend):
     """Segment-tiled Triton kernels; best for prefill and chunked prefill (long runs on one adapter)."""
+
+    graph_layouts = ("runs",)
 
     def _fused(
         self, out: torch.Tensor, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo, R: int

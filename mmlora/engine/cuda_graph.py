@@ -20,8 +20,11 @@ rank bound. Graphs are keyed by (batch bucket, rank bound): one per rank bucket 
 (``LoRAManager.rank_buckets``: 16, 32, 64, ... up to ``max_lora_rank``), whose LoRA launches cover
 ranks up to it (each slot's rank is still read on the device, and kernels stop there), and one with
 bound 0, without the LoRA layers. A step replays the graph of the bucket of its largest rank, so a
-batch of rank-8 adapters never pays the launch shape of a rank-64 one (issue 23). Capture compiles
-every variant a decode step can launch, so none compiles while serving.
+batch of rank-8 adapters never pays the launch shape of a rank-64 one (issue 23). Each LoRA graph is
+captured once per row layout the backend lists (``LoRABackend.graph_layouts``: per-row segments for
+BGMV, runs of rows on one adapter for SGMV; triton-auto has both and picks per replay), so the key is
+(batch bucket, rank bound, layout). Capture compiles every variant a decode step can launch, so none
+compiles while serving.
 
 Rows past the real batch are padding: they read token 0 at position 0 with ``seq_len`` 1 from a KV page
 reserved for them at start-up (taken out of the allocator), write their K/V there, and have slot -1
@@ -123,9 +126,13 @@ class CudaGraphRunner:
         self.query_start_loc = torch.arange(self.max_bs + 1, dtype=torch.int32, **dev)
         self.logits_rows = torch.arange(self.max_bs, dtype=torch.int64, **dev)
         self.rank_bounds = (0, *runner.lora.rank_buckets)
-        self.graphs: dict[tuple[int, int], _Graph] = {}
+        # (rank bound, layout) of every graph per bucket: the bound-0 graph has no LoRA, so no layout.
+        self.variants = [(0, "rows")] + [
+            (bound, layout) for bound in self.rank_bounds[1:] for layout in runner.lora.graph_layouts
+        ]
+        self.graphs: dict[tuple[int, int, str], _Graph] = {}
         self.num_replays = 0
-        self.last_key: tuple[int, int] | None = None  # (bucket, rank bound) of the last replay
+        self.last_key: tuple[int, int, str] | None = None  # (bucket, rank bound, layout) of the last replay
         self._pad_host(self.max_bs)
         self._capture_all()
 
@@ -175,14 +182,14 @@ class CudaGraphRunner:
     @torch.inference_mode()
     def _capture_all(self) -> None:
         if not self.capture:
-            self.graphs = {(bs, r): _Graph(None, None) for bs in self.buckets for r in self.rank_bounds}
+            self.graphs = {(bs, *v): _Graph(None, None) for bs in self.buckets for v in self.variants}
             return
         t0 = time.monotonic()
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device=self.device)
         for bs in reversed(self.buckets):  # largest first: later graphs reuse its pool memory
-            for bound in self.rank_bounds:
-                self.lora.prepare_capture(bs, bound)
+            for bound, layout in self.variants:
+                self.lora.prepare_capture(bs, bound, layout)
                 stream.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(stream):
                     for _ in range(2):  # compile Triton kernels, build RoPE tables, settle the allocator
@@ -191,14 +198,14 @@ class CudaGraphRunner:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
                     logits = self._forward(bs)
-                self.graphs[(bs, bound)] = _Graph(graph, logits)
+                self.graphs[(bs, bound, layout)] = _Graph(graph, logits)
         torch.cuda.synchronize(self.device)
         logger.info(
-            "CUDA graphs: captured %d decode graphs (batch buckets %s x LoRA rank bounds %s) in %.1f s; "
+            "CUDA graphs: captured %d decode graphs (batch buckets %s x LoRA (rank bound, layout) %s) in %.1f s; "
             "KV page %d reserved for padding rows (%d pages left)",
             len(self.graphs),
             self.buckets,
-            self.rank_bounds,
+            self.variants,
             time.monotonic() - t0,
             self.pad_page,
             self.allocator.num_blocks,
@@ -259,10 +266,10 @@ class CudaGraphRunner:
         self.i64[:, :bs].copy_(i64, non_blocking=True)
         self.seq_lens[:bs].copy_(torch.tensor(seq_lens + [1] * pad, dtype=torch.int32), non_blocking=True)
         self.block_tables[:bs, :max_blocks].copy_(torch.tensor(rows, dtype=torch.int32), non_blocking=True)
-        bound = self.lora.prepare_replay(lora_slots + [-1] * pad)
-        entry = self.graphs[(bs, bound)]
+        bound, layout = self.lora.prepare_replay(lora_slots + [-1] * pad)
+        entry = self.graphs[(bs, bound, layout)]
         self.num_replays += 1
-        self.last_key = (bs, bound)
+        self.last_key = (bs, bound, layout)
         if entry.graph is None:
             return self._forward(bs)[:n], order
         entry.graph.replay()

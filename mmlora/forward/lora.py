@@ -17,6 +17,27 @@ import torch
 #: so ranks up to it cost the same and the smallest rank bucket is this.
 RANK_TILE = 16
 
+#: The longest segment of a CUDA-graph step filled as runs (``fill_rows(..., runs=True)``): a run of
+#: more rows on one adapter is cut into segments of this many, so a graph captured with this
+#: ``max_seg_len`` fits every replay in one token tile per segment.
+RUN_TILE = 16
+
+#: The two ways a CUDA-graph decode step can route its rows: ``rows`` (one segment per row: per-row
+#: kernels such as BGMV) and ``runs`` (adjacent rows on one adapter merged into segments of at most
+#: RUN_TILE rows: segment kernels such as SGMV read each adapter once per run).
+GRAPH_LAYOUTS = ("rows", "runs")
+
+
+def slot_runs(slots: Sequence[int], cap: int = RUN_TILE) -> list[tuple[int, int]]:
+    """(slot, length) of each run of equal adjacent ``slots``, runs cut at ``cap`` rows."""
+    runs: list[tuple[int, int]] = []
+    for s in slots:
+        if runs and runs[-1][0] == s and runs[-1][1] < cap:
+            runs[-1] = (s, runs[-1][1] + 1)
+        else:
+            runs.append((s, 1))
+    return runs
+
 
 def rank_buckets(max_rank: int) -> tuple[int, ...]:
     """The rank bounds a batch can have under a pool of rank ``max_rank``: 16, 32, 64, ... (doubling,
@@ -76,7 +97,9 @@ class LoRABatchInfo:
       num_tokens, num_segments, max_rank (largest rank in this batch, 0 when no row has an adapter),
       seg_lens_host, seg_slots_host, ranks_host, max_seg_len (longest segment, 0 when none: kernels
       size token tiles by it, so it is found once per fill, not once per layer), rank_bound (max_rank
-      rounded up to its :func:`rank_bucket`: what launch shapes follow, so they take few values).
+      rounded up to its :func:`rank_bucket`: what launch shapes follow, so they take few values),
+      graph_layout (None for an eager fill; ``rows`` or ``runs`` for a CUDA-graph step: see
+      :data:`GRAPH_LAYOUTS` and :meth:`fill_rows`).
     ``host_derived`` is emptied by every fill: backends may cache routing they derive from the host
     mirrors there (once per forward, shared by every layer).
     """
@@ -104,6 +127,7 @@ class LoRABatchInfo:
         self.max_seg_len = 0
         self.ranks_host: list[int] = [0] * num_slots
         self.host_derived: dict[str, object] = {}
+        self.graph_layout: str | None = None
 
     @property
     def has_lora(self) -> bool:
@@ -159,28 +183,53 @@ class LoRABatchInfo:
         self.host_derived = {}
         self.max_rank = max((self.ranks_host[s] for s in seg_slots if s >= 0), default=0)
         self.rank_bound = rank_bucket(self.max_rank, self.max_lora_rank)
+        self.graph_layout = None
 
     def bound_of(self, slots: Sequence[int]) -> int:
         """The rank bound of a batch of these slots (-1 = base): the bucket of their largest rank."""
         top = max((self.ranks_host[s] for s in slots if s >= 0), default=0)
         return rank_bucket(top, self.max_lora_rank)
 
-    def fill_rows(self, slots: Sequence[int], rank_bound: int) -> None:
-        """One segment per row, never merged, with a fixed ``rank_bound`` (>= every rank among ``slots``):
-        the shape of a CUDA-graph step, whose host ints are baked in at capture (so kernels loop to each
-        slot's rank on the device, up to the bound)."""
+    def fill_rows(self, slots: Sequence[int], rank_bound: int, layout: str = "rows") -> None:
+        """The routing of a CUDA-graph step, whose host ints are baked in at capture, with a fixed
+        ``rank_bound`` (>= every rank among ``slots``: kernels loop to each slot's rank on the device).
+
+        ``rows``: one segment per row, never merged. ``runs``: adjacent rows on one slot merged into
+        segments of at most :data:`RUN_TILE` rows, the rest of the ``len(slots)`` segment entries empty
+        (zero rows, slot -1); the host ints are those of the worst case (``num_segments = len(slots)``,
+        ``max_seg_len = RUN_TILE``), so one capture fits every replay of the same row count.
+        """
+        if layout not in GRAPH_LAYOUTS:
+            raise ValueError(f"fill_rows: layout must be one of {GRAPH_LAYOUTS}, got {layout!r}")
         n = len(slots)
         if n > self.max_tokens:
             raise ValueError(f"fill_rows: {n} rows exceed the preallocated {self.max_tokens}")
         device_slots = torch.tensor(slots, dtype=torch.int32)
         self.token_slots[:n].copy_(device_slots, non_blocking=True)
-        self.weight_indices[:n].copy_(device_slots, non_blocking=True)
-        self.seg_indptr[: n + 1].copy_(torch.arange(n + 1, dtype=torch.int32), non_blocking=True)
-        self.seg_lens[:n].fill_(1)
+        if layout == "rows":
+            self.weight_indices[:n].copy_(device_slots, non_blocking=True)
+            self.seg_indptr[: n + 1].copy_(torch.arange(n + 1, dtype=torch.int32), non_blocking=True)
+            self.seg_lens[:n].fill_(1)
+            self.seg_lens_host = [1] * n
+            self.seg_slots_host = list(slots)
+            self.max_seg_len = 1 if n else 0
+        else:
+            runs = slot_runs(slots)
+            pad = n - len(runs)
+            lens = [length for _, length in runs] + [0] * pad
+            seg_slots = [s for s, _ in runs] + [-1] * pad
+            indptr = [0]
+            for length in lens:
+                indptr.append(indptr[-1] + length)
+            packed = torch.tensor([indptr, [*lens, 0], [*seg_slots, -1]], dtype=torch.int32)
+            self.seg_indptr[: n + 1].copy_(packed[0], non_blocking=True)
+            self.seg_lens[:n].copy_(packed[1, :n], non_blocking=True)
+            self.weight_indices[:n].copy_(packed[2, :n], non_blocking=True)
+            self.seg_lens_host = lens
+            self.seg_slots_host = seg_slots
+            self.max_seg_len = RUN_TILE if n else 0
         self.num_tokens = n
         self.num_segments = n
         self.max_rank = self.rank_bound = rank_bound
-        self.seg_lens_host = [1] * n
-        self.seg_slots_host = list(slots)
-        self.max_seg_len = 1 if n else 0
         self.host_derived = {}
+        self.graph_layout = layout

@@ -21,7 +21,7 @@ from mmlora.backends import get_backend
 from mmlora.backends.warmup import warm_up_lora_kernels
 from mmlora.config import LoRAConfig, split_lora_spec
 from mmlora.distributed.state import tp_group
-from mmlora.forward.lora import LoRABatchInfo, LoRAWeights, rank_buckets
+from mmlora.forward.lora import LoRABatchInfo, LoRAWeights, rank_buckets, slot_runs
 from mmlora.lora.adapter import LoadedAdapter, load_adapter
 from mmlora.lora.layer import LoRAContext, LoRALinear
 from mmlora.lora.paths import confine_adapter_path
@@ -332,19 +332,30 @@ class LoRAManager:
         per (batch bucket, rank bound), and 0 for the graph without LoRA."""
         return rank_buckets(self.config.max_lora_rank)
 
-    def prepare_capture(self, rows: int, rank_bound: int) -> None:
-        """Before capturing a ``rows``-row decode graph: every row base-only, and the host ints the graph
-        bakes in (one segment per row; the LoRA kernels' launch shapes cover ranks up to ``rank_bound``,
-        one of :attr:`rank_buckets`; 0: the graph without LoRA)."""
-        self.info.fill_rows([-1] * rows, rank_bound)
+    @property
+    def graph_layouts(self) -> tuple[str, ...]:
+        """The row layouts the backend's decode graphs are captured in (``LoRABackend.graph_layouts``)."""
+        return self._ctx.backend.graph_layouts
 
-    def prepare_replay(self, row_slots: list[int]) -> int:
+    def prepare_capture(self, rows: int, rank_bound: int, layout: str = "rows") -> None:
+        """Before capturing a ``rows``-row decode graph: every row base-only, and the host ints the graph
+        bakes in (the LoRA kernels' launch shapes cover ranks up to ``rank_bound``, one of
+        :attr:`rank_buckets`, 0: the graph without LoRA; and segments in ``layout``, one of
+        :attr:`graph_layouts`)."""
+        self.info.fill_rows([-1] * rows, rank_bound, layout)
+
+    def prepare_replay(self, row_slots: list[int]) -> tuple[int, str]:
         """Before replaying a graph captured by :meth:`prepare_capture`: each row's slot (-1 = base or
-        padding), written into the captured buffers. Returns the rank bound of the graph to replay (the
-        bucket of the rows' largest rank; 0 when no row has an adapter)."""
+        padding), written into the captured buffers. Returns the rank bound (the bucket of the rows'
+        largest rank; 0 when no row has an adapter) and the layout of the graph to replay."""
         bound = self.info.bound_of(row_slots)
-        self.info.fill_rows(row_slots, bound)
-        return bound
+        layouts = self.graph_layouts
+        if bound == 0 or len(layouts) == 1:
+            layout = layouts[0] if bound else "rows"
+        else:
+            layout = self._ctx.backend.graph_layout(len(row_slots), len(slot_runs(row_slots)))
+        self.info.fill_rows(row_slots, bound, layout)
+        return bound, layout
 
     @contextlib.contextmanager
     def prepared(self) -> Iterator[LoRABatchInfo]:

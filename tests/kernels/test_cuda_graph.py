@@ -81,20 +81,9 @@ def test_buckets():
         batch_buckets(0)
 
 
-@pytest.mark.parametrize("lora_backend", ["torch-gather", "triton-bgmv"])
-def test_static_buffer_path_matches_eager(tiny, lora_backend):
-    """The graph runner's inputs (padded buckets, pad page, one-segment-per-row LoRA info) without capture
-    (on CUDA when there is one: Triton on CPU needs the interpreter, which is only set without CUDA)."""
-    base, adapters = tiny()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    kw = dict(lora_backend=lora_backend, disable_cuda_graph=True)
-    ref = _generate(_engine(base, adapters, device, **kw))
-    engine = _engine(base, adapters, device, **kw)
-    runner = engine.runner
-    runner.cuda_graphs = CudaGraphRunner(runner, 5, engine.max_model_len, capture=False)
-    assert engine.kv_cache.allocator.num_blocks == 2048 // 4 - 1  # the padding page is reserved
-    _assert_same(ref, _generate(engine), 1e-4)
-    assert runner.cuda_graphs.num_replays > 0
+#: Mostly one adapter: sorted by slot, a full decode step is runs of several rows, so triton-auto
+#: replays its ``runs`` graphs (SGMV) for them, and its ``rows`` graphs (BGMV) for the last request alone.
+RUN_LORAS = ["a", "a", None, "a", "a", "b"]
 
 
 class _KeyLog(dict):
@@ -102,11 +91,37 @@ class _KeyLog(dict):
 
     def __init__(self, graphs: dict) -> None:
         super().__init__(graphs)
-        self.used: list[tuple[int, int]] = []
+        self.used: list[tuple[int, int, str]] = []
 
     def __getitem__(self, key):  # noqa: ANN001, ANN204
         self.used.append(key)
         return super().__getitem__(key)
+
+
+@pytest.mark.parametrize(
+    ("lora_backend", "loras"),
+    [("torch-gather", LORAS), ("triton-bgmv", LORAS), ("triton-sgmv", RUN_LORAS), ("triton-auto", RUN_LORAS)],
+)
+def test_static_buffer_path_matches_eager(tiny, lora_backend, loras):
+    """The graph runner's inputs (padded buckets, pad page, LoRA routing in each of the backend's graph
+    layouts) without capture (on CUDA when there is one: Triton on CPU needs the interpreter, which is
+    only set without CUDA)."""
+    base, adapters = tiny()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    kw = dict(lora_backend=lora_backend, disable_cuda_graph=True)
+
+    def generate(engine: mmlora.Engine) -> list:
+        return engine.generate(input_ids=PROMPTS, lora_paths=loras, sampling_params=SAMPLING, return_logprob=True)
+
+    ref = generate(_engine(base, adapters, device, **kw))
+    engine = _engine(base, adapters, device, **kw)
+    runner = engine.runner
+    graphs = runner.cuda_graphs = CudaGraphRunner(runner, 5, engine.max_model_len, capture=False)
+    assert engine.kv_cache.allocator.num_blocks == 2048 // 4 - 1  # the padding page is reserved
+    graphs.graphs = _KeyLog(graphs.graphs)
+    _assert_same(ref, generate(engine), 1e-4)
+    used = {layout for _, bound, layout in graphs.graphs.used if bound}
+    assert used == set(runner.lora.graph_layouts), used  # triton-auto: both layouts were replayed
 
 
 def test_decode_replays_the_graph_of_its_rank_bucket(tiny):
@@ -120,10 +135,10 @@ def test_decode_replays_the_graph_of_its_rank_bucket(tiny):
     graphs = engine.runner.cuda_graphs = CudaGraphRunner(
         engine.runner, 5, engine.max_model_len, capture=False
     )
-    assert set(graphs.graphs) == {(b, r) for b in graphs.buckets for r in (0, 16, 32, 64)}
+    assert set(graphs.graphs) == {(b, r, "rows") for b in graphs.buckets for r in (0, 16, 32, 64)}
     graphs.graphs = _KeyLog(graphs.graphs)
     _assert_same(ref, _generate(engine), 1e-4)
-    assert {r for _, r in graphs.graphs.used} == {0, 16}  # 0: steps left with base-only rows
+    assert {r for _, r, _ in graphs.graphs.used} == {0, 16}  # 0: steps left with base-only rows
 
 
 @cuda
@@ -133,8 +148,12 @@ def test_graphs_are_on_by_default_and_can_be_disabled(tiny):
     graphs = engine.runner.cuda_graphs
     assert graphs is not None, "CUDA graphs were not captured on a CUDA engine"
     assert graphs.buckets == [1, 2, 4, 5]
-    # One graph per (batch bucket, LoRA rank bound): 0 (no LoRA) and the rank-4 pool's one rank bucket.
-    assert set(graphs.graphs) == {(b, r) for b in graphs.buckets for r in (0, 4)}
+    # One graph per (batch bucket, LoRA rank bound, layout): bound 0 (no LoRA) and the rank-4 pool's
+    # one rank bucket in each of the default backend's layouts.
+    layouts = engine.runner.lora.graph_layouts
+    assert set(graphs.graphs) == {(b, 0, "rows") for b in graphs.buckets} | {
+        (b, 4, layout) for b in graphs.buckets for layout in layouts
+    }
     del engine, graphs
     _free()
     off = _engine(base, adapters, "cuda", disable_cuda_graph=True)

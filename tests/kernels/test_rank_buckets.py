@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from mmlora.backends import get_backend
-from mmlora.forward.lora import LoRABatchInfo, LoRAWeights, rank_bucket, rank_buckets
+from mmlora.forward.lora import RUN_TILE, LoRABatchInfo, LoRAWeights, rank_bucket, rank_buckets, slot_runs
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 BACKENDS = ["triton-bgmv", "triton-sgmv", "triton-auto"]
@@ -92,6 +92,31 @@ def _reference(x, A, B, scalings, offs, ranks, token_slots) -> torch.Tensor:  # 
     return delta
 
 
+def test_runs_layout_merges_adjacent_rows_up_to_the_run_tile() -> None:
+    """The ``runs`` layout: segments are runs of one slot cut at RUN_TILE rows; the other segment
+    entries are empty (no rows, slot -1), and the host ints are the worst case a capture bakes in."""
+    assert slot_runs([3, 3, -1, -1, 0, 3]) == [(3, 2), (-1, 2), (0, 1), (3, 1)]
+    assert slot_runs([5] * (RUN_TILE + 3)) == [(5, RUN_TILE), (5, 3)]
+    n = RUN_TILE + 5
+    info = LoRABatchInfo(n + 3, 6, "cpu", max_lora_rank=64)
+    slots = [-1] * 2 + [1] * (RUN_TILE + 1) + [4, 4]
+    info.fill_rows(slots, 16, "runs")
+    runs = [(-1, 2), (1, RUN_TILE), (1, 1), (4, 2)]
+    assert (info.num_tokens, info.num_segments, info.max_seg_len, info.graph_layout) == (n, n, RUN_TILE, "runs")
+    indptr = [0, 2, 2 + RUN_TILE, 3 + RUN_TILE, n] + [n] * (n - 4)
+    assert info.seg_indptr[: n + 1].tolist() == indptr
+    assert info.seg_lens[:n].tolist() == [2, RUN_TILE, 1, 2] + [0] * (n - 4)
+    assert info.weight_indices[:n].tolist() == [s for s, _ in runs] + [-1] * (n - 4)
+    assert info.token_slots[:n].tolist() == slots
+    info.fill_rows(slots, 16)  # rows: one segment per row again
+    assert info.seg_lens[:n].tolist() == [1] * n and info.weight_indices[:n].tolist() == slots
+    assert info.graph_layout == "rows"
+    info.fill([2, 1], [1, -1])
+    assert info.graph_layout is None
+    with pytest.raises(ValueError, match="layout"):
+        info.fill_rows(slots, 16, "columns")
+
+
 # (ranks per slot, pool rank R, slice widths, in_features): the {8, 64} mix of the issue, ranks that end
 # inside a 16-wide rank tile (1, 17, 33), and a pool whose rank is below one tile.
 POOLS = {
@@ -103,11 +128,12 @@ POOLS = {
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("pool", list(POOLS))
-@pytest.mark.parametrize("mode", ["decode", "prefill", "graph"])
+@pytest.mark.parametrize("mode", ["decode", "prefill", "graph", "graph-runs"])
 def test_padding_beyond_each_slot_rank_is_never_used(backend: str, pool: str, mode: str) -> None:
     """Mixed ranks in one batch, NaN past every slot's rank: out matches the oracle and base rows stay
     bit-identical. ``graph`` is a CUDA-graph step: rows filled by ``fill_rows`` with the pool's largest
-    rank bound while the batch's own ranks are smaller."""
+    rank bound while the batch's own ranks are smaller; ``graph-runs`` the same in the ``runs`` layout,
+    rows sorted by slot as the graph runner orders them, with a run longer than RUN_TILE (cut in two)."""
     ranks, R, widths, in_f = POOLS[pool]
     rng = random.Random(sum(map(ord, pool + mode)))
     A, B, scalings, offs = _case(ranks, R, widths, in_f, seed=len(pool))
@@ -115,14 +141,17 @@ def test_padding_beyond_each_slot_rank_is_never_used(backend: str, pool: str, mo
     if mode == "prefill":
         lens = [rng.randint(1, 9) for _ in range(5)]
     else:
-        lens = [1] * 7
+        lens = [1] * (RUN_TILE + 12 if mode == "graph-runs" else 7)
     slots = [rng.randrange(-1, S) for _ in lens]
     slots[0] = 0  # at least one adapter row (slot 0 has a rank below the pool's in every pool)
+    if mode == "graph-runs":
+        slots[1 : RUN_TILE + 3] = [0] * (RUN_TILE + 2)
+        slots.sort()
     info = LoRABatchInfo(sum(lens) + 3, S, DEV, max_lora_rank=R)
     for s, r in enumerate(ranks):
         info.set_slot_rank(s, r)
-    if mode == "graph":
-        info.fill_rows(slots, rank_buckets(R)[-1])
+    if mode.startswith("graph"):
+        info.fill_rows(slots, rank_buckets(R)[-1], "runs" if mode == "graph-runs" else "rows")
     else:
         info.fill(lens, slots)
     token_slots = [s for n, s in zip(lens, slots) for _ in range(n)]
