@@ -111,7 +111,9 @@ def test_static_buffer_path_matches_eager(tiny, lora_backend, loras):
     kw = dict(lora_backend=lora_backend, disable_cuda_graph=True)
 
     def generate(engine: mmlora.Engine) -> list:
-        return engine.generate(input_ids=PROMPTS, lora_paths=loras, sampling_params=SAMPLING, return_logprob=True)
+        return engine.generate(
+            input_ids=PROMPTS, lora_paths=loras, sampling_params=SAMPLING, return_logprob=True
+        )
 
     ref = generate(_engine(base, adapters, device, **kw))
     engine = _engine(base, adapters, device, **kw)
@@ -189,6 +191,32 @@ def test_graph_tokens_equal_eager(tiny, arch, lora_backend, attention):
     _free()
     assert replays > 0, "no decode step replayed a graph"
     _assert_same(ref, got, 1e-4)
+
+
+@cuda
+@pytest.mark.parametrize("lora_backend", ["triton-sgmv", "triton-auto"])
+def test_graphs_in_the_runs_layout_equal_eager(tiny, lora_backend):
+    """Captured graphs whose LoRA segments are runs of rows on one adapter (SGMV), and for triton-auto
+    also per-row graphs (BGMV) picked per replay: the eager tokens, and every layout replayed."""
+    base, adapters = tiny()
+
+    def generate(engine: mmlora.Engine) -> list:
+        return engine.generate(
+            input_ids=PROMPTS, lora_paths=RUN_LORAS, sampling_params=SAMPLING, return_logprob=True
+        )
+
+    ref = generate(_engine(base, adapters, "cuda", disable_cuda_graph=True, lora_backend=lora_backend))
+    _free()
+    engine = _engine(base, adapters, "cuda", lora_backend=lora_backend)
+    graphs = engine.runner.cuda_graphs
+    graphs.graphs = _KeyLog(graphs.graphs)
+    got = generate(engine)
+    used = {layout for _, bound, layout in graphs.graphs.used if bound}
+    layouts = set(engine.runner.lora.graph_layouts)
+    del engine, graphs
+    _free()
+    _assert_same(ref, got, 1e-4)
+    assert used == layouts, used
 
 
 @cuda

@@ -102,7 +102,8 @@ def test_runs_layout_merges_adjacent_rows_up_to_the_run_tile() -> None:
     slots = [-1] * 2 + [1] * (RUN_TILE + 1) + [4, 4]
     info.fill_rows(slots, 16, "runs")
     runs = [(-1, 2), (1, RUN_TILE), (1, 1), (4, 2)]
-    assert (info.num_tokens, info.num_segments, info.max_seg_len, info.graph_layout) == (n, n, RUN_TILE, "runs")
+    shape = (info.num_tokens, info.num_segments, info.max_seg_len, info.graph_layout)
+    assert shape == (n, n, RUN_TILE, "runs")
     indptr = [0, 2, 2 + RUN_TILE, 3 + RUN_TILE, n] + [n] * (n - 4)
     assert info.seg_indptr[: n + 1].tolist() == indptr
     assert info.seg_lens[:n].tolist() == [2, RUN_TILE, 1, 2] + [0] * (n - 4)
