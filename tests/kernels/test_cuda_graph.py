@@ -307,7 +307,7 @@ def test_graphs_per_rank_bound_match_eager_in_a_rank_64_pool(tmp_path):
     for k, r in rows.items():
         graphs.graphs.used.clear()
         got = engine.generate(input_ids=prompts, lora_paths=r, sampling_params=sp, return_logprob=True)
-        bounds[k] = {b for _, b in graphs.graphs.used}
+        bounds[k] = {b for _, b, _ in graphs.graphs.used}
         _assert_same(ref[k], got, 1e-3)
     del engine, graphs
     _free()
