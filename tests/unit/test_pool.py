@@ -1,13 +1,17 @@
-"""Adapter pool invariants: LRU slots, pinning, busy adapters never evicted, host cache bounds, drops."""
+"""Adapter pool invariants: LRU slots, pinning, busy adapters never evicted, host cache bounds, drops, and
+the one-block upload (an adapter staged in one flat host block) filling slots as the copy per tensor does."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 
 from mmlora.forward.lora import LoRABatchInfo
+from mmlora.lora import pool as pool_module
 from mmlora.lora.adapter import LoadedAdapter, LoRAModuleWeights
-from mmlora.lora.pool import LoRAPool
+from mmlora.lora.pool import LoRAPool, _flatten, _pinned
 from mmlora.lora.spec import LoRAModelSpec, LoRATarget
 
 SPEC = LoRAModelSpec(
@@ -173,3 +177,125 @@ def test_slot_padding_fraction_counts_what_adapters_leave_empty():
     assert pool.slot_padding_fraction() == pytest.approx(1 - (112 + 224) / (2 * 448))
     pool.drop(2)
     assert pool.slot_padding_fraction() == pytest.approx(0.75) == pytest.approx(nonzero_share())
+
+
+def mixed_rank_adapter(b_dtype: torch.dtype = torch.float32) -> LoadedAdapter:
+    """Random weights at ranks below the pool's 4 (strided B slot views) and at 4 (contiguous ones), a
+    slice left out, a module left out, and modules listed in another order than the pool's."""
+    gen = torch.Generator().manual_seed(0)
+
+    def module(ranks: tuple[int | None, ...], outs: tuple[int, ...]) -> LoRAModuleWeights:
+        A = tuple(None if r is None else torch.randn(r, 8, generator=gen) for r in ranks)
+        B = tuple(
+            None if r is None else torch.randn(o, r, generator=gen).to(b_dtype) for r, o in zip(ranks, outs)
+        )
+        return LoRAModuleWeights(A, B, tuple(0.0 if r is None else 1.0 + r for r in ranks))
+
+    weights = {
+        (1, "qkv_proj"): module((2, 4, 1), (8, 4, 4)),
+        (0, "o_proj"): module((4,), (8,)),
+        (0, "qkv_proj"): module((1, None, 3), (8, 4, 4)),
+    }
+    return LoadedAdapter(path="/a/mixed", rank=4, weights=weights, config={}, nbytes=0)
+
+
+def expected_slot(adapter: LoadedAdapter, R: int) -> dict[tuple[int, str], list[torch.Tensor]]:
+    """The slot ``adapter`` should fill, built from its tensors: zeros wherever it has none."""
+    out = {}
+    for layer in range(SPEC.num_layers):
+        for t in SPEC.targets:
+            n = len(t.slices)
+            A, B = torch.zeros(n * R, t.in_features), torch.zeros(sum(t.out_features), R)
+            s = torch.zeros(n)
+            w = adapter.weights.get((layer, t.name))
+            row = 0
+            for i in range(n):
+                if w is not None and w.A[i] is not None:
+                    r = w.A[i].shape[0]
+                    A[i * R : i * R + r] = w.A[i].float()
+                    B[row : row + t.out_features[i], :r] = w.B[i].float()
+                    s[i] = w.scalings[i]
+                row += t.out_features[i]
+            out[(layer, t.name)] = [A, B, s]
+    return out
+
+
+def assert_slot_is(pool: LoRAPool, slot: int, expected: dict[tuple[int, str], list[torch.Tensor]]) -> None:
+    for key, bufs in pool.buffers.items():
+        for buf, want in zip(bufs, expected[key]):
+            assert torch.equal(buf[slot], want), key
+
+
+def test_flattened_adapter_is_views_of_one_block():
+    adapter = mixed_rank_adapter()
+    flat = _flatten(adapter, pin=False)
+    assert flat is not None and flat.staged is not None and adapter.staged is None
+    pairs = [
+        (t, f)
+        for key, w in adapter.weights.items()
+        for t, f in zip((*w.A, *w.B), (*flat.weights[key].A, *flat.weights[key].B))
+    ]
+    assert flat.staged.numel() == sum(t.numel() for t, _ in pairs if t is not None)
+    for t, f in pairs:
+        assert (t is None) == (f is None)
+        if t is not None:
+            assert (
+                torch.equal(t, f)
+                and f.untyped_storage().data_ptr() == flat.staged.untyped_storage().data_ptr()
+            )
+    assert [w.scalings for w in flat.weights.values()] == [w.scalings for w in adapter.weights.values()]
+
+
+def test_staged_slot_write_matches_per_tensor_write(monkeypatch):
+    """The one-block upload (through a staging tensor, by offsets into the block) fills a slot exactly as
+    the copy per tensor does, over a slot that held another adapter."""
+    calls = []
+    copy_staged = pool_module._copy_staged
+
+    def spy(dst, src, staged, device):
+        calls.append(len(dst))
+        copy_staged(dst, src, staged, device)
+
+    monkeypatch.setattr(pool_module, "_copy_staged", spy)
+    pool, info = make_pool(slots=3)
+    mixed = mixed_rank_adapter()
+    flat = _flatten(mixed, pin=False)
+    pool.write_slot(0, adapter(4, 9.0))
+    pool.write_slot(0, flat)
+    assert calls == [12]  # the 6 slices with weights, A and B each, in one call
+    pool.write_slot(1, mixed)
+    assert calls == [12]  # unstaged: copies per tensor
+    expected = expected_slot(mixed, pool.max_rank)
+    assert_slot_is(pool, 0, expected)
+    assert_slot_is(pool, 1, expected)
+    assert pool._slot_filled[0] == pool._slot_filled[1] == flat.staged.numel()
+    assert info.ranks_host[0] == info.ranks_host[1] == 4
+
+
+def test_mixed_dtypes_fall_back_to_a_pinned_copy_per_tensor(monkeypatch):
+    mixed = mixed_rank_adapter(b_dtype=torch.bfloat16)
+    assert _flatten(mixed, pin=False) is None
+    pinned = []
+
+    def fake_pin(t: torch.Tensor) -> torch.Tensor:  # no CUDA here: record the call, copy
+        pinned.append(t)
+        return t.clone()
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", fake_pin)
+    host = _pinned(mixed)
+    assert host.staged is None and len(pinned) == 12
+    for key, w in mixed.weights.items():
+        for t, h in zip((*w.A, *w.B), (*host.weights[key].A, *host.weights[key].B)):
+            assert (t is None and h is None) or (torch.equal(t, h) and t.dtype == h.dtype)
+    pool, _ = make_pool()
+    pool.write_slot(0, host)
+    assert_slot_is(pool, 0, expected_slot(mixed, pool.max_rank))
+
+
+def test_staged_write_refuses_tensors_outside_the_block():
+    """An adapter whose tensors were replaced but kept the old block would upload stale weights."""
+    mixed = mixed_rank_adapter()
+    flat = _flatten(mixed, pin=False)
+    pool, _ = make_pool()
+    with pytest.raises(ValueError, match="staged block"):
+        pool.write_slot(0, dataclasses.replace(mixed, staged=flat.staged))
