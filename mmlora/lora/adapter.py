@@ -87,15 +87,16 @@ class LoRAModuleWeights:
 class LoadedAdapter:
     """A validated adapter. ``weights`` maps (layer index, target name, e.g. "qkv_proj") to its weights;
     ``rank`` is the largest rank over all modules; ``nbytes`` the host memory of all A and B tensors;
-    ``staged``, when set, all A and B tensors back to back in one page-locked block (set by the pool on
-    CUDA): the tensors in ``weights`` are views of it, and a slot load copies it to the device at once."""
+    ``staged``, when set, all A and B tensors back to back in a few page-locked blocks (set by the pool
+    on CUDA): the tensors in ``weights`` are views of them, and a slot load copies each block to the
+    device at once."""
 
     path: str
     rank: int
     weights: dict[tuple[int, str], LoRAModuleWeights]
     config: dict
     nbytes: int
-    staged: torch.Tensor | None = None
+    staged: tuple[torch.Tensor, ...] | None = None
 
 
 def load_adapter(

@@ -6,9 +6,9 @@ one whose adapter is in the running batch (``busy``) and never a pinned one. Hos
 ``max_loaded_loras`` validated adapters (LRU), never evicting a pinned adapter or one with requests
 in flight; an evicted adapter is read from disk again on its next use.
 
-On CUDA the host copy of an adapter is one flat page-locked block holding all its A and B tensors
-(``LoadedAdapter.staged``; the tensors are views of it), so a slot load is one host-to-device copy of
-the block into a device staging tensor, then device-to-device copies into the slot: not one
+On CUDA the host copy of an adapter is a few flat page-locked blocks holding all its A and B tensors
+(``LoadedAdapter.staged``; the tensors are views of them), so a slot load is one host-to-device copy
+per block into a device staging tensor, then device-to-device copies into the slot: not one
 host-to-device copy per tensor (issue 13: ~670 copies, 8.6 ms host per Mistral-7B adapter on the H200,
 and small copies slow on the GPU too).
 """
@@ -228,48 +228,71 @@ def _pinned(adapter: LoadedAdapter) -> LoadedAdapter:
     return dataclasses.replace(adapter, weights=weights)
 
 
-def _flatten(adapter: LoadedAdapter, pin: bool) -> LoadedAdapter | None:
-    """``adapter`` with all its A and B tensors copied back to back into one flat block (page-locked
-    with ``pin``), kept in ``staged``, and its tensors views of that block; None when the tensors do not
-    share one dtype (a block holds one) or there are none.
+#: The largest page-locked block an adapter is staged in. PyTorch's caching host allocator rounds each
+#: block up to a power of two: one block per adapter could take up to twice its bytes (an 84 MB
+#: Mistral-7B rank-16 adapter, 128 MB); blocks of at most this many bytes waste only the rounding of
+#: the last one, for a few copies per upload instead of one.
+STAGE_BLOCK_BYTES = 16 << 20
 
-    PyTorch's caching host allocator rounds a page-locked block up to a power of two (up to twice the
-    adapter's bytes; ``pinned_max_round_threshold_mb`` in PYTORCH_ALLOC_CONF lifts that for large ones).
-    """
+
+def _flatten(adapter: LoadedAdapter, pin: bool) -> LoadedAdapter | None:
+    """``adapter`` with its A and B tensors copied back to back into flat blocks of at most
+    :data:`STAGE_BLOCK_BYTES` (page-locked with ``pin``; a larger tensor gets a block of its own), kept
+    in ``staged``, and its tensors views of them; None when the tensors do not share one dtype (a block
+    holds one) or there are none."""
     tensors = [t for w in adapter.weights.values() for t in (*w.A, *w.B) if t is not None]
     if not tensors or len({t.dtype for t in tensors}) != 1:
         return None
-    staged = torch.empty(sum(t.numel() for t in tensors), dtype=tensors[0].dtype, pin_memory=pin)
-    views = [v.view(t.shape) for t, v in zip(tensors, staged.split([t.numel() for t in tensors]))]
-    torch._foreach_copy_(views, tensors)
-    block = iter(views)  # in the order of ``tensors``: by module, A then B
+    cap = STAGE_BLOCK_BYTES // tensors[0].element_size()
+    groups: list[list[torch.Tensor]] = [[]]
+    filled = 0
+    for t in tensors:
+        if groups[-1] and filled + t.numel() > cap:
+            groups.append([])
+            filled = 0
+        groups[-1].append(t)
+        filled += t.numel()
+    blocks, views = [], []
+    for group in groups:
+        block = torch.empty(sum(t.numel() for t in group), dtype=tensors[0].dtype, pin_memory=pin)
+        group_views = [v.view(t.shape) for t, v in zip(group, block.split([t.numel() for t in group]))]
+        torch._foreach_copy_(group_views, group)
+        blocks.append(block)
+        views += group_views
+    block_views = iter(views)  # in the order of ``tensors``: by module, A then B
 
     def view(ts: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor | None, ...]:
-        return tuple(next(block) if t is not None else None for t in ts)
+        return tuple(next(block_views) if t is not None else None for t in ts)
 
     weights = {
         key: LoRAModuleWeights(A=view(w.A), B=view(w.B), scalings=w.scalings)
         for key, w in adapter.weights.items()
     }
-    return dataclasses.replace(adapter, weights=weights, staged=staged)
+    return dataclasses.replace(adapter, weights=weights, staged=tuple(blocks))
 
 
 def _copy_staged(
-    dst: list[torch.Tensor], src: list[torch.Tensor], staged: torch.Tensor, device: torch.device
+    dst: list[torch.Tensor], src: list[torch.Tensor], staged: tuple[torch.Tensor, ...], device: torch.device
 ) -> None:
-    """Copy each ``src[i]`` (a contiguous view of the flat host block ``staged``) into ``dst[i]`` (on
-    ``device``): one copy of the whole block into a staging tensor on ``device``, then copies on the
-    device from views of it, found by each source's element offset into the block (any order)."""
-    staging = torch.empty(staged.shape, dtype=staged.dtype, device=device)
-    staging.copy_(staged, non_blocking=True)
-    base, size, total = staged.data_ptr(), staged.element_size(), staged.numel()
+    """Copy each ``src[i]`` (a contiguous view of one of the flat host blocks ``staged``) into ``dst[i]``
+    (on ``device``): one copy per block into one staging tensor on ``device``, then copies on the device
+    from views of it, found by each source's block and element offset (any order)."""
+    dtype, size = staged[0].dtype, staged[0].element_size()
+    staging = torch.empty(sum(b.numel() for b in staged), dtype=dtype, device=device)
+    spans = []  # (first byte, last byte + 1, element offset in staging) per block
+    at = 0
+    for block in staged:
+        staging[at : at + block.numel()].copy_(block, non_blocking=True)
+        spans.append((block.data_ptr(), block.data_ptr() + block.numel() * size, at))
+        at += block.numel()
     same: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
     other: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
     for d, s in zip(dst, src, strict=True):
-        offset, rem = divmod(s.data_ptr() - base, size)
-        inside = rem == 0 and offset >= 0 and offset + s.numel() <= total
-        if not (inside and s.is_contiguous() and s.dtype == staged.dtype):
-            raise ValueError("an adapter tensor is not a contiguous view of its staged block")
+        ptr, nbytes = s.data_ptr(), s.numel() * size
+        span = next((sp for sp in spans if sp[0] <= ptr and ptr + nbytes <= sp[1]), None)
+        if span is None or (ptr - span[0]) % size or not s.is_contiguous() or s.dtype != dtype:
+            raise ValueError("an adapter tensor is not a contiguous view of its staged blocks")
+        offset = span[2] + (ptr - span[0]) // size
         v = staging[offset : offset + s.numel()].view(s.shape)
         # _foreach_copy_'s multi-tensor kernel takes only pairs of one layout (and dtype); a B slot view
         # B[slot, rows, :r] with r below the pool rank is strided, so those pairs go in a second call,

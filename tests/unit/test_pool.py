@@ -229,26 +229,30 @@ def assert_slot_is(pool: LoRAPool, slot: int, expected: dict[tuple[int, str], li
 def test_flattened_adapter_is_views_of_one_block():
     adapter = mixed_rank_adapter()
     flat = _flatten(adapter, pin=False)
+    assert len(flat.staged) == 1  # a small adapter fits one block
     assert flat is not None and flat.staged is not None and adapter.staged is None
     pairs = [
         (t, f)
         for key, w in adapter.weights.items()
         for t, f in zip((*w.A, *w.B), (*flat.weights[key].A, *flat.weights[key].B))
     ]
-    assert flat.staged.numel() == sum(t.numel() for t, _ in pairs if t is not None)
+    assert flat.staged[0].numel() == sum(t.numel() for t, _ in pairs if t is not None)
     for t, f in pairs:
         assert (t is None) == (f is None)
         if t is not None:
             assert (
                 torch.equal(t, f)
-                and f.untyped_storage().data_ptr() == flat.staged.untyped_storage().data_ptr()
+                and f.untyped_storage().data_ptr() == flat.staged[0].untyped_storage().data_ptr()
             )
     assert [w.scalings for w in flat.weights.values()] == [w.scalings for w in adapter.weights.values()]
 
 
-def test_staged_slot_write_matches_per_tensor_write(monkeypatch):
-    """The one-block upload (through a staging tensor, by offsets into the block) fills a slot exactly as
-    the copy per tensor does, over a slot that held another adapter."""
+@pytest.mark.parametrize("block_bytes", [pool_module.STAGE_BLOCK_BYTES, 64])
+def test_staged_slot_write_matches_per_tensor_write(monkeypatch, block_bytes):
+    """The blocked upload (through a staging tensor, by offsets into the blocks) fills a slot exactly as
+    the copy per tensor does, over a slot that held another adapter; 64-byte blocks: several blocks,
+    and tensors larger than a block in blocks of their own."""
+    monkeypatch.setattr(pool_module, "STAGE_BLOCK_BYTES", block_bytes)
     calls = []
     copy_staged = pool_module._copy_staged
 
@@ -268,7 +272,8 @@ def test_staged_slot_write_matches_per_tensor_write(monkeypatch):
     expected = expected_slot(mixed, pool.max_rank)
     assert_slot_is(pool, 0, expected)
     assert_slot_is(pool, 1, expected)
-    assert pool._slot_filled[0] == pool._slot_filled[1] == flat.staged.numel()
+    assert pool._slot_filled[0] == pool._slot_filled[1] == sum(b.numel() for b in flat.staged)
+    assert (len(flat.staged) > 2) == (block_bytes == 64)
     assert info.ranks_host[0] == info.ranks_host[1] == 4
 
 
@@ -297,5 +302,5 @@ def test_staged_write_refuses_tensors_outside_the_block():
     mixed = mixed_rank_adapter()
     flat = _flatten(mixed, pin=False)
     pool, _ = make_pool()
-    with pytest.raises(ValueError, match="staged block"):
+    with pytest.raises(ValueError, match="staged blocks"):
         pool.write_slot(0, dataclasses.replace(mixed, staged=flat.staged))

@@ -1,0 +1,45 @@
+"""Where the host time of a CUDA-graph decode step goes (issue 13: the engine step is 1-5 ms longer than
+its graph replay). Builds a base-only engine on a dummy preset, starts B decode requests at a context of
+C tokens, then times and cProfiles N engine steps; prints the step and replay times and the top entries.
+
+    PYTHONPATH=. python benchmarks/scripts/step_host_profile.py [--model dummy:mistral-7b-v0.3] [--batch 128]
+"""
+
+import argparse
+import cProfile
+import io
+import pstats
+import time
+
+import numpy as np
+import torch
+
+import mmlora
+from mmlora.bench.serving_parts import start_decode_batch, time_graph_replay
+
+p = argparse.ArgumentParser()
+p.add_argument("--model", default="dummy:mistral-7b-v0.3")
+p.add_argument("--batch", type=int, default=128)
+p.add_argument("--context", type=int, default=768)
+p.add_argument("--steps", type=int, default=30)
+args = p.parse_args()
+engine = mmlora.Engine(model=args.model, max_running_requests=args.batch, max_model_len=4096)
+start_decode_batch(engine, [None] * args.batch, args.context, np.random.default_rng(0))
+for _ in range(3):
+    engine.step()
+torch.cuda.synchronize()
+t0 = time.perf_counter()
+for _ in range(args.steps):
+    engine.step()
+step_ms = (time.perf_counter() - t0) / args.steps * 1e3
+replay_ms = (time_graph_replay(engine) or float("nan")) * 1e3
+prof = cProfile.Profile()
+prof.enable()
+for _ in range(args.steps):
+    engine.step()
+prof.disable()
+print(f"B={args.batch} context={args.context}: engine step {step_ms:.2f} ms, graph replay {replay_ms:.2f} ms")
+for key in ("tottime", "cumulative"):
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats(key).print_stats(30)
+    print(s.getvalue())
