@@ -11,8 +11,9 @@ bytes of the distinct adapters in the step) / copy bandwidth, with the bandwidth
 
 Also in the same run: HF + PEFT mixed-adapter ``generate`` on a small subset (batch ``--hf-batch`` x
 ``--hf-tokens`` tokens over 8 adapters) with mmlora on the very same subset, and the decode-step
-microbenchmark: B requests each on its own rank-16 adapter at context ``--micro-context``, one decode
-step timed (CUDA-graph replay, and the whole engine step) against its roofline floor.
+microbenchmark: B requests each on its own rank-16 adapter (or cycling over ``--micro-adapters`` of
+them) at context ``--micro-context``, one decode step timed (CUDA-graph replay, and the whole engine
+step) against its roofline floor, and its graph replayed in each LoRA row layout the backend captured.
 
 Adapters are random PEFT folders written by :mod:`mmlora.bench.adapters` (at most 16 distinct weight
 files; the rest are hard links under their own names, see there). Only the adapters a run uses are
@@ -49,6 +50,7 @@ from mmlora.bench.serving_parts import (
     result_header,
     run_workload,
     start_decode_batch,
+    time_graph_layouts,
     time_graph_replay,
     weight_bytes,
 )
@@ -145,6 +147,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--micro-context", type=int, default=768)
     p.add_argument("--micro-rank", type=int, default=16)
     p.add_argument(
+        "--micro-adapters",
+        type=int,
+        default=None,
+        help="adapters the decode-step microbench's B requests cycle over (default: one per request); "
+        "with fewer, rows share adapters, and each captured graph layout (rows / runs) is timed",
+    )
+    p.add_argument(
         "--quick", action="store_true", help="fewer points and requests (fits 8 minutes on one H200)"
     )
     p.add_argument(
@@ -177,6 +186,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}: must be >= 1")
+    if args.micro_adapters is not None and args.micro_adapters < 1:
+        raise ValueError("--micro-adapters: must be >= 1")
     for name in ("input_len", "output_len"):
         lo, hi = getattr(args, name)
         if not 1 <= lo < hi:
@@ -295,7 +306,11 @@ def _micro(
                     {"batch": bsz, "lora": with_lora, "skipped": "bsz exceeds slots/adapters/running"}
                 )
                 continue
-            names = [a["name"] for a in adapters[:bsz]] if with_lora else [None] * bsz
+            if with_lora:
+                n_adapters = min(bsz, args.micro_adapters or bsz)
+                names = [adapters[i % n_adapters]["name"] for i in range(bsz)]
+            else:
+                names = [None] * bsz
             if with_lora:
                 _register(engine, adapters, set(names))
             rids = start_decode_batch(engine, names, args.micro_context, rng)
@@ -311,6 +326,7 @@ def _micro(
             ranks = {r.lora.uid: r.lora.rank for r in running if r.lora is not None}
             floor_s = recorder.floor_seconds(sum(ctx), list(ranks.values()), bw)
             replay_s = time_graph_replay(engine)
+            by_layout = time_graph_layouts(engine) if with_lora else None
             abort_all(engine, rids)
             rows.append(
                 {
@@ -323,6 +339,9 @@ def _micro(
                     "floor_ms": floor_s * 1e3,
                     "step_over_floor": step_s / floor_s,
                     "replay_over_floor": None if replay_s is None else replay_s / floor_s,
+                    "graph_replay_ms_by_layout": None
+                    if by_layout is None
+                    else {k: v * 1e3 for k, v in by_layout.items()},
                 }
             )
             logger.info("micro %s", rows[-1])

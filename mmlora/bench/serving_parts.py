@@ -106,13 +106,31 @@ class StepRecorder:
             self.pending = None
 
 
+def time_graph_layouts(engine: Any, reps: int = 20) -> dict[str, float] | None:
+    """Mean seconds of replaying the last step's graph in each LoRA row layout the backend captured
+    (``rows`` / ``runs``: the same batch, its routing refilled in each layout); None when that step ran
+    eagerly or had no adapter rows."""
+    graphs = engine.runner.cuda_graphs
+    if graphs is None or not graphs.capture or graphs.last_key is None or not graphs.last_key[1]:
+        return None
+    bs, bound, _ = graphs.last_key
+    times = {}
+    for layout in engine.lora.graph_layouts:
+        engine.lora.info.fill_rows(graphs.last_slots, bound, layout)
+        times[layout] = _time_replays(graphs.graphs[(bs, bound, layout)].graph, reps)
+    return times
+
+
 def time_graph_replay(engine: Any, reps: int = 20) -> float | None:
     """Mean seconds of replaying the graph the last step replayed (its batch bucket and rank bound, on
     its inputs); None when that step ran eagerly."""
     graphs = engine.runner.cuda_graphs
     if graphs is None or not graphs.capture or graphs.last_key is None:
         return None
-    graph = graphs.graphs[graphs.last_key].graph
+    return _time_replays(graphs.graphs[graphs.last_key].graph, reps)
+
+
+def _time_replays(graph: Any, reps: int) -> float:
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()

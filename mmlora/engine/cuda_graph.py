@@ -133,6 +133,7 @@ class CudaGraphRunner:
         self.graphs: dict[tuple[int, int, str], _Graph] = {}
         self.num_replays = 0
         self.last_key: tuple[int, int, str] | None = None  # (bucket, rank bound, layout) of the last replay
+        self.last_slots: list[int] = []  # its rows' adapter slots (-1: base or padding)
         self._pad_host(self.max_bs)
         self._capture_all()
 
@@ -247,7 +248,7 @@ class CudaGraphRunner:
         order = sorted(range(n), key=lambda b: sched.requests[b].slot)
         for req in (sched.requests[b] for b in order):
             p = req.num_computed
-            ids.append(req.all_ids[p])
+            ids.append(req.token_at(p))
             pos.append(decode_position(req.mm_inputs, p) if model.is_multimodal else p)
             slots_kv.append(req.blocks[p // bsz] * bsz + p % bsz)
             seq_lens.append(p + 1)
@@ -266,7 +267,8 @@ class CudaGraphRunner:
         self.i64[:, :bs].copy_(i64, non_blocking=True)
         self.seq_lens[:bs].copy_(torch.tensor(seq_lens + [1] * pad, dtype=torch.int32), non_blocking=True)
         self.block_tables[:bs, :max_blocks].copy_(torch.tensor(rows, dtype=torch.int32), non_blocking=True)
-        bound, layout = self.lora.prepare_replay(lora_slots + [-1] * pad)
+        self.last_slots = lora_slots + [-1] * pad
+        bound, layout = self.lora.prepare_replay(self.last_slots)
         entry = self.graphs[(bs, bound, layout)]
         self.num_replays += 1
         self.last_key = (bs, bound, layout)

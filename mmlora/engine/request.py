@@ -73,6 +73,11 @@ class Request:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def token_at(self, p: int) -> int:
+        """``all_ids[p]`` without building the joined list (a decode step asks this of every row)."""
+        n = len(self.prompt_ids)
+        return self.prompt_ids[p] if p < n else self.output_ids[p - n]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)

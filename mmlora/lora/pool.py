@@ -56,6 +56,7 @@ class LoRAPool:
                 scalings = torch.zeros(num_slots, n, dtype=torch.float32, device=device)
                 self.buffers[(layer, t.name)] = (A, B, scalings)
         self.slot_uid: list[int | None] = [None] * num_slots
+        self._views: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         # A and B elements each slot's adapter fills (the rest of the slot is rank padding, or modules
         # and slices it does not target): what slot_padding_fraction measures.
         self._slot_filled = [0] * num_slots
@@ -137,18 +138,31 @@ class LoRAPool:
 
     def clear_slot(self, slot: int) -> None:
         """Zero a slot's weights (its bookkeeping is the caller's)."""
-        torch._foreach_zero_([t[slot] for bufs in self.buffers.values() for t in bufs])
+        for views in self._slot_views(slot):
+            torch._foreach_zero_(views)
         self._slot_filled[slot] = 0
         self._on_slot_change(slot, 0)
 
+    def _slot_views(self, slot: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The slot's views of every A and B buffer (one dtype) and of every scalings buffer (fp32),
+        made once per slot: two lists that multi-tensor kernels zero in one launch each (a mixed-dtype
+        list takes their per-tensor path)."""
+        views = self._views.get(slot)
+        if views is None:
+            bufs = list(self.buffers.values())
+            views = ([t[slot] for A, B, _ in bufs for t in (A, B)], [sc[slot] for _, _, sc in bufs])
+            self._views[slot] = views
+        return views
+
     def write_slot(self, slot: int, adapter: LoadedAdapter) -> None:
         """Copy ``adapter`` (shaped as this pool's spec) into ``slot`` (its bookkeeping is the caller's)."""
-        # Batched: one multi-tensor zeroing and one list of copies, not a launch per tensor and per
-        # scaling (an upload touches every (layer, module) buffer: ~1,300 launches, 17 ms of host time
-        # per Mistral-7B adapter on an H200 before; issue 13).
+        # Batched: multi-tensor zeroing and copies, not a launch per tensor and per scaling (an upload
+        # touches every (layer, module) buffer: ~1,300 launches, 17 ms of host time per Mistral-7B
+        # adapter on an H200 before; issue 13).
         R = self.max_rank
-        torch._foreach_zero_([t[slot] for bufs in self.buffers.values() for t in bufs])
-        dst: list[torch.Tensor] = []  # slot views of A and B (unless staged), then of the scalings
+        for views in self._slot_views(slot):
+            torch._foreach_zero_(views)
+        dst: list[torch.Tensor] = []  # slot views of A and B
         src: list[torch.Tensor] = []
         scale_dst: list[torch.Tensor] = []
         scale_values: list[float] = []
@@ -167,24 +181,20 @@ class LoRAPool:
                 scale[i] = float(s)
             scale_dst.append(scalings[slot])
             scale_values += scale
-        filled = sum(t.numel() for t in src)  # A and B, not scalings
         if adapter.staged is not None:
-            # The pool's host copy on CUDA: one host-to-device copy of the whole adapter, then copies on
-            # the device (module docstring). Otherwise A and B go with the scalings, one copy per tensor.
+            # The pool's host copy on CUDA: one host-to-device copy per staged block, then copies on the
+            # device (module docstring).
             _copy_staged(dst, src, adapter.staged, self.device)
-            dst, src = [], []
-        if scale_dst:
-            # All scalings from one host tensor, pinned on CUDA. A pageable source (one small tensor per
-            # module before) makes each copy wait for the stream: the whole upload blocked the host for
-            # its GPU time (1.9 s host for 1.95 s GPU at 1000 adapters on the H200, issue 13).
-            host = torch.tensor(scale_values, dtype=torch.float32)
-            if self.device.type == "cuda":
-                host = host.pin_memory()
-            dst += scale_dst
-            src += list(host.split([t.numel() for t in scale_dst]))
-        if dst:
+        elif dst:
             torch._foreach_copy_(dst, src, non_blocking=True)
-        self._slot_filled[slot] = filled
+        if scale_dst:
+            # All scalings in one host tensor (pinned on CUDA) and one host-to-device copy, then one
+            # multi-tensor copy on the device: a copy per module from the host is a launch each.
+            values = torch.tensor(scale_values, dtype=torch.float32)
+            if self.device.type == "cuda":
+                values = values.pin_memory().to(self.device, non_blocking=True)
+            torch._foreach_copy_(scale_dst, list(values.split([t.numel() for t in scale_dst])))
+        self._slot_filled[slot] = sum(t.numel() for t in src)  # A and B, not scalings
         self._on_slot_change(slot, adapter.rank)
 
     @property
@@ -194,6 +204,7 @@ class LoRAPool:
     def close(self) -> None:
         """Drop the slot buffers and the host cache (``LoRALinear`` views of the buffers go separately)."""
         self.buffers.clear()
+        self._views.clear()
         self.host.clear()
 
     def slot_padding_fraction(self, slots: Iterable[int] | None = None) -> float:

@@ -19,7 +19,7 @@ def test_serving_cli_on_cpu(tmp_path, capsys):
         "--num-adapters", "1", "3", "--num-requests", "4", "--input-len", "4", "10", "--output-len", "3", "6",
         "--max-model-len", "128", "--max-loras-per-batch", "3", "--max-running-requests", "4",
         "--hf-batch", "3", "--hf-tokens", "2", "--hf-adapters", "2", "--micro-batch", "2", "--micro-context", "16",
-        "--out", str(out),
+        "--micro-adapters", "1", "--out", str(out),
     ]  # fmt: skip
     assert bench_main(argv) == 0
     result = json.loads((out / "serving.json").read_text())
@@ -45,6 +45,9 @@ def test_serving_cli_on_cpu(tmp_path, capsys):
     )
     assert result["triton_compiles_in_timed_runs"] is not None
     assert {(m["batch"], m["lora"]) for m in result["decode_step"]} == {(2, True), (2, False)}
+    # --micro-adapters 1: both rows on one adapter; no graphs on CPU, so no per-layout replays.
+    assert [m["distinct_adapters"] for m in result["decode_step"]] == [1, 0]
+    assert all(m["graph_replay_ms_by_layout"] is None for m in result["decode_step"])
     assert result["hf_peft"]["output_tok_per_s"] > 0, result["hf_peft"]
     assert result["mmlora_subset"]["output_tok_per_s"] > 0
     assert "out tok/s" in capsys.readouterr().out
