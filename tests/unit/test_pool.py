@@ -256,9 +256,9 @@ def test_staged_slot_write_matches_per_tensor_write(monkeypatch, block_bytes):
     calls = []
     copy_staged = pool_module._copy_staged
 
-    def spy(dst, src, staged, device):
+    def spy(dst, src, staged, staging):
         calls.append(len(dst))
-        copy_staged(dst, src, staged, device)
+        copy_staged(dst, src, staged, staging)
 
     monkeypatch.setattr(pool_module, "_copy_staged", spy)
     pool, info = make_pool(slots=3)
@@ -269,9 +269,11 @@ def test_staged_slot_write_matches_per_tensor_write(monkeypatch, block_bytes):
     assert calls == [12]  # the 6 slices with weights, A and B each, in one call
     pool.write_slot(1, mixed)
     assert calls == [12]  # unstaged: copies per tensor
+    pool.write_slot(2, flat)  # the pool's staging buffer, reused
+    assert calls == [12, 12]
     expected = expected_slot(mixed, pool.max_rank)
-    assert_slot_is(pool, 0, expected)
-    assert_slot_is(pool, 1, expected)
+    for slot in range(3):
+        assert_slot_is(pool, slot, expected)
     assert pool._slot_filled[0] == pool._slot_filled[1] == sum(b.numel() for b in flat.staged)
     assert (len(flat.staged) > 2) == (block_bytes == 64)
     assert info.ranks_host[0] == info.ranks_host[1] == 4

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Issue 13 / 23, session 7, last call: the issue's serving command twice on the final code (runs-layout
+# decode graphs, slot-ordered eager steps, staged uploads with per-slot views), with the decode
+# microbenchmark at B = 32 and 128 on 32 adapters (rows share adapters: each captured graph layout,
+# rows and runs, replayed on the same batch). One H200, bf16, dummy Mistral-7B, rank 16, one call.
+#  1. GPU tests (<= 100 s): the Triton backends against HF + PEFT on the GPU (staged uploads of mixed
+#     ranks through both copy paths), the pool.
+#  2. `bench serving` at base-only, 8, 32 and 1000 adapters, 192 requests, default backend, twice.
+# Usage: bash benchmarks/h200_session7_final.sh OUTDIR      (about 7 minutes; read OUTDIR/summary.txt)
+set -u
+out=${1:?output folder}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu.txt" 2>&1
+timeout 100 python -m pytest -q -rfE -p no:cacheprovider tests/unit/test_pool.py \
+  tests/models/test_llama_family_vs_peft.py -k "triton_backends or pool" > "$out/tests.txt" 2>&1
+echo "pytest rc=$?" | tee "$out/rc.txt"
+for i in 1 2; do
+  limit=$([ "$i" = 1 ] && echo 210 || echo 160)  # the first run after a machine start builds slower
+  timeout "$limit" python -m mmlora.bench serving --model dummy:mistral-7b-v0.3 --num-adapters 8 32 1000 \
+    --num-requests 192 --hf-batch 0 --micro-batch 32 128 --micro-adapters 32 --allow-compiles \
+    --out "$out/serving$i" > "$out/serving$i.log" 2>&1
+  echo "serving$i rc=$?" | tee -a "$out/rc.txt"
+done
+python - "$out" > "$out/summary.txt" 2>&1 <<'PY'
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+print((out / "rc.txt").read_text().strip())
+print((out / "tests.txt").read_text().strip().splitlines()[-2:])
+for name in ("serving1", "serving2"):
+    path = out / name / "serving.json"
+    if not path.exists():
+        path = out / name / "serving.partial.json"
+    if not path.exists():
+        print(f"== {name}: no result")
+        continue
+    res = json.loads(path.read_text())
+    runs = {r["num_adapters"]: r for r in res["runs"]}
+    base = runs[0]
+    bk = lambda r: r.get("breakdown", {}).get("step_kinds", {})
+    print(f"== {name}: base-only {base['output_tok_per_s']:.0f} tok/s, TTFT p50 {base['ttft_p50_s'] * 1e3:.0f} ms, "
+          f"decode {base['decode_seconds']:.2f} s")
+    for n, r in sorted(runs.items()):
+        if not n:
+            continue
+        k = bk(r)
+        dg, mx = k.get("decode_graph", {}), k.get("mixed", {})
+        up = r.get("breakdown", {}).get("adapter_uploads", {})
+        print(f"  n={n:5d}: {r['output_tok_per_s']:.0f} tok/s = {r['output_tok_per_s'] / base['output_tok_per_s']:.3f}x base; "
+              f"TTFT p50 {r['ttft_p50_s'] / base['ttft_p50_s']:.2f}x; decode {r['decode_seconds']:.2f} s "
+              f"(graph span {dg.get('gpu_span_s', 0):.2f} s vs base {bk(base).get('decode_graph', {}).get('gpu_span_s', 0):.2f}); "
+              f"mixed span {mx.get('gpu_span_s', 0):.2f} s; uploads {up.get('count')} host {up.get('host_s', 0):.2f} gpu {up.get('gpu_s') or 0:.2f} s")
+    for m in res.get("decode_step") or []:
+        if "skipped" in m or m.get("graph_replay_ms") is None:
+            print(f"  micro {m}")
+            continue
+        print(f"  micro B={m['batch']} lora={m['lora']}: replay {m['graph_replay_ms']:.2f} ms "
+              f"({m['replay_over_floor']:.2f}x floor), step {m['engine_step_ms']:.2f} ms, "
+              f"{m.get('distinct_adapters')} adapters, by layout {m.get('graph_replay_ms_by_layout')}")
+PY
+cat "$out/summary.txt"
