@@ -6,6 +6,7 @@
 #  1. GPU tests (<= 100 s): the Triton backends against HF + PEFT on the GPU (staged uploads of mixed
 #     ranks through both copy paths), the pool.
 #  2. `bench serving` at base-only, 8, 32 and 1000 adapters, 192 requests, default backend, twice.
+#  3. If time is left, `bench kernels --quick` on qkv and gate_up for bgmv / sgmv / fused.
 # Usage: bash benchmarks/h200_session7_final.sh OUTDIR      (about 7 minutes; read OUTDIR/summary.txt)
 set -u
 out=${1:?output folder}
@@ -22,6 +23,15 @@ for i in 1 2; do
     --out "$out/serving$i" > "$out/serving$i.log" 2>&1
   echo "serving$i rc=$?" | tee -a "$out/rc.txt"
 done
+# 3. If time is left: the LoRA kernels alone on qkv and gate_up (bgmv / sgmv / fused; popularity incl.
+#    grouped, rows sorted by adapter as decode graphs order them), to choose the next kernel work.
+if [ "$SECONDS" -lt 400 ]; then
+  timeout 90 python -m mmlora.bench kernels --quick --ranks 16 --projections qkv gate_up \
+    --backends triton-bgmv triton-sgmv triton-fused --out "$out/kernels" > "$out/kernels.log" 2>&1
+  echo "kernels rc=$?" | tee -a "$out/rc.txt"
+else
+  echo "kernels skipped at ${SECONDS} s" | tee -a "$out/rc.txt"
+fi
 python - "$out" > "$out/summary.txt" 2>&1 <<'PY'
 import json, sys
 from pathlib import Path
