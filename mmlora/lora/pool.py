@@ -57,6 +57,7 @@ class LoRAPool:
                 self.buffers[(layer, t.name)] = (A, B, scalings)
         self.slot_uid: list[int | None] = [None] * num_slots
         self._views: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        self._dst_views: dict[tuple[int, tuple[int, str], int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._staging_buffer: torch.Tensor | None = None
         # A and B elements each slot's adapter fills (the rest of the slot is rank padding, or modules
         # and slices it does not target): what slot_padding_fraction measures.
@@ -164,40 +165,52 @@ class LoRAPool:
             buf = self._staging_buffer = torch.empty(numel, dtype=dtype, device=self.device)
         return buf[:numel]
 
+    def _dst(self, slot: int, key: tuple[int, str], i: int, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slot's views of slice ``i`` of module ``key`` at rank ``r`` (A rows, B columns), made once
+        (building them was most of an upload's host time): flat when contiguous, so multi-tensor copies
+        pair them with flat chunks of a staging buffer; 2-D otherwise (B at a rank below the pool's)."""
+        views = self._dst_views.get((slot, key, i, r))
+        if views is None:
+            A, B, _ = self.buffers[key]
+            R, offsets = self.max_rank, self._offsets[key[1]]
+            a, b = A[slot, i * R : i * R + r], B[slot, offsets[i] : offsets[i + 1], :r]
+            views = tuple(v.view(-1) if v.is_contiguous() else v for v in (a, b))
+            self._dst_views[(slot, key, i, r)] = views
+        return views
+
     def write_slot(self, slot: int, adapter: LoadedAdapter) -> None:
         """Copy ``adapter`` (shaped as this pool's spec) into ``slot`` (its bookkeeping is the caller's)."""
         # Batched: multi-tensor zeroing and copies, not a launch per tensor and per scaling (an upload
         # touches every (layer, module) buffer: ~1,300 launches, 17 ms of host time per Mistral-7B
         # adapter on an H200 before; issue 13).
-        R = self.max_rank
-        for views in self._slot_views(slot):
-            torch._foreach_zero_(views)
-        dst: list[torch.Tensor] = []  # slot views of A and B
-        src: list[torch.Tensor] = []
-        scale_dst: list[torch.Tensor] = []
-        scale_values: list[float] = []
-        for (layer, target), (A, B, scalings) in self.buffers.items():
-            weights = adapter.weights.get((layer, target))
-            if weights is None:
-                continue
-            offsets = self._offsets[target]
-            scale = [0.0] * scalings.shape[1]
-            for i, (a, b, s) in enumerate(zip(weights.A, weights.B, weights.scalings)):
-                if a is None:
-                    continue
-                r = a.shape[0]
-                dst += [A[slot, i * R : i * R + r], B[slot, offsets[i] : offsets[i + 1], :r]]
-                src += [a, b]
-                scale[i] = float(s)
-            scale_dst.append(scalings[slot])
-            scale_values += scale
+        ab_views, scale_views = self._slot_views(slot)
+        torch._foreach_zero_(ab_views)
+        torch._foreach_zero_(scale_views)
+        # A then B of every slice, module by module in the adapter's order (the staged blocks' order).
+        pairs: list[tuple[torch.Tensor | None, torch.Tensor]] = []
+        for key, w in adapter.weights.items():
+            ours = key in self.buffers
+            for kind, tensors in ((0, w.A), (1, w.B)):
+                for i, t in enumerate(tensors):
+                    if t is not None:
+                        r = t.shape[0] if kind == 0 else t.shape[1]
+                        pairs.append((self._dst(slot, key, i, r)[kind] if ours else None, t))
         if adapter.staged is not None:
             # The pool's host copy on CUDA: one host-to-device copy per staged block, then copies on the
             # device (module docstring).
             numel = sum(b.numel() for b in adapter.staged)
-            _copy_staged(dst, src, adapter.staged, self._staging(numel, adapter.staged[0].dtype))
-        elif dst:
-            torch._foreach_copy_(dst, src, non_blocking=True)
+            _copy_staged(pairs, adapter.staged, self._staging(numel, adapter.staged[0].dtype))
+        else:
+            kept = [(d, t.reshape(d.shape)) for d, t in pairs if d is not None]  # shards may be strided
+            if kept:
+                torch._foreach_copy_([d for d, _ in kept], [t for _, t in kept], non_blocking=True)
+        scale_dst: list[torch.Tensor] = []
+        scale_values: list[float] = []
+        for key, view in zip(self.buffers, scale_views):
+            w = adapter.weights.get(key)
+            if w is not None:
+                scale_dst.append(view)
+                scale_values += [float(sc) if a is not None else 0.0 for a, sc in zip(w.A, w.scalings)]
         if scale_dst:
             # All scalings in one host tensor (pinned on CUDA) and one host-to-device copy, then one
             # multi-tensor copy on the device: a copy per module from the host is a launch each.
@@ -205,7 +218,7 @@ class LoRAPool:
             if self.device.type == "cuda":
                 values = values.pin_memory().to(self.device, non_blocking=True)
             torch._foreach_copy_(scale_dst, list(values.split([t.numel() for t in scale_dst])))
-        self._slot_filled[slot] = sum(t.numel() for t in src)  # A and B, not scalings
+        self._slot_filled[slot] = sum(t.numel() for d, t in pairs if d is not None)  # A and B
         self._on_slot_change(slot, adapter.rank)
 
     @property
@@ -216,6 +229,7 @@ class LoRAPool:
         """Drop the slot buffers and the host cache (``LoRALinear`` views of the buffers go separately)."""
         self.buffers.clear()
         self._views.clear()
+        self._dst_views.clear()
         self._staging_buffer = None
         self.host.clear()
 
@@ -294,36 +308,54 @@ def _flatten(adapter: LoadedAdapter, pin: bool) -> LoadedAdapter | None:
     return dataclasses.replace(adapter, weights=weights, staged=tuple(blocks))
 
 
-def _copy_staged(
-    dst: list[torch.Tensor], src: list[torch.Tensor], staged: tuple[torch.Tensor, ...], staging: torch.Tensor
+def _check_staged(
+    pairs: list[tuple[torch.Tensor | None, torch.Tensor]], staged: tuple[torch.Tensor, ...]
 ) -> None:
-    """Copy each ``src[i]`` (a contiguous view of one of the flat host blocks ``staged``) into ``dst[i]``:
-    one copy per block into ``staging`` (a flat tensor on dst's device, of the blocks' dtype, at least
-    as long as all blocks together), then copies on the device from views of it, found by each
-    source's block and element offset (any order)."""
-    dtype, size = staged[0].dtype, staged[0].element_size()
-    spans = []  # (first byte, last byte + 1, element offset in staging) per block
+    """Raise unless the sources of ``pairs`` are every tensor of the blocks ``staged``, back to back in
+    order (as :func:`_flatten` lays them out): anything else would upload the wrong weights."""
+    size, dtype = staged[0].element_size(), staged[0].dtype
+    sources = iter(t for _, t in pairs)
+    for block in staged:
+        ptr, end = block.data_ptr(), block.data_ptr() + block.numel() * size
+        while ptr < end:
+            t = next(sources, None)
+            if t is None or t.data_ptr() != ptr or not t.is_contiguous() or t.dtype != dtype:
+                raise ValueError("an adapter tensor is not where its staged blocks hold it")
+            ptr += t.numel() * size
+        if ptr != end:
+            raise ValueError("an adapter tensor is not where its staged blocks hold it")
+    if next(sources, None) is not None:
+        raise ValueError("an adapter tensor is not where its staged blocks hold it")
+
+
+def _copy_staged(
+    pairs: list[tuple[torch.Tensor | None, torch.Tensor]],
+    staged: tuple[torch.Tensor, ...],
+    staging: torch.Tensor,
+) -> None:
+    """Copy each source of ``pairs`` (destination from :meth:`LoRAPool._dst`, or None to skip; source),
+    the sources being the tensors of the flat host blocks ``staged`` in order (checked): one copy per
+    block into ``staging`` (flat, on the destinations' device, of the blocks' dtype and total length),
+    one split of it into chunks, then multi-tensor copies on the device."""
+    _check_staged(pairs, staged)
     at = 0
     for block in staged:
         staging[at : at + block.numel()].copy_(block, non_blocking=True)
-        spans.append((block.data_ptr(), block.data_ptr() + block.numel() * size, at))
         at += block.numel()
-    same: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
-    other: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
-    for d, s in zip(dst, src, strict=True):
-        ptr, nbytes = s.data_ptr(), s.numel() * size
-        span = next((sp for sp in spans if sp[0] <= ptr and ptr + nbytes <= sp[1]), None)
-        if span is None or (ptr - span[0]) % size or not s.is_contiguous() or s.dtype != dtype:
-            raise ValueError("an adapter tensor is not a contiguous view of its staged blocks")
-        offset = span[2] + (ptr - span[0]) // size
-        v = staging[offset : offset + s.numel()].view(s.shape)
-        # _foreach_copy_'s multi-tensor kernel takes only pairs of one layout (and dtype); a B slot view
-        # B[slot, rows, :r] with r below the pool rank is strided, so those pairs go in a second call,
-        # where _foreach_copy_ copies them one by one.
-        fast = d.is_contiguous() and d.stride() == v.stride() and d.dtype == v.dtype
-        pairs = same if fast else other
-        pairs[0].append(d)
-        pairs[1].append(v)
-    for d_list, v_list in (same, other):
+    chunks = staging.split([t.numel() for _, t in pairs])
+    flat_dst, flat_src, other_dst, other_src = [], [], [], []
+    for (d, t), chunk in zip(pairs, chunks):
+        if d is None:
+            continue
+        # _foreach_copy_'s multi-tensor kernel takes pairs of one dense layout: flat slot views with flat
+        # chunks; a B view B[slot, rows, :r] below the pool rank is strided, so those pairs go in a
+        # second call, which copies them one by one.
+        if d.dim() == 1:
+            flat_dst.append(d)
+            flat_src.append(chunk)
+        else:
+            other_dst.append(d)
+            other_src.append(chunk.view(t.shape))
+    for d_list, s_list in ((flat_dst, flat_src), (other_dst, other_src)):
         if d_list:
-            torch._foreach_copy_(d_list, v_list, non_blocking=True)
+            torch._foreach_copy_(d_list, s_list, non_blocking=True)

@@ -256,9 +256,9 @@ def test_staged_slot_write_matches_per_tensor_write(monkeypatch, block_bytes):
     calls = []
     copy_staged = pool_module._copy_staged
 
-    def spy(dst, src, staged, staging):
-        calls.append(len(dst))
-        copy_staged(dst, src, staged, staging)
+    def spy(pairs, staged, staging):
+        calls.append(len(pairs))
+        copy_staged(pairs, staged, staging)
 
     monkeypatch.setattr(pool_module, "_copy_staged", spy)
     pool, info = make_pool(slots=3)
@@ -304,5 +304,5 @@ def test_staged_write_refuses_tensors_outside_the_block():
     mixed = mixed_rank_adapter()
     flat = _flatten(mixed, pin=False)
     pool, _ = make_pool()
-    with pytest.raises(ValueError, match="staged blocks"):
+    with pytest.raises(ValueError, match="staged blocks hold it"):
         pool.write_slot(0, dataclasses.replace(mixed, staged=flat.staged))
