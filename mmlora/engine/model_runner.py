@@ -111,21 +111,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, sched: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
-        """fp32 logits [B', V] for the requests that sample (their batch indices second, in the order of
-        the logits rows)."""
+        """fp32 logits [B', V] for the requests that sample (their batch indices second)."""
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(sched):
             return self.cuda_graphs.run(sched)
-        # Requests on one adapter side by side, as the graph runner orders decode rows: the LoRA routing
-        # merges them into one segment, so segment kernels read each adapter once per run instead of
-        # once per request (a mixed step's decode rows would otherwise be one segment each).
-        order = sorted(range(len(sched)), key=lambda b: sched.requests[b].slot)
-        if any(b != i for i, b in enumerate(order)):
-            sched = ScheduledBatch([sched.requests[b] for b in order], [sched.num_new[b] for b in order])
-        else:
-            order = None
         batch, sampling = self.build(sched)
-        if order is not None:
-            sampling = [order[b] for b in sampling]
         routing = StepRouting(list(sched.num_new), [r.slot for r in sched.requests])
         if tp_group().is_parallel:
             send_forward(batch, routing)  # the workers run the same forward on their shards
