@@ -76,16 +76,32 @@ def _filter(probs_logits: torch.Tensor, requests: list[Request]) -> torch.Tensor
 def sample(
     logits: torch.Tensor, requests: list[Request], default_generator: torch.Generator
 ) -> tuple[list[int], torch.Tensor]:
-    """logits [B, V] fp32 -> (next token ids, log_softmax of the raw logits [B, V]).
+    """logits [B, V] fp32 -> (next token ids, log_softmax of the raw logits [B, V], or [B, 0] when no
+    request returns logprobs).
 
     Requests without a seed draw from ``default_generator`` (the engine's own, seeded from its config).
     Raises ``BadSamplingRows`` naming the rows with NaN/Inf logits or probabilities.
     """
     raw = logits
-    logprobs = torch.log_softmax(logits, dim=-1)
-    logits = _apply_penalties(logits.clone(), requests)
+    want_logprobs = any(r.return_logprob or r.top_logprobs_num for r in requests)
+    # Zero-width rows when no request reads them: a log_softmax over [B, V] each step for nothing.
+    logprobs = torch.log_softmax(raw, dim=-1) if want_logprobs else raw.new_empty(len(requests), 0)
+    penalised = any(
+        r.sampling.repetition_penalty != 1.0 or r.sampling.frequency_penalty or r.sampling.presence_penalty
+        for r in requests
+    )
+    logits = _apply_penalties(raw.clone(), requests) if penalised else raw  # penalties write in place
     greedy = [r.sampling.greedy for r in requests]
     tokens = logits.argmax(dim=-1)
+    if all(greedy) and not penalised:
+        # argmax picks a NaN (or else a +Inf) wherever a row has one, so the logit it chose tells whether
+        # the row is bad: one gather and one transfer to the host, not three passes over [B, V] and two.
+        top = raw.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        chosen = torch.where(torch.isnan(top) | torch.isposinf(top), -1, tokens).tolist()
+        bad = {i for i, t in enumerate(chosen) if t < 0}
+        if bad:
+            raise BadSamplingRows(dict.fromkeys(bad, "the model produced NaN or Inf logits"), bad)
+        return chosen, logprobs
     if all(greedy):
         _check_rows(raw, None, requests)
     else:

@@ -134,3 +134,33 @@ def test_nan_logits_from_the_model_are_named_per_row():
         sample(logits, reqs, torch.Generator().manual_seed(0))
     assert set(e.value.rows) == {1, 2} and e.value.model_rows == {1}
     assert "repetition_penalty=1e-50" in e.value.rows[2]
+
+
+def test_greedy_rows_with_nan_or_posinf_logits_are_named_and_masked_rows_are_not():
+    """All-greedy batch without penalties (one gather of the chosen logit instead of full passes): NaN and
+    +Inf rows are refused as the model's fault; -Inf entries (grammar masks) are fine; the tokens are the
+    argmax; logprobs come back only when a request asks for them."""
+    import torch
+
+    from mmlora.engine.request import Request
+    from mmlora.engine.sampler import BadSamplingRows, sample
+    from mmlora.engine.sampling_params import SamplingParams
+
+    def reqs(n: int, **kw) -> list:
+        return [Request(f"r{i}", [1], SamplingParams(temperature=0.0), None, **kw) for i in range(n)]
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 16, generator=g)
+    logits[2, :] = float("-inf")
+    logits[2, 5] = 0.25  # masked down to one allowed token
+    tokens, logprobs = sample(logits, reqs(4), g)
+    assert tokens == logits.argmax(dim=-1).tolist() and tokens[2] == 5
+    assert logprobs.shape == (4, 0)
+    tokens, logprobs = sample(logits, reqs(4, return_logprob=True), g)
+    torch.testing.assert_close(logprobs, torch.log_softmax(logits, dim=-1))
+    bad = logits.clone()
+    bad[0, 3] = float("nan")
+    bad[3, 9] = float("inf")
+    with pytest.raises(BadSamplingRows) as e:
+        sample(bad, reqs(4), g)
+    assert set(e.value.rows) == e.value.model_rows == {0, 3}
