@@ -25,40 +25,7 @@ for i in 1 2; do
     > "$out/serving$i.log" 2>&1
   echo "serving$i rc=$?" | tee -a "$out/rc.txt"
 done
-python - "$out" > "$out/summary.txt" 2>&1 <<'PY'
-import json, sys
-from pathlib import Path
-out = Path(sys.argv[1])
-print((out / "rc.txt").read_text().strip())
-print((out / "tests.txt").read_text().strip().splitlines()[-2:])
-for name in ("serving1", "serving2"):
-    path = out / name / "serving.json"
-    if not path.exists():
-        print(f"== {name}: no result")
-        continue
-    res = json.loads(path.read_text())
-    runs = {r["num_adapters"]: r for r in res["runs"]}
-    base = runs[0]
-    bk = lambda r: r.get("breakdown", {}).get("step_kinds", {})
-    print(f"== {name}: base-only {base['output_tok_per_s']:.0f} tok/s, TTFT p50 {base['ttft_p50_s'] * 1e3:.0f} ms, "
-          f"decode {base['decode_seconds']:.2f} s")
-    for n, r in sorted(runs.items()):
-        if not n:
-            continue
-        k = bk(r)
-        dg, mx = k.get("decode_graph", {}), k.get("mixed", {})
-        up = r.get("breakdown", {}).get("adapter_uploads", {})
-        print(f"  n={n:5d}: {r['output_tok_per_s']:.0f} tok/s = {r['output_tok_per_s'] / base['output_tok_per_s']:.3f}x base; "
-              f"TTFT p50 {r['ttft_p50_s'] / base['ttft_p50_s']:.2f}x; decode {r['decode_seconds']:.2f} s "
-              f"(graph span {dg.get('gpu_span_s', 0):.2f} s vs base {bk(base).get('decode_graph', {}).get('gpu_span_s', 0):.2f}); "
-              f"mixed span {mx.get('gpu_span_s', 0):.2f} s; uploads {up.get('count')} host {up.get('host_s', 0):.2f} gpu {up.get('gpu_s') or 0:.2f} s")
-    for m in res.get("decode_step") or []:
-        if "skipped" in m or m.get("graph_replay_ms") is None:
-            print(f"  micro {m}")
-            continue
-        print(f"  micro B={m['batch']} lora={m['lora']}: replay {m['graph_replay_ms']:.2f} ms "
-              f"({m['replay_over_floor']:.2f}x floor), step {m['engine_step_ms']:.2f} ms")
-PY
+python benchmarks/scripts/serving_summary.py "$out" serving1 serving2 > "$out/summary.txt" 2>&1
 cat "$out/summary.txt"
 # 3. Host time of a graph decode step (base-only, B = 128 and 32, context 768): cProfile.
 for b in 128 32; do
