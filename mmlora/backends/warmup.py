@@ -4,8 +4,8 @@ Triton compiles a kernel per set of compile-time constants (and per class of som
 arguments). SGMV and BGMV keep those independent of the batch (its token count, its ranks, its split
 of in_features) except for SGMV's few classes of segment length (decode rows, short runs, runs longer
 than a token tile), so one ``add_lora`` per module shape and per layout class below compiles all of
-their variants; the CUDA-graph capture then runs every (batch bucket, rank bound) a decode step can
-replay. A compile costs about a second; inside a serving run it stalled every request in flight
+their variants; the CUDA-graph capture then runs every (batch bucket, rank bound, row layout) a decode
+step can replay. A compile costs about a second; inside a serving run it stalled every request in flight
 (issue 23: rank-8 and mixed-rank runs had 2.6-2.9 s TTFTs).
 """
 

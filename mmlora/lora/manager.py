@@ -328,8 +328,8 @@ class LoRAManager:
 
     @property
     def rank_buckets(self) -> tuple[int, ...]:
-        """The rank bounds a batch can have (:func:`mmlora.forward.lora.rank_buckets`): one decode graph
-        per (batch bucket, rank bound), and 0 for the graph without LoRA."""
+        """The rank bounds a batch can have (:func:`mmlora.forward.lora.rank_buckets`): decode graphs are
+        captured per (batch bucket, rank bound, layout), and bound 0 is the graph without LoRA."""
         return rank_buckets(self.config.max_lora_rank)
 
     @property
