@@ -176,6 +176,12 @@ def test_config_errors_name_the_option(tiny):
         engine(tiny, max_loras_per_batch=0)
     with pytest.raises(ValueError, match="rank 4 above max_lora_rank|above"):
         engine(tiny, max_lora_rank=2)
+    # Past the model's positions the RoPE tables end: refused at start, not an IndexError per request.
+    with pytest.raises(
+        ValueError, match=r"max_model_len: 513 is more than the model's max_position_embeddings \(512\)"
+    ):
+        engine(tiny, max_model_len=513)
+    assert engine(tiny, max_model_len=512).max_model_len == 512
 
 
 def test_load_unload_and_reused_name(tiny):
