@@ -1,0 +1,65 @@
+"""Where one adapter upload's host time goes (issue 13: 8-11 ms per Mistral-7B rank-16 upload on the H200,
+with the GPU waiting on the host). Builds an engine with N random adapters loaded into the host cache, then
+writes them into a slot one by one: host and GPU time of each ``write_slot`` (median), and a
+torch.profiler table of one upload (CPU and CUDA activities), top ops by self CPU time.
+
+    PYTHONPATH=. python benchmarks/scripts/upload_profile.py [--model dummy:mistral-7b-v0.3] [--num 8]
+"""
+
+import argparse
+import statistics
+import tempfile
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import mmlora
+from mmlora.bench.adapters import write_random_adapters
+
+p = argparse.ArgumentParser()
+p.add_argument("--model", default="dummy:mistral-7b-v0.3")
+p.add_argument("--num", type=int, default=8)
+p.add_argument("--rank", type=int, default=16)
+p.add_argument("--device", default="auto")
+args = p.parse_args()
+folder = tempfile.mkdtemp()
+made = write_random_adapters(args.model.removeprefix("dummy:"), folder, args.num, [args.rank])
+engine = mmlora.Engine(
+    model=args.model, device=args.device, lora_paths={m["name"]: m["path"] for m in made},
+    max_loras_per_batch=2, max_lora_rank=args.rank, max_running_requests=8, max_model_len=1024,
+    disable_cuda_graph=True,
+)  # fmt: skip
+pool = engine.lora._pool  # a benchmark instrument: the pool's slot writes are the uploads
+cuda = engine.device.type == "cuda"
+adapters = list(pool.host.values())
+print(
+    f"{len(adapters)} adapters in the host cache; staged: {[a.staged is not None for a in adapters][:3]}..."
+)
+
+
+def upload(adapter) -> tuple[float, float]:  # noqa: ANN001
+    if cuda:
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+    t0 = time.perf_counter()
+    pool.write_slot(0, adapter)
+    host = time.perf_counter() - t0
+    if not cuda:
+        return host, float("nan")
+    end.record()
+    end.synchronize()
+    return host, start.elapsed_time(end) / 1e3
+
+
+for a in adapters:  # warm-up: views cached, staging buffer grown
+    upload(a)
+times = [upload(a) for a in adapters for _ in range(2)]
+host = statistics.median(t for t, _ in times)
+gpu = statistics.median(g for _, g in times)
+print(f"write_slot: host {host * 1e3:.2f} ms, GPU {gpu * 1e3:.2f} ms (median of {len(times)})")
+activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+with profile(activities=activities) as prof:
+    upload(adapters[0])
+print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
