@@ -163,6 +163,8 @@ class EngineConfig:
             f"must be >= max_loras_per_batch ({lora.max_loras_per_batch})",
         )
         _check(cache.block_size >= 1, "block_size", "must be >= 1")
+        mml = self.model.max_model_len
+        _check(mml is None or mml >= 2, "max_model_len", "must be >= 2 (a prompt token and one to generate)")
         _check(self.parallel.tp_size >= 1, "tp_size", "must be >= 1")
         _check(self.parallel.dist_timeout_s > 0, "dist_timeout_s", "must be > 0")
         _check(0.0 < cache.mem_fraction_static <= 1.0, "mem_fraction_static", "must be in (0, 1]")

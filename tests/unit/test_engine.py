@@ -182,6 +182,8 @@ def test_config_errors_name_the_option(tiny):
     ):
         engine(tiny, max_model_len=513)
     assert engine(tiny, max_model_len=512).max_model_len == 512
+    with pytest.raises(ValueError, match="max_model_len: must be >= 2"):
+        engine(tiny, max_model_len=0)  # not "unset": 0 used to mean the model's own length
 
 
 def test_load_unload_and_reused_name(tiny):
