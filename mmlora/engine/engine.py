@@ -133,6 +133,11 @@ class Engine:
             raise ValueError(
                 f"sampling_params.max_new_tokens: {sp.max_new_tokens} is more than max_model_len={self.max_model_len}"
             )
+        vocab = self.model.arch.vocab_size
+        if any(t >= vocab for t in sp.stop_token_ids):  # could never match: a typo, not a no-op
+            raise ValueError(
+                f"sampling_params.stop_token_ids: every id must be below the vocabulary size {vocab}"
+            )
         if not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= 20:
             raise ValueError("top_logprobs_num: must be an integer in [0, 20]")
         rid = request_id if request_id is not None else uuid.uuid4().hex

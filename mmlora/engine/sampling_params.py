@@ -93,6 +93,11 @@ class SamplingParams:
         )
         _require(_int(self.n, 1) and self.n <= 128, "n", "must be an integer in [1, 128]")
         _require(_int(self.min_new_tokens, 0), "min_new_tokens", f"must be an integer in [0, {INT64_LIMIT})")
+        _require(
+            self.min_new_tokens <= self.max_new_tokens,
+            "min_new_tokens",
+            f"must be <= max_new_tokens ({self.max_new_tokens})",
+        )
 
     def _check_constraints(self) -> None:
         for name in ("json_schema", "regex", "ebnf"):

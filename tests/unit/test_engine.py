@@ -147,6 +147,8 @@ def test_streaming_increments_add_up_and_abort(tiny):
         (dict(texts=["a"], sampling_params=[{}, {}]), "sampling_params: has 2 entries"),
         (dict(texts=["a"], images=["x.png"]), "text-only"),
         (dict(texts=[""]), "empty"),
+        (dict(texts=["a"], sampling_params={"min_new_tokens": 5, "max_new_tokens": 2}), "min_new_tokens"),
+        (dict(texts=["a"], sampling_params={"stop_token_ids": [10**6]}), "stop_token_ids.*vocabulary"),
     ],
 )
 def test_bad_input_is_a_value_error_naming_the_field(tiny, kwargs, match):
