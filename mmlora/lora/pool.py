@@ -9,8 +9,9 @@ in flight; an evicted adapter is read from disk again on its next use.
 On CUDA the host copy of an adapter is a few flat page-locked blocks holding all its A and B tensors
 (``LoadedAdapter.staged``; the tensors are views of them), so a slot load is one host-to-device copy
 per block into a device staging tensor, then device-to-device copies into the slot: not one
-host-to-device copy per tensor (issue 13: ~670 copies, 8.6 ms host per Mistral-7B adapter on the H200,
-and small copies slow on the GPU too).
+host-to-device copy per tensor (issue 13: ~670 copies, 8.6 ms host per Mistral-7B adapter on the H200).
+The H200 still measured 8-11 ms of host time per upload with the first version of this path (session 7,
+before the cached slot views), so where that time goes is open: ``benchmarks/scripts/upload_profile.py``.
 """
 
 from __future__ import annotations
