@@ -13,7 +13,10 @@ A slice is read from memory once per head (again from L2 by the slice's other ch
 instead of once per row. The grid depends only on the token count and the module shape, and ranks are
 read per slot at run time: a CUDA graph captured for a token count is right for any slot and rank mix.
 
-Not measured on a GPU yet (2026-12-01): it is an option (``lora_backend="triton-fused"``), not a default.
+Measured on an H200 (bf16, rank 16, Mistral-7B qkv and gate_up, ``bench kernels --quick``, 2026-12-02,
+``benchmarks/results/h200-2026-12-02-session7/call3/kernels``): 1.6-2x slower than BGMV wherever it runs
+itself (qkv at 32 distinct rows 28.3 vs 17.7 us, gate_up 60.7 vs 31.8 us): each column chunk redoes the
+whole in_features reduction. It stays an option (``lora_backend="triton-fused"``), not a default.
 """
 
 from __future__ import annotations
