@@ -42,6 +42,11 @@ class LoRABackend(ABC):
         adjacent rows on one adapter (padding rows included); one of :attr:`graph_layouts`."""
         return self.graph_layouts[0]
 
+    def graph_segments(self, num_rows: int, layout: str) -> int:
+        """Segment entries a ``num_rows``-row graph of ``layout`` is captured with: the most runs a
+        replay of it can have (:meth:`graph_layout` decides which replays those are)."""
+        return num_rows
+
     @abstractmethod
     def add_lora(self, out: torch.Tensor, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo) -> None:
         """``out [T, out] += lora(x [T, in])`` for the batch described by ``info`` (the semantics above);

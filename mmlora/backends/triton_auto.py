@@ -41,6 +41,10 @@ class TritonAutoBackend(LoRABackend):
     def graph_layout(self, num_rows: int, num_runs: int) -> str:
         return "runs" if self.segment_kernel_pays(num_rows, num_runs) else "rows"
 
+    def graph_segments(self, num_rows: int, layout: str) -> int:
+        # Runs are replayed only when num_rows >= 2 * num_runs: half the entries (and SGMV programs).
+        return max(1, num_rows // 2) if layout == "runs" else num_rows
+
     def pick(self, info: LoRABatchInfo) -> LoRABackend:
         if info.graph_layout is not None:
             return self.sgmv if info.graph_layout == "runs" else self.bgmv

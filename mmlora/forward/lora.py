@@ -190,14 +190,18 @@ class LoRABatchInfo:
         top = max((self.ranks_host[s] for s in slots if s >= 0), default=0)
         return rank_bucket(top, self.max_lora_rank)
 
-    def fill_rows(self, slots: Sequence[int], rank_bound: int, layout: str = "rows") -> None:
+    def fill_rows(
+        self, slots: Sequence[int], rank_bound: int, layout: str = "rows", segments: int | None = None
+    ) -> None:
         """The routing of a CUDA-graph step, whose host ints are baked in at capture, with a fixed
         ``rank_bound`` (>= every rank among ``slots``: kernels loop to each slot's rank on the device).
 
         ``rows``: one segment per row, never merged. ``runs``: adjacent rows on one slot merged into
-        segments of at most :data:`RUN_TILE` rows, the rest of the ``len(slots)`` segment entries empty
-        (zero rows, slot -1); the host ints are those of the worst case (``num_segments = len(slots)``,
-        ``max_seg_len = RUN_TILE``), so one capture fits every replay of the same row count.
+        segments of at most :data:`RUN_TILE` rows, the rest of the ``segments`` entries (default: one per
+        row) empty (zero rows, slot -1); the host ints are those of the worst case (``num_segments =
+        segments``, ``max_seg_len = RUN_TILE``), so one capture fits every replay of the same row count
+        with at most ``segments`` runs. Segment kernels launch programs for every entry, so a backend that
+        replays runs only when there are few (triton-auto: at most half the rows) asks for fewer.
         """
         if layout not in GRAPH_LAYOUTS:
             raise ValueError(f"fill_rows: layout must be one of {GRAPH_LAYOUTS}, got {layout!r}")
@@ -206,6 +210,7 @@ class LoRABatchInfo:
             raise ValueError(f"fill_rows: {n} rows exceed the preallocated {self.max_tokens}")
         device_slots = torch.tensor(slots, dtype=torch.int32)
         self.token_slots[:n].copy_(device_slots, non_blocking=True)
+        num_segments = n
         if layout == "rows":
             self.weight_indices[:n].copy_(device_slots, non_blocking=True)
             self.seg_indptr[: n + 1].copy_(torch.arange(n + 1, dtype=torch.int32), non_blocking=True)
@@ -215,21 +220,28 @@ class LoRABatchInfo:
             self.max_seg_len = 1 if n else 0
         else:
             runs = slot_runs(slots)
-            pad = n - len(runs)
+            num_segments = n if segments is None else segments
+            if not len(runs) <= num_segments <= self.max_tokens:
+                raise ValueError(
+                    f"fill_rows: {len(runs)} runs need segments in [{len(runs)}, {self.max_tokens}], "
+                    f"got {num_segments}"
+                )
+            pad = num_segments - len(runs)
             lens = [length for _, length in runs] + [0] * pad
             seg_slots = [s for s, _ in runs] + [-1] * pad
             indptr = [0]
             for length in lens:
                 indptr.append(indptr[-1] + length)
             packed = torch.tensor([indptr, [*lens, 0], [*seg_slots, -1]], dtype=torch.int32)
-            self.seg_indptr[: n + 1].copy_(packed[0], non_blocking=True)
-            self.seg_lens[:n].copy_(packed[1, :n], non_blocking=True)
-            self.weight_indices[:n].copy_(packed[2, :n], non_blocking=True)
+            k = num_segments
+            self.seg_indptr[: k + 1].copy_(packed[0], non_blocking=True)
+            self.seg_lens[:k].copy_(packed[1, :k], non_blocking=True)
+            self.weight_indices[:k].copy_(packed[2, :k], non_blocking=True)
             self.seg_lens_host = lens
             self.seg_slots_host = seg_slots
             self.max_seg_len = RUN_TILE if n else 0
         self.num_tokens = n
-        self.num_segments = n
+        self.num_segments = num_segments
         self.max_rank = self.rank_bound = rank_bound
         self.host_derived = {}
         self.graph_layout = layout

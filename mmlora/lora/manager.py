@@ -342,7 +342,8 @@ class LoRAManager:
         bakes in (the LoRA kernels' launch shapes cover ranks up to ``rank_bound``, one of
         :attr:`rank_buckets`, 0: the graph without LoRA; and segments in ``layout``, one of
         :attr:`graph_layouts`)."""
-        self.info.fill_rows([-1] * rows, rank_bound, layout)
+        backend = self._ctx.backend
+        self.info.fill_rows([-1] * rows, rank_bound, layout, backend.graph_segments(rows, layout))
 
     def prepare_replay(self, row_slots: list[int]) -> tuple[int, str]:
         """Before replaying a graph captured by :meth:`prepare_capture`: each row's slot (-1 = base or
@@ -354,7 +355,8 @@ class LoRAManager:
             layout = layouts[0] if bound else "rows"
         else:
             layout = self._ctx.backend.graph_layout(len(row_slots), len(slot_runs(row_slots)))
-        self.info.fill_rows(row_slots, bound, layout)
+        segments = self._ctx.backend.graph_segments(len(row_slots), layout)
+        self.info.fill_rows(row_slots, bound, layout, segments)
         return bound, layout
 
     @contextlib.contextmanager

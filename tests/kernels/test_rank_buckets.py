@@ -109,8 +109,14 @@ def test_runs_layout_merges_adjacent_rows_up_to_the_run_tile() -> None:
     assert info.seg_lens[:n].tolist() == [2, RUN_TILE, 1, 2] + [0] * (n - 4)
     assert info.weight_indices[:n].tolist() == [s for s, _ in runs] + [-1] * (n - 4)
     assert info.token_slots[:n].tolist() == slots
+    info.fill_rows(slots, 16, "runs", segments=6)  # fewer entries: the same runs, fewer empty ones
+    assert (info.num_segments, info.seg_lens[:6].tolist()) == (6, [2, RUN_TILE, 1, 2, 0, 0])
+    assert info.seg_indptr[:7].tolist() == indptr[:7]
+    with pytest.raises(ValueError, match="4 runs need segments"):
+        info.fill_rows(slots, 16, "runs", segments=3)
     info.fill_rows(slots, 16)  # rows: one segment per row again
     assert info.seg_lens[:n].tolist() == [1] * n and info.weight_indices[:n].tolist() == slots
+    assert info.num_segments == n
     assert info.graph_layout == "rows"
     info.fill([2, 1], [1, -1])
     assert info.graph_layout is None
@@ -178,3 +184,17 @@ def test_bgmv_shrink_grid_follows_the_rank_bound_not_the_pool_rank(bound: int) -
 
     plan = _ShrinkPlan(T=8, in_features=4096, n=3, R=64, bound=bound, device=torch.device("cpu"), split_k=1)
     assert plan.block_r == 16 and plan.r_tiles == bound // 16
+
+
+def test_triton_auto_captures_runs_graphs_with_half_the_segment_entries() -> None:
+    """triton-auto replays a runs graph only when rows >= 2 x runs, so its runs graphs need at most half
+    the rows as segment entries (half the SGMV programs, most of them empty); rows graphs keep one per row
+    and SGMV alone (runs at any count) keeps one per row too."""
+    auto, sgmv = get_backend("triton-auto"), get_backend("triton-sgmv")
+    for rows in (1, 2, 5, 128):
+        assert auto.graph_segments(rows, "runs") == max(1, rows // 2)
+        assert auto.graph_segments(rows, "rows") == rows
+        assert sgmv.graph_segments(rows, "runs") == rows
+        for runs in range(1, rows + 1):  # whenever auto picks runs, they fit its entries
+            if auto.graph_layout(rows, runs) == "runs":
+                assert runs <= auto.graph_segments(rows, "runs")
