@@ -7,8 +7,9 @@ device sync. Programs past the end of their segment, of a base-only segment (slo
 adapter's rank return early: mixed ranks share one launch without computing the padding.
 
 CUDA graphs: the grid depends on ``num_segments`` and the longest segment, so a decode graph is
-captured in the ``runs`` layout (``LoRABatchInfo.fill_rows``): as many segment entries as rows, each at
-most ``RUN_TILE`` rows long, the unused ones empty. A replay then reads each adapter once per run of
+captured in the ``runs`` layout (``LoRABatchInfo.fill_rows``): a fixed number of segment entries
+(``LoRABackend.graph_segments``: one per row here), each at most ``RUN_TILE`` rows long, the unused ones
+empty. A replay then reads each adapter once per run of
 adjacent rows on it (the graph runner sorts rows by slot), and the empty segments' programs return at
 once.
 """

@@ -341,7 +341,7 @@ def _micro(
                     "replay_over_floor": None if replay_s is None else replay_s / floor_s,
                     "graph_replay_ms_by_layout": None
                     if by_layout is None
-                    else {k: v * 1e3 for k, v in by_layout.items()},
+                    else {k: None if v is None else v * 1e3 for k, v in by_layout.items()},
                 }
             )
             logger.info("micro %s", rows[-1])

@@ -106,17 +106,21 @@ class StepRecorder:
             self.pending = None
 
 
-def time_graph_layouts(engine: Any, reps: int = 20) -> dict[str, float] | None:
+def time_graph_layouts(engine: Any, reps: int = 20) -> dict[str, float | None] | None:
     """Mean seconds of replaying the last step's graph in each LoRA row layout the backend captured
-    (``rows`` / ``runs``: the same batch, its routing refilled in each layout); None when that step ran
-    eagerly or had no adapter rows."""
+    (``rows`` / ``runs``: the same batch, its routing refilled in each layout; None for a layout whose
+    graph cannot hold this batch's runs); None when that step ran eagerly or had no adapter rows."""
     graphs = engine.runner.cuda_graphs
     if graphs is None or not graphs.capture or graphs.last_key is None or not graphs.last_key[1]:
         return None
     bs, bound, _ = graphs.last_key
-    times = {}
+    times: dict[str, float | None] = {}
     for layout in engine.lora.graph_layouts:
-        engine.lora.info.fill_rows(graphs.last_slots, bound, layout)
+        try:
+            engine.lora.prepare_replay(graphs.last_slots, layout)
+        except ValueError:  # more runs than the graph's segment entries (triton-auto: half the rows)
+            times[layout] = None
+            continue
         times[layout] = _time_replays(graphs.graphs[(bs, bound, layout)].graph, reps)
     return times
 

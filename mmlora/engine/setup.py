@@ -96,6 +96,14 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     skip_init = _no_init_weights() if source.kind != "dummy" else contextlib.nullcontext()
     with torch.device(device), skip_init:
         model = cls(hf_config).to(dtype)
+    limit = model.arch.max_position_embeddings
+    if mc.max_model_len is not None and mc.max_model_len > limit:
+        # Refused before the weights load: the RoPE tables stop there, so a longer context would
+        # fail every request that reaches it.
+        raise ValueError(
+            f"max_model_len: {mc.max_model_len} is more than the model's max_position_embeddings ({limit})"
+        )
+    max_model_len = mc.max_model_len or limit
     if source.kind == "dummy":
         model.init_dummy_weights(mc.seed)
     else:
@@ -108,13 +116,6 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     if device.type == "cuda":  # every LoRA kernel variant compiled now, none inside a serving step
         lora.warm_up_kernels()
 
-    limit = model.arch.max_position_embeddings
-    if mc.max_model_len is not None and mc.max_model_len > limit:
-        # The RoPE tables stop there: a longer context would fail every request that reaches it.
-        raise ValueError(
-            f"max_model_len: {mc.max_model_len} is more than the model's max_position_embeddings ({limit})"
-        )
-    max_model_len = mc.max_model_len or limit
     attn0 = model.layers[0].self_attn
     per_token = KVCache.bytes_per_token(len(model.layers), attn0.num_kv_heads, attn0.head_dim, dtype)
     num_blocks = _plan_kv_blocks(config, device, per_token, max_tokens, model.arch.vocab_size)

@@ -17,7 +17,7 @@ import torch
 #: so ranks up to it cost the same and the smallest rank bucket is this.
 RANK_TILE = 16
 
-#: The longest segment of a CUDA-graph step filled as runs (``fill_rows(..., runs=True)``): a run of
+#: The longest segment of a CUDA-graph step filled as runs (``fill_rows(..., layout="runs")``): a run of
 #: more rows on one adapter is cut into segments of this many, so a graph captured with this
 #: ``max_seg_len`` fits every replay in one token tile per segment.
 RUN_TILE = 16
@@ -191,7 +191,12 @@ class LoRABatchInfo:
         return rank_bucket(top, self.max_lora_rank)
 
     def fill_rows(
-        self, slots: Sequence[int], rank_bound: int, layout: str = "rows", segments: int | None = None
+        self,
+        slots: Sequence[int],
+        rank_bound: int,
+        layout: str = "rows",
+        segments: int | None = None,
+        runs: list[tuple[int, int]] | None = None,
     ) -> None:
         """The routing of a CUDA-graph step, whose host ints are baked in at capture, with a fixed
         ``rank_bound`` (>= every rank among ``slots``: kernels loop to each slot's rank on the device).
@@ -202,6 +207,7 @@ class LoRABatchInfo:
         segments``, ``max_seg_len = RUN_TILE``), so one capture fits every replay of the same row count
         with at most ``segments`` runs. Segment kernels launch programs for every entry, so a backend that
         replays runs only when there are few (triton-auto: at most half the rows) asks for fewer.
+        ``runs``: ``slot_runs(slots)`` when the caller has it already.
         """
         if layout not in GRAPH_LAYOUTS:
             raise ValueError(f"fill_rows: layout must be one of {GRAPH_LAYOUTS}, got {layout!r}")
@@ -219,7 +225,7 @@ class LoRABatchInfo:
             self.seg_slots_host = list(slots)
             self.max_seg_len = 1 if n else 0
         else:
-            runs = slot_runs(slots)
+            runs = slot_runs(slots) if runs is None else runs
             num_segments = n if segments is None else segments
             if not len(runs) <= num_segments <= self.max_tokens:
                 raise ValueError(

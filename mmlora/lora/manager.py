@@ -345,18 +345,24 @@ class LoRAManager:
         backend = self._ctx.backend
         self.info.fill_rows([-1] * rows, rank_bound, layout, backend.graph_segments(rows, layout))
 
-    def prepare_replay(self, row_slots: list[int]) -> tuple[int, str]:
+    def prepare_replay(self, row_slots: list[int], layout: str | None = None) -> tuple[int, str]:
         """Before replaying a graph captured by :meth:`prepare_capture`: each row's slot (-1 = base or
         padding), written into the captured buffers. Returns the rank bound (the bucket of the rows'
-        largest rank; 0 when no row has an adapter) and the layout of the graph to replay."""
+        largest rank; 0 when no row has an adapter) and the layout of the graph to replay: the backend's
+        pick, or ``layout`` when given (a benchmark timing each; a ValueError if these rows' runs do not
+        fit its graph)."""
+        backend = self._ctx.backend
         bound = self.info.bound_of(row_slots)
-        layouts = self.graph_layouts
-        if bound == 0 or len(layouts) == 1:
-            layout = layouts[0] if bound else "rows"
-        else:
-            layout = self._ctx.backend.graph_layout(len(row_slots), len(slot_runs(row_slots)))
-        segments = self._ctx.backend.graph_segments(len(row_slots), layout)
-        self.info.fill_rows(row_slots, bound, layout, segments)
+        runs = slot_runs(row_slots) if bound and "runs" in self.graph_layouts else None
+        if layout is None:
+            if bound == 0:
+                layout = "rows"
+            elif len(self.graph_layouts) == 1:
+                layout = self.graph_layouts[0]
+            else:
+                layout = backend.graph_layout(len(row_slots), len(runs))
+        segments = backend.graph_segments(len(row_slots), layout)
+        self.info.fill_rows(row_slots, bound, layout, segments, runs)
         return bound, layout
 
     @contextlib.contextmanager

@@ -158,9 +158,9 @@ class LoRAPool:
         return views
 
     def _staging(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A device buffer for staged uploads, kept and grown to the largest adapter: allocating one per
-        upload (84 MB for a Mistral-7B rank-16 adapter) can make the caching allocator free its cached
-        blocks, which waits for the device. Reusing it is safe: uploads are ordered on one stream."""
+        """A device buffer for staged uploads, kept and grown to the largest adapter rather than allocated
+        per upload (84 MB for a Mistral-7B rank-16 adapter, where device memory is mostly KV cache).
+        Reusing it is safe: uploads are ordered on one stream."""
         buf = self._staging_buffer
         if buf is None or buf.numel() < numel or buf.dtype != dtype:
             buf = self._staging_buffer = torch.empty(numel, dtype=dtype, device=self.device)

@@ -313,3 +313,20 @@ def test_graphs_per_rank_bound_match_eager_in_a_rank_64_pool(tmp_path):
     _free()
     assert 16 in bounds["rank-8 only"] <= {0, 16}  # 0: a step whose rows are all base-only
     assert 64 in bounds["mixed"] and 32 not in bounds["mixed"]
+
+
+def test_prepare_replay_picks_a_layout_or_takes_one_that_fits(tiny):
+    """triton-auto's pick for a step's rows (runs only when rows >= 2 x runs), a layout forced for timing
+    (the benchmark replays each), and a forced runs layout refused when its graph cannot hold the runs."""
+    base, adapters = tiny()
+    engine = _engine(base, adapters, "cpu", lora_backend="triton-auto", disable_cuda_graph=True)
+    lora = engine.lora
+    a, b = (lora.entry(n) for n in ("a", "b"))
+    lora.admit(a, set())
+    lora.admit(b, {a.uid})
+    sa, sb = lora._pool.slot_of(a.uid), lora._pool.slot_of(b.uid)
+    assert lora.prepare_replay([sa, sa, sa, -1]) == (4, "runs") and lora.info.num_segments == 2
+    assert lora.prepare_replay([sa, sb, -1, -1]) == (4, "rows") and lora.info.num_segments == 4
+    assert lora.prepare_replay([sa, sa, sa, -1], "rows") == (4, "rows")
+    with pytest.raises(ValueError, match="3 runs need segments"):
+        lora.prepare_replay([sa, sb, -1, -1], "runs")
