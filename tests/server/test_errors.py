@@ -44,6 +44,8 @@ GENERATE_CASES = [
     ({"text": "a", "image_data": "data:image/png;base64,AAAA"}, 400, "takes no images"),
     ({"text": "a", "return_logprob": True, "top_logprobs_num": 50}, 400, "top_logprobs_num"),
     ({"text": "a" * 3000}, 400, "max_model_len"),
+    ({"text": "a", "sampling_params": {"min_new_tokens": 5, "max_new_tokens": 2}}, 400, "min_new_tokens"),
+    ({"text": "a", "sampling_params": {"stop_token_ids": [10**6]}}, 400, "stop_token_ids"),
 ]
 
 
@@ -71,6 +73,8 @@ OPENAI_CASES = [
     ("/v1/completions", {"model": "tiny", "prompt": "x", "top_p": 2}, 400, "top_p"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "n": 0}, 400, "n"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "min_tokens": 5, "max_tokens": 2}, 400, "min_tokens"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "stop_token_ids": [10**6]}, 400, "stop_token_ids"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "logit_bias": {"1": 5}}, 400, "logit_bias"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "logprobs": 99}, 400, "logprobs"),
     ("/v1/completions", {"model": "tiny:nope", "prompt": "x"}, 404, "not found"),
