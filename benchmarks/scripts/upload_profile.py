@@ -53,6 +53,33 @@ def upload(adapter) -> tuple[float, float]:  # noqa: ANN001
     return host, start.elapsed_time(end) / 1e3
 
 
+if cuda:
+    staged = adapters[0].staged or ()
+    print(f"staged blocks: {len(staged)}, all page-locked: {all(b.is_pinned() for b in staged)}")
+    # The link itself: one 84 MB-class copy from page-locked and from pageable host memory, and the same
+    # bytes in 16 MB blocks, so an upload's GPU time can be set against what the bus gives.
+    nbytes = sum(b.numel() * b.element_size() for b in staged) or 84 << 20
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=engine.device)
+    for label, src in (
+        ("page-locked", torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)),
+        ("pageable", torch.empty(nbytes, dtype=torch.uint8)),
+    ):
+        for blocks in (1, max(1, nbytes // (16 << 20))):
+            parts = list(zip(src.chunk(blocks), dst.chunk(blocks)))
+            best = float("inf")
+            for _ in range(5):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for s_, d_ in parts:
+                    d_.copy_(s_, non_blocking=True)
+                host_s = time.perf_counter() - t0
+                torch.cuda.synchronize()
+                best = min(best, time.perf_counter() - t0)
+            print(
+                f"H2D {label:11s} {nbytes / 1e6:.0f} MB in {len(parts)} copies: {best * 1e3:.2f} ms "
+                f"({nbytes / best / 1e9:.1f} GB/s), host {host_s * 1e3:.2f} ms of the last"
+            )
+
 for a in adapters:  # warm-up: views cached, staging buffer grown
     upload(a)
 times = [upload(a) for a in adapters for _ in range(2)]

@@ -1,0 +1,162 @@
+"""Launch-heuristic sweep of the Triton LoRA backends (issues 13 and 23): one knob of a backend's
+``TUNING`` at a time around its defaults, timed on the batches serving launches.
+
+Cases (Mistral-7B projections qkv, o, gate_up, down; bf16; rank 16 unless ``--rank``):
+- ``decode-runs``: a CUDA-graph decode step in the runs layout, B rows sorted by slot over N adapters,
+  filled with ``LoRABatchInfo.fill_rows(..., "runs", segments=B // 2)`` as triton-auto captures it
+  (SGMV);
+- ``decode-rows``: the same rows one segment each (``fill_rows(..., "rows")``, BGMV), and B rows on B
+  distinct adapters;
+- ``prefill``: 4096 tokens in requests of 512 over 8 adapters (``fill``), the eager prefill/mixed steps.
+
+Each time is the sum over the four projections of ``backend.add_lora`` (shrink + expand), replayed in a
+CUDA graph over rotated adapter copies so weights stream from HBM (``mmlora.bench.kernels``). Printed:
+per case, microseconds and GB/s of adapter + activation bytes for each knob value, and the best value per
+knob. ``--smoke`` runs tiny shapes under ``TRITON_INTERPRET=1`` on CPU to check the script.
+
+    PYTHONPATH=. python benchmarks/scripts/lora_tuning_sweep.py --out sweep.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+
+import torch
+
+from mmlora.backends import get_backend
+from mmlora.backends import triton_bgmv, triton_sgmv
+from mmlora.bench import kernels as kb
+from mmlora.forward.lora import LoRABatchInfo
+
+SWEEPS = {
+    "triton-sgmv": (
+        triton_sgmv.TUNING,
+        {
+            "waves": [1, 2, 4, 8, 16],
+            "max_split_k": [4, 8, 16, 32],
+            "shrink_block_m": [16, 32, 64, 128],
+            "block_m": [16, 32, 64],
+            "shrink_warps": [1, 2, 4, 8],
+            "block_n": [64, 128, 256, 512],
+            "expand_warps": [1, 2, 4, 8],
+        },
+    ),
+    "triton-bgmv": (
+        triton_bgmv.TUNING,
+        {
+            "waves": [1, 2, 4, 8, 16],
+            "max_split_k": [4, 8, 16, 32],
+            "shrink_warps": [1, 2, 4, 8],
+            "expand_tile": [1024, 2048, 4096, 8192],
+            "expand_warps": [1, 2, 4, 8],
+        },
+    ),
+}
+
+
+def _points(case: str, B: int, n_adapters: int, rank: int, smoke: bool, device: torch.device) -> list:
+    projections = kb.SMOKE_PROJECTIONS if smoke else kb.PROJECTIONS
+    dtype = torch.float32 if smoke else torch.bfloat16
+    points = []
+    for proj, (in_f, widths) in projections.items():
+        if case == "prefill":
+            phase, T, pop, req_len = "prefill", (24 if smoke else 4096), "uniform", (8 if smoke else 512)
+            kb.UNIFORM_POOL = 8
+        else:
+            phase, T, pop, req_len = "decode", B, ("distinct" if n_adapters >= B else "grouped"), 512
+            kb.UNIFORM_POOL = n_adapters
+        pt = kb._Point(proj, in_f, widths, (rank,), None, phase, T, pop, dtype, device, req_len, 0)
+        if case.startswith("decode"):
+            lens, slots = kb._layout(phase, T, pop, req_len, random.Random(0))
+            n_distinct = max(slots) + 1
+            infos = []
+            for k in range(len(pt.infos)):
+                info = LoRABatchInfo(T, pt.A.shape[0], device, max_lora_rank=rank)
+                info.ranks.copy_(pt.infos[k].ranks)
+                info.ranks_host = list(pt.infos[k].ranks_host)
+                rows = sorted(k * n_distinct + s for s in slots)
+                if case == "decode-runs":
+                    info.fill_rows(rows, rank, "runs", segments=max(1, T // 2))
+                else:
+                    info.fill_rows(rows, rank, "rows")
+                infos.append(info)
+            pt.infos = infos
+        points.append(pt)
+    return points
+
+
+def _time(backend, points: list, device: torch.device) -> tuple[float, int]:  # noqa: ANN001
+    total_s, total_bytes = 0.0, 0
+    for pt in points:
+        buf = pt.out.clone()
+        calls = [lambda k=k, buf=buf, pt=pt: pt.call(backend, buf, k) for k in range(len(pt.infos))]
+        secs, _ = kb._time_calls(calls, device)
+        total_s += secs
+        total_bytes += pt.bytes
+    return total_s, total_bytes
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    device = torch.device("cpu" if args.smoke else "cuda")
+    cases = (
+        [("decode-runs", 8, 2), ("decode-rows", 8, 2), ("prefill", 0, 8)]
+        if args.smoke
+        else [
+            ("decode-runs", 128, 32),
+            ("decode-runs", 256, 32),
+            ("decode-rows", 32, 32),
+            ("decode-rows", 128, 128),
+            ("prefill", 0, 8),
+        ]
+    )
+    results = []
+    for case, B, n in cases:
+        backend_name = "triton-sgmv" if case in ("decode-runs", "prefill") else "triton-bgmv"
+        tuning, knobs = SWEEPS[backend_name]
+        backend = get_backend(backend_name)
+        points = _points(case, B, n, args.rank, args.smoke, device)
+        default = dict(tuning)
+        base_s, nbytes = _time(backend, points, device)
+        label = f"{case} B={B} adapters={n} ({backend_name})"
+        print(
+            f"== {label}: default {base_s * 1e6:.1f} us, {nbytes / base_s / 1e9:.0f} GB/s {default}",
+            flush=True,
+        )
+        for knob, values in knobs.items():
+            row = []
+            for v in values[:2] if args.smoke else values:
+                tuning.clear()
+                tuning.update(default, **{knob: v})
+                try:
+                    secs, _ = _time(backend, points, device)
+                except Exception as exc:  # a value a kernel cannot compile: say so, go on
+                    print(f"   {knob}={v}: failed: {type(exc).__name__}: {exc}"[:300], flush=True)
+                    continue
+                row.append((v, secs))
+                results.append({"case": label, "knob": knob, "value": v, "us": secs * 1e6,
+                                "GBps": nbytes / secs / 1e9, "default_us": base_s * 1e6})  # fmt: skip
+            tuning.clear()
+            tuning.update(default)
+            if row:
+                best = min(row, key=lambda t: t[1])
+                cells = ", ".join(f"{v}: {s * 1e6:.1f}" for v, s in row)
+                print(
+                    f"   {knob:13s} {cells}  -> best {best[0]} ({best[1] / base_s:.3f}x default)", flush=True
+                )
+        del points
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"rank": args.rank, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
