@@ -25,8 +25,7 @@ import random
 
 import torch
 
-from mmlora.backends import get_backend
-from mmlora.backends import triton_bgmv, triton_sgmv
+from mmlora.backends import get_backend, triton_bgmv, triton_sgmv
 from mmlora.bench import kernels as kb
 from mmlora.forward.lora import LoRABatchInfo
 

@@ -4,7 +4,8 @@ side's step breakdown, then the worse pair against the targets.
     python benchmarks/scripts/prefix_summary.py OUTDIR RUN [RUN ...]   (reads OUTDIR/RUN/serving_prefix.json)
 """
 
-import json, sys
+import json
+import sys
 from pathlib import Path
 
 out = Path(sys.argv[1])
