@@ -40,6 +40,7 @@ SWEEPS = {
             "shrink_warps": [1, 2, 4, 8],
             "block_n": [64, 128, 256, 512],
             "expand_warps": [1, 2, 4, 8],
+            "run_expand_warps": [1, 2, 4],
         },
     ),
     "triton-bgmv": (
@@ -55,6 +56,39 @@ SWEEPS = {
 }
 
 
+#: ``--grid``: every combination of these values (the rest at their defaults), per backend, on its cases.
+GRIDS = {
+    "triton-bgmv": {
+        "expand_warps": [1, 2],
+        "max_split_k": [4, 16, 32],
+        "shrink_warps": [2, 4],
+        "expand_tile": [4096, 8192],
+    },
+    "sgmv-shrink": {"waves": [1, 2, 4], "shrink_block_m": [16, 32, 64], "max_split_k": [4, 16]},
+    "sgmv-expand": {"block_m": [32, 64], "block_n": [256, 512], "expand_warps": [2, 4, 8]},
+}
+GRID_CASES = {
+    "triton-bgmv": [
+        ("decode-rows", 8, 8),
+        ("decode-rows", 32, 32),
+        ("decode-rows", 64, 64),
+        ("decode-rows", 128, 128),
+    ],
+    "sgmv-shrink": [
+        ("prefill", 0, 8),
+        ("mixed", 128, 32),
+        ("decode-runs", 128, 32),
+        ("decode-runs", 256, 32),
+    ],
+    "sgmv-expand": [
+        ("prefill", 0, 8),
+        ("mixed", 128, 32),
+        ("decode-runs", 128, 32),
+        ("decode-runs", 256, 32),
+    ],
+}
+
+
 def _points(case: str, B: int, n_adapters: int, rank: int, smoke: bool, device: torch.device) -> list:
     projections = kb.SMOKE_PROJECTIONS if smoke else kb.PROJECTIONS
     dtype = torch.float32 if smoke else torch.bfloat16
@@ -63,6 +97,9 @@ def _points(case: str, B: int, n_adapters: int, rank: int, smoke: bool, device: 
         if case == "prefill":
             phase, T, pop, req_len = "prefill", (24 if smoke else 4096), "uniform", (8 if smoke else 512)
             kb.UNIFORM_POOL = 8
+        elif case == "mixed":  # a serving mixed step: B decode rows on N adapters, then a 2048-token chunk
+            phase, T, pop, req_len = "decode", B, "uniform", 512
+            kb.UNIFORM_POOL = n_adapters
         else:
             phase, T, pop, req_len = "decode", B, ("distinct" if n_adapters >= B else "grouped"), 512
             kb.UNIFORM_POOL = n_adapters
@@ -82,6 +119,21 @@ def _points(case: str, B: int, n_adapters: int, rank: int, smoke: bool, device: 
                     info.fill_rows(rows, rank, "rows")
                 infos.append(info)
             pt.infos = infos
+        if case == "mixed":
+            chunk = 16 if smoke else 2048
+            lens, slots = kb._layout("decode", B, "uniform", 512, random.Random(0))
+            g = torch.Generator(device=device).manual_seed(1)
+            pt.x = torch.randn(B + chunk, in_f, generator=g, device=device).to(dtype)
+            pt.out = torch.randn(B + chunk, sum(widths), generator=g, device=device).to(dtype)
+            es = torch.finfo(dtype).bits // 8
+            pt.bytes += chunk * (in_f + 2 * sum(widths)) * es
+            n_distinct = max(slots) + 1
+            for k, info in enumerate(pt.infos):
+                fresh = LoRABatchInfo(B + chunk, pt.A.shape[0], device, max_lora_rank=rank)
+                fresh.ranks.copy_(info.ranks)
+                fresh.ranks_host = list(info.ranks_host)
+                fresh.fill(lens + [chunk], [k * n_distinct + s for s in slots] + [k * n_distinct])
+                pt.infos[k] = fresh
         points.append(pt)
     return points
 
@@ -102,7 +154,10 @@ def main() -> None:
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--out", default=None)
+    p.add_argument("--grid", action="store_true", help="every combination of GRIDS, per case")
     args = p.parse_args()
+    if args.grid:
+        return grid(args)
     device = torch.device("cpu" if args.smoke else "cuda")
     cases = (
         [("decode-runs", 8, 2), ("decode-rows", 8, 2), ("prefill", 0, 8)]
@@ -155,6 +210,53 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"rank": args.rank, "results": results}, f, indent=1)
+
+
+def grid(args: argparse.Namespace) -> None:
+    import itertools
+
+    device = torch.device("cpu" if args.smoke else "cuda")
+    results = []
+    for name, knobs in GRIDS.items():
+        backend_name = "triton-bgmv" if name == "triton-bgmv" else "triton-sgmv"
+        tuning = SWEEPS[backend_name][0]
+        backend = get_backend(backend_name)
+        default = dict(tuning)
+        cases = GRID_CASES[name][:1] if args.smoke else GRID_CASES[name]
+        combos = list(itertools.product(*knobs.values()))
+        for case, B, n in cases:
+            points = _points(
+                case, B if not args.smoke else 8, n if not args.smoke else 2, args.rank, args.smoke, device
+            )
+            label = f"{name} {case} B={B} adapters={n}"
+            base_s, nbytes = _time(backend, points, device)
+            rows = []
+            for combo in combos[:2] if args.smoke else combos:
+                tuning.clear()
+                tuning.update(default, **dict(zip(knobs, combo)))
+                try:
+                    secs, _ = _time(backend, points, device)
+                except Exception as exc:  # noqa: BLE001
+                    print(f"   {combo}: failed: {type(exc).__name__}"[:200], flush=True)
+                    continue
+                rows.append((secs, dict(zip(knobs, combo))))
+                results.append({"grid": name, "case": label, "tuning": dict(zip(knobs, combo)),
+                                "us": secs * 1e6, "default_us": base_s * 1e6, "GBps": nbytes / secs / 1e9})  # fmt: skip
+            tuning.clear()
+            tuning.update(default)
+            rows.sort(key=lambda r: r[0])
+            print(f"== {label}: default {base_s * 1e6:.1f} us ({nbytes / base_s / 1e9:.0f} GB/s)", flush=True)
+            for secs, combo in rows[:5]:
+                print(
+                    f"   {secs * 1e6:7.1f} us ({secs / base_s:.3f}x, {nbytes / secs / 1e9:.0f} GB/s) {combo}",
+                    flush=True,
+                )
+            del points
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"rank": args.rank, "grid": results}, f, indent=1)
 
 
 if __name__ == "__main__":

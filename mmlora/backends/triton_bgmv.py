@@ -49,12 +49,15 @@ from mmlora.forward.lora import RANK_TILE, LoRABatchInfo, LoRAWeights
 #: tile of shrink and expand, warps per program, expand's per-slice reduction (else one selected h
 #: tile), the most splits of in_features, and how many programs per SM shrink aims for. On an H200
 #: (bf16, rank 16, Mistral-7B shapes, 2026-11-30) 8 warps, larger tiles and up to 64 splits were no
-#: faster; the per-slice reduction was up to 12% faster on packed outputs at 32 tokens.
+#: faster; the per-slice reduction was up to 12% faster on packed outputs at 32 tokens. One expand warp
+#: and two shrink warps (``benchmarks/scripts/lora_tuning_sweep.py``, 2026-12-02) made decode rows on
+#: distinct adapters 0.78x as long at B=32, 0.70x at 64 and 0.67x at 128 (234 -> 158 us over the four
+#: projections), and left B=8 unchanged: expand's many small programs stream B faster one warp each.
 TUNING = {
     "shrink_tile": 8192,
-    "shrink_warps": 4,
+    "shrink_warps": 2,
     "expand_tile": 4096,
-    "expand_warps": 4,
+    "expand_warps": 1,
     "expand_per_slice": True,
     "max_split_k": 16,
     "waves": 4,

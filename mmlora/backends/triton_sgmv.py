@@ -37,18 +37,22 @@ from mmlora.backends.triton_common import (
 from mmlora.forward.lora import RANK_TILE, LoRABatchInfo, LoRAWeights
 
 #: Launch heuristics (read at every launch, so a benchmark can sweep them): the largest token tile of
-#: shrink and of expand, expand's column tile, warps per program, the most splits of in_features, and
-#: how many programs per SM shrink aims for. Chosen on an H200 (bf16, rank 16, Mistral-7B shapes,
-#: 2026-11-30): among token tiles 32/64/128 and column tiles 128/256, expand was fastest at 32 x 256
-#: and shrink at 64 tokens (qkv, 4096 tokens: shrink 10.5 us at 64 against 18.9 at 32).
+#: shrink and of expand, expand's column tile, warps per program (expand: ``run_expand_warps`` for
+#: 16-token tiles, i.e. batches whose segments are decode runs), the most splits of in_features, and how
+#: many programs per SM shrink aims for. Chosen on an H200 (bf16, rank 16, Mistral-7B shapes,
+#: ``benchmarks/scripts/lora_tuning_sweep.py``, 2026-12-02, in ``benchmarks/results/``): shrink at 32
+#: tokens and 2 waves made a 4096-token prefill over 8 adapters 0.885x as long (411 -> 364 us summed
+#: over the four projections) and a mixed step 0.935x; 2 warps for 16-token expand tiles made decode
+#: graphs' runs 0.94-0.99x; 64-token and 512-column expand tiles were no faster.
 TUNING = {
-    "shrink_block_m": 64,
+    "shrink_block_m": 32,
     "block_m": 32,
     "block_n": 256,
     "shrink_warps": 4,
     "expand_warps": 4,
+    "run_expand_warps": 2,
     "max_split_k": 16,
-    "waves": 4,
+    "waves": 2,
 }
 
 
@@ -284,12 +288,13 @@ def _expand_planes(
     block_k = RANK_TILE
     n_tiles = cdiv(max(widths), block_n)
     grid = (tiles.count * n * n_tiles,)
+    warps = TUNING["run_expand_warps"] if tiles.block_m <= 16 else TUNING["expand_warps"]
     _sgmv_expand_kernel[grid](
         h, B, out, scalings, info.seg_indptr, info.weight_indices, info.ranks, tiles.seg, tiles.m0,
         R, h.shape[0], h.stride(0), h.stride(1), B.stride(0), B.stride(1), out.stride(0), scalings.stride(0),
         *offset_args(slice_offsets), tiles.m_tiles, n_tiles,
         N_SLICES=n, BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=dot_upcast(B.dtype),
-        PREC="ieee" if B.dtype == torch.float32 else "tf32", TILED=tiles.tiled, num_warps=TUNING["expand_warps"],
+        PREC="ieee" if B.dtype == torch.float32 else "tf32", TILED=tiles.tiled, num_warps=warps,
     )  # fmt: skip
 
 
