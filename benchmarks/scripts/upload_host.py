@@ -11,8 +11,9 @@ import torch
 
 from mmlora.forward.lora import LoRABatchInfo
 from mmlora.lora.adapter import LoadedAdapter, LoRAModuleWeights
-from mmlora.lora.pool import LoRAPool, _flatten
+from mmlora.lora.pool import LoRAPool
 from mmlora.lora.spec import LoRAModelSpec, LoRATarget
+from mmlora.lora.staging import flatten as _flatten
 
 W = 16
 SPEC = LoRAModelSpec(

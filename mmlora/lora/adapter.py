@@ -89,7 +89,8 @@ class LoadedAdapter:
     ``rank`` is the largest rank over all modules; ``nbytes`` the host memory of all A and B tensors;
     ``staged``, when set, all A and B tensors back to back in a few page-locked blocks (set by the pool
     on CUDA): the tensors in ``weights`` are views of them, and a slot load copies each block to the
-    device at once."""
+    device at once; ``staged_layout`` the id of that layout (``mmlora.lora.staging``), shared by every
+    adapter staged alike."""
 
     path: str
     rank: int
@@ -97,6 +98,7 @@ class LoadedAdapter:
     config: dict
     nbytes: int
     staged: tuple[torch.Tensor, ...] | None = None
+    staged_layout: int | None = None
 
 
 def load_adapter(

@@ -6,25 +6,21 @@ one whose adapter is in the running batch (``busy``) and never a pinned one. Hos
 ``max_loaded_loras`` validated adapters (LRU), never evicting a pinned adapter or one with requests
 in flight; an evicted adapter is read from disk again on its next use.
 
-On CUDA the host copy of an adapter is a few flat page-locked blocks holding all its A and B tensors
-(``LoadedAdapter.staged``; the tensors are views of them), so a slot load is one host-to-device copy
-per block into a device staging tensor, then device-to-device copies into the slot: not one
-host-to-device copy per tensor (issue 13: ~670 copies, 8.6 ms host per Mistral-7B adapter on the H200).
-The H200 still measured 8-11 ms of host time per upload with the first version of this path (session 7,
-before the cached slot views), so where that time goes is open: ``benchmarks/scripts/upload_profile.py``.
+On CUDA the host copy of an adapter is a few flat page-locked blocks, and a slot load replays an upload
+plan built once per (slot, staged layout): ``mmlora.lora.staging``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
 import torch
 
-from mmlora.lora.adapter import LoadedAdapter, LoRAModuleWeights
+from mmlora.lora.adapter import LoadedAdapter
 from mmlora.lora.spec import LoRAModelSpec
+from mmlora.lora.staging import UploadPlan, pinned
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +56,9 @@ class LoRAPool:
         self._views: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         self._dst_views: dict[tuple[int, tuple[int, str], int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._staging_buffer: torch.Tensor | None = None
+        # (slot, staged layout id) -> its upload plan, LRU; plans hold views of the staging buffer.
+        self._plans: OrderedDict[tuple[int, int], UploadPlan] = OrderedDict()
+        self._max_plans = 4 * num_slots
         # A and B elements each slot's adapter fills (the rest of the slot is rank padding, or modules
         # and slices it does not target): what slot_padding_fraction measures.
         self._slot_filled = [0] * num_slots
@@ -81,7 +80,7 @@ class LoRAPool:
     def put_host(self, uid: int, adapter: LoadedAdapter, protected: set[int]) -> None:
         """Add a validated adapter to the host cache, evicting LRU ones that are not ``protected``."""
         if self.device.type == "cuda":
-            adapter = _pinned(adapter)
+            adapter = pinned(adapter)
         self.host[uid] = adapter
         self.host.move_to_end(uid)
         if self.max_loaded is None:
@@ -163,6 +162,7 @@ class LoRAPool:
         Reusing it is safe: uploads are ordered on one stream."""
         buf = self._staging_buffer
         if buf is None or buf.numel() < numel or buf.dtype != dtype:
+            self._plans.clear()  # their chunks are views of the old buffer
             buf = self._staging_buffer = torch.empty(numel, dtype=dtype, device=self.device)
         return buf[:numel]
 
@@ -179,15 +179,10 @@ class LoRAPool:
             self._dst_views[(slot, key, i, r)] = views
         return views
 
-    def write_slot(self, slot: int, adapter: LoadedAdapter) -> None:
-        """Copy ``adapter`` (shaped as this pool's spec) into ``slot`` (its bookkeeping is the caller's)."""
-        # Batched: multi-tensor zeroing and copies, not a launch per tensor and per scaling (an upload
-        # touches every (layer, module) buffer: ~1,300 launches, 17 ms of host time per Mistral-7B
-        # adapter on an H200 before; issue 13).
-        ab_views, scale_views = self._slot_views(slot)
-        torch._foreach_zero_(ab_views)
-        torch._foreach_zero_(scale_views)
-        # A then B of every slice, module by module in the adapter's order (the staged blocks' order).
+    def _pairs(self, slot: int, adapter: LoadedAdapter) -> list[tuple[torch.Tensor | None, torch.Tensor]]:
+        """(slot view, or None for a module the pool does not hold; source) for every A and B tensor of
+        ``adapter``: A then B of every slice, module by module in the adapter's order (a staged adapter's
+        block order)."""
         pairs: list[tuple[torch.Tensor | None, torch.Tensor]] = []
         for key, w in adapter.weights.items():
             ours = key in self.buffers
@@ -196,15 +191,47 @@ class LoRAPool:
                     if t is not None:
                         r = t.shape[0] if kind == 0 else t.shape[1]
                         pairs.append((self._dst(slot, key, i, r)[kind] if ours else None, t))
-        if adapter.staged is not None:
-            # The pool's host copy on CUDA: one host-to-device copy per staged block, then copies on the
-            # device (module docstring).
-            numel = sum(b.numel() for b in adapter.staged)
-            _copy_staged(pairs, adapter.staged, self._staging(numel, adapter.staged[0].dtype))
+        return pairs
+
+    def _plan(self, slot: int, adapter: LoadedAdapter) -> UploadPlan:
+        """The upload plan of a staged adapter into ``slot``: cached per (slot, layout) when the adapter
+        was staged by ``staging.flatten`` (which sets its layout id); built and checked otherwise."""
+        staged = adapter.staged
+        staging = self._staging(sum(b.numel() for b in staged), staged[0].dtype)
+        key = (slot, adapter.staged_layout)
+        plan = self._plans.get(key) if adapter.staged_layout is not None else None
+        if plan is not None:
+            first = next(t for w in adapter.weights.values() for t in (*w.A, *w.B) if t is not None)
+            if first.data_ptr() != staged[0].data_ptr():  # weights swapped under a kept layout id
+                raise ValueError("an adapter tensor is not where its staged blocks hold it")
+            self._plans.move_to_end(key)
+            return plan
+        plan = UploadPlan.build(self._pairs(slot, adapter), staged, staging)
+        if adapter.staged_layout is not None:
+            self._plans[key] = plan
+            while len(self._plans) > self._max_plans:
+                self._plans.popitem(last=False)
+        return plan
+
+    def write_slot(self, slot: int, adapter: LoadedAdapter) -> None:
+        """Copy ``adapter`` (shaped as this pool's spec) into ``slot`` (its bookkeeping is the caller's)."""
+        # Batched: multi-tensor zeroing and copies, not a launch per tensor and per scaling (an upload
+        # touches every (layer, module) buffer: ~1,300 launches, 17 ms of host time per Mistral-7B
+        # adapter on an H200 before; issue 13).
+        ab_views, scale_views = self._slot_views(slot)
+        plan = self._plan(slot, adapter) if adapter.staged is not None else None
+        if plan is None or plan.filled < self._slot_elems:  # else every element is overwritten
+            torch._foreach_zero_(ab_views)
+        torch._foreach_zero_(scale_views)
+        if plan is not None:
+            plan.run(adapter.staged)
+            filled = plan.filled
         else:
+            pairs = self._pairs(slot, adapter)
             kept = [(d, t.reshape(d.shape)) for d, t in pairs if d is not None]  # shards may be strided
             if kept:
                 torch._foreach_copy_([d for d, _ in kept], [t for _, t in kept], non_blocking=True)
+            filled = sum(t.numel() for d, t in pairs if d is not None)
         scale_dst: list[torch.Tensor] = []
         scale_values: list[float] = []
         for key, view in zip(self.buffers, scale_views):
@@ -219,7 +246,7 @@ class LoRAPool:
             if self.device.type == "cuda":
                 values = values.pin_memory().to(self.device, non_blocking=True)
             torch._foreach_copy_(scale_dst, list(values.split([t.numel() for t in scale_dst])))
-        self._slot_filled[slot] = sum(t.numel() for d, t in pairs if d is not None)  # A and B
+        self._slot_filled[slot] = filled  # A and B
         self._on_slot_change(slot, adapter.rank)
 
     @property
@@ -232,6 +259,7 @@ class LoRAPool:
         self._views.clear()
         self._dst_views.clear()
         self._staging_buffer = None
+        self._plans.clear()
         self.host.clear()
 
     def slot_padding_fraction(self, slots: Iterable[int] | None = None) -> float:
@@ -247,116 +275,3 @@ class LoRAPool:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for bufs in self.buffers.values() for t in bufs)
-
-
-def _pinned(adapter: LoadedAdapter) -> LoadedAdapter:
-    """A copy in page-locked host memory, so slot loads are asynchronous copies: one flat block
-    (:func:`_flatten`), or a page-locked copy per tensor when its tensors do not share one dtype."""
-    flat = _flatten(adapter, pin=True)
-    if flat is not None:
-        return flat
-
-    def pin(ts: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor | None, ...]:
-        return tuple(t.pin_memory() if t is not None else None for t in ts)
-
-    weights = {
-        key: LoRAModuleWeights(A=pin(w.A), B=pin(w.B), scalings=w.scalings)
-        for key, w in adapter.weights.items()
-    }
-    return dataclasses.replace(adapter, weights=weights)
-
-
-#: The largest page-locked block an adapter is staged in. PyTorch's caching host allocator rounds each
-#: block up to a power of two: one block per adapter could take up to twice its bytes (an 84 MB
-#: Mistral-7B rank-16 adapter, 128 MB); blocks of at most this many bytes waste only the rounding of
-#: the last one, for a few copies per upload instead of one.
-STAGE_BLOCK_BYTES = 16 << 20
-
-
-def _flatten(adapter: LoadedAdapter, pin: bool) -> LoadedAdapter | None:
-    """``adapter`` with its A and B tensors copied back to back into flat blocks of at most
-    :data:`STAGE_BLOCK_BYTES` (page-locked with ``pin``; a larger tensor gets a block of its own), kept
-    in ``staged``, and its tensors views of them; None when the tensors do not share one dtype (a block
-    holds one) or there are none."""
-    tensors = [t for w in adapter.weights.values() for t in (*w.A, *w.B) if t is not None]
-    if not tensors or len({t.dtype for t in tensors}) != 1:
-        return None
-    cap = STAGE_BLOCK_BYTES // tensors[0].element_size()
-    groups: list[list[torch.Tensor]] = [[]]
-    filled = 0
-    for t in tensors:
-        if groups[-1] and filled + t.numel() > cap:
-            groups.append([])
-            filled = 0
-        groups[-1].append(t)
-        filled += t.numel()
-    blocks, views = [], []
-    for group in groups:
-        block = torch.empty(sum(t.numel() for t in group), dtype=tensors[0].dtype, pin_memory=pin)
-        group_views = [v.view(t.shape) for t, v in zip(group, block.split([t.numel() for t in group]))]
-        torch._foreach_copy_(group_views, group)
-        blocks.append(block)
-        views += group_views
-    block_views = iter(views)  # in the order of ``tensors``: by module, A then B
-
-    def view(ts: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor | None, ...]:
-        return tuple(next(block_views) if t is not None else None for t in ts)
-
-    weights = {
-        key: LoRAModuleWeights(A=view(w.A), B=view(w.B), scalings=w.scalings)
-        for key, w in adapter.weights.items()
-    }
-    return dataclasses.replace(adapter, weights=weights, staged=tuple(blocks))
-
-
-def _check_staged(
-    pairs: list[tuple[torch.Tensor | None, torch.Tensor]], staged: tuple[torch.Tensor, ...]
-) -> None:
-    """Raise unless the sources of ``pairs`` are every tensor of the blocks ``staged``, back to back in
-    order (as :func:`_flatten` lays them out): anything else would upload the wrong weights."""
-    size, dtype = staged[0].element_size(), staged[0].dtype
-    sources = iter(t for _, t in pairs)
-    for block in staged:
-        ptr, end = block.data_ptr(), block.data_ptr() + block.numel() * size
-        while ptr < end:
-            t = next(sources, None)
-            if t is None or t.data_ptr() != ptr or not t.is_contiguous() or t.dtype != dtype:
-                raise ValueError("an adapter tensor is not where its staged blocks hold it")
-            ptr += t.numel() * size
-        if ptr != end:
-            raise ValueError("an adapter tensor is not where its staged blocks hold it")
-    if next(sources, None) is not None:
-        raise ValueError("an adapter tensor is not where its staged blocks hold it")
-
-
-def _copy_staged(
-    pairs: list[tuple[torch.Tensor | None, torch.Tensor]],
-    staged: tuple[torch.Tensor, ...],
-    staging: torch.Tensor,
-) -> None:
-    """Copy each source of ``pairs`` (destination from :meth:`LoRAPool._dst`, or None to skip; source),
-    the sources being the tensors of the flat host blocks ``staged`` in order (checked): one copy per
-    block into ``staging`` (flat, on the destinations' device, of the blocks' dtype and total length),
-    one split of it into chunks, then multi-tensor copies on the device."""
-    _check_staged(pairs, staged)
-    at = 0
-    for block in staged:
-        staging[at : at + block.numel()].copy_(block, non_blocking=True)
-        at += block.numel()
-    chunks = staging.split([t.numel() for _, t in pairs])
-    flat_dst, flat_src, other_dst, other_src = [], [], [], []
-    for (d, t), chunk in zip(pairs, chunks):
-        if d is None:
-            continue
-        # _foreach_copy_'s multi-tensor kernel takes pairs of one dense layout: flat slot views with flat
-        # chunks; a B view B[slot, rows, :r] below the pool rank is strided, so those pairs go in a
-        # second call, which copies them one by one.
-        if d.dim() == 1:
-            flat_dst.append(d)
-            flat_src.append(chunk)
-        else:
-            other_dst.append(d)
-            other_src.append(chunk.view(t.shape))
-    for d_list, s_list in ((flat_dst, flat_src), (other_dst, other_src)):
-        if d_list:
-            torch._foreach_copy_(d_list, s_list, non_blocking=True)
