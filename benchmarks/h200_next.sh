@@ -1,29 +1,31 @@
 #!/usr/bin/env bash
-# Issue 13, the two questions session 7 left open (not yet run). One H200, bf16, dummy Mistral-7B, rank 16,
-# one device call of about 7 minutes.
-#  1. Where an adapter upload's 8-11 ms of host time go on the H200 (`benchmarks/scripts/upload_profile.py`:
-#     host and GPU time per write_slot, and a torch.profiler table of one upload).
-#  2. Eager steps ordered by adapter slot, A/B in one call: `bench serving` at 32 adapters, the default
-#     code (A) alternating with `benchmarks/scripts/slot_ordered_eager.py` (B), twice each. Session 7
-#     measured B's mixed steps slower across machine starts (1.54-1.80x base-only's mixed span, against
-#     1.23-1.37x), which contradicts what B should do (fewer SGMV segments per mixed step).
+# Issue 13, the next device call (not yet run). One H200, bf16, dummy Mistral-7B, rank 16, about 8 minutes.
+# Session 8 found serving runs 10-25% apart from run to run (base-only alone at 6504 and 5279 tok/s in one
+# call, its mixed steps' GPU span 2.20 against 3.03 s), so ratios from two separate processes settle
+# little. This call:
+#  1. logs the GPU's SM clock, power and temperature every 0.5 s in the background (gpu_log.csv), to
+#     see whether the GPU side of that spread follows the clocks;
+#  2. runs the issue's serving command with --sweep-rounds 2 in one process: base-only, 8, 32, 1000
+#     adapters, then all four again, each LoRA point against its own round's base-only run (every run
+#     starts from an empty prefix cache since session 8);
+#  3. (after the sweep, if time is left) the decode microbenchmark alone, twice.
 # Usage: bash benchmarks/h200_next.sh OUTDIR      (then read OUTDIR/summary.txt)
 set -u
 out=${1:?output folder}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu.txt" 2>&1
-timeout 120 python benchmarks/scripts/upload_profile.py --num 8 > "$out/upload_profile.txt" 2>&1
-echo "upload profile rc=$?" | tee "$out/rc.txt"
-common=(--model dummy:mistral-7b-v0.3 --num-adapters 32 --num-requests 192 --hf-batch 0 --micro-batch
-  --allow-compiles)
-for i in 1 2; do
-  timeout 110 python -m mmlora.bench serving "${common[@]}" --out "$out/default$i" > "$out/default$i.log" 2>&1
-  echo "default$i rc=$?" | tee -a "$out/rc.txt"
-  timeout 90 python benchmarks/scripts/slot_ordered_eager.py serving "${common[@]}" --out "$out/ordered$i" \
-    > "$out/ordered$i.log" 2>&1
-  echo "ordered$i rc=$?" | tee -a "$out/rc.txt"
-done
-python benchmarks/scripts/serving_summary.py "$out" default1 ordered1 default2 ordered2 > "$out/summary.txt" 2>&1
-head -12 "$out/upload_profile.txt" >> "$out/summary.txt"
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv > "$out/gpu.txt" 2>&1
+nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+  --format=csv -lms 500 > "$out/gpu_log.csv" 2>&1 &
+logger=$!
+timeout 420 python -m mmlora.bench serving --model dummy:mistral-7b-v0.3 --num-adapters 8 32 1000 \
+  --num-requests 192 --hf-batch 0 --sweep-rounds 2 --allow-compiles --out "$out/rounds" > "$out/rounds.log" 2>&1
+echo "rounds rc=$?" | tee "$out/rc.txt"
+if [ "$SECONDS" -lt 440 ]; then
+  timeout 90 python -m mmlora.bench serving --model dummy:mistral-7b-v0.3 --num-adapters 32 --num-requests 8 \
+    --hf-batch 0 --micro-batch 32 128 --micro-adapters 32 --allow-compiles --out "$out/micro" > "$out/micro.log" 2>&1
+  echo "micro rc=$?" | tee -a "$out/rc.txt"
+fi
+kill "$logger" 2>/dev/null
+python benchmarks/scripts/serving_summary.py "$out" rounds micro > "$out/summary.txt" 2>&1
 cat "$out/summary.txt"

@@ -5,7 +5,9 @@
 For each RUN (a subfolder holding ``serving.json``, or ``serving.partial.json`` when the run was cut
 short): base-only tok/s, then per adapter count the ratio to base-only, TTFT p50 ratio, decode seconds,
 the decode-graph and mixed-step GPU spans, adapter uploads, and the decode microbenchmark rows (with each
-graph layout's replay when timed). Also prints ``rc.txt`` and the last lines of ``tests.txt``.
+graph layout's replay when timed); a run of several rounds (``--sweep-rounds``) gets a block per round,
+each against its own round's base-only run. Also prints ``rc.txt``, the last lines of ``tests.txt``, and
+the SM clock and throttle reasons seen in ``gpu_log.csv`` (nvidia-smi's CSV log) when there is one.
 """
 
 import json
@@ -26,39 +28,67 @@ def main(out: Path, names: list[str]) -> None:
             print(f"== {name}: no result")
             continue
         res = json.loads(path.read_text())
-        runs = {r["num_adapters"]: r for r in res["runs"]}
-        base = runs[0]
+        rounds = sorted({r.get("round", 0) for r in res["runs"]})
+        for k in rounds:
+            runs = {r["num_adapters"]: r for r in res["runs"] if r.get("round", 0) == k}
+            label = name if len(rounds) == 1 else f"{name} round {k + 1}"
+            if 0 in runs:
+                _round(label, runs)
+        _micro(res)
+    _clocks(out / "gpu_log.csv")
 
-        def kinds(r: dict) -> dict:
-            return r.get("breakdown", {}).get("step_kinds", {})
 
-        base_span = kinds(base).get("decode_graph", {}).get("gpu_span_s", 0)
+def _round(name: str, runs: dict) -> None:
+    base = runs[0]
+
+    def kinds(r: dict) -> dict:
+        return r.get("breakdown", {}).get("step_kinds", {})
+
+    base_span = kinds(base).get("decode_graph", {}).get("gpu_span_s", 0)
+    print(
+        f"== {name}: base-only {base['output_tok_per_s']:.0f} tok/s, TTFT p50 "
+        f"{base['ttft_p50_s'] * 1e3:.0f} ms, decode {base['decode_seconds']:.2f} s"
+    )
+    for n, r in sorted(runs.items()):
+        if not n:
+            continue
+        dg, mx = kinds(r).get("decode_graph", {}), kinds(r).get("mixed", {})
+        up = r.get("breakdown", {}).get("adapter_uploads", {})
         print(
-            f"== {name}: base-only {base['output_tok_per_s']:.0f} tok/s, TTFT p50 "
-            f"{base['ttft_p50_s'] * 1e3:.0f} ms, decode {base['decode_seconds']:.2f} s"
+            f"  n={n:5d}: {r['output_tok_per_s']:.0f} tok/s = "
+            f"{r['output_tok_per_s'] / base['output_tok_per_s']:.3f}x base; "
+            f"TTFT p50 {r['ttft_p50_s'] / base['ttft_p50_s']:.2f}x; decode {r['decode_seconds']:.2f} s "
+            f"(graph span {dg.get('gpu_span_s', 0):.2f} s vs base {base_span:.2f}); "
+            f"mixed span {mx.get('gpu_span_s', 0):.2f} s; uploads {up.get('count')} host "
+            f"{up.get('host_s', 0):.2f} gpu {up.get('gpu_s') or 0:.2f} s"
         )
-        for n, r in sorted(runs.items()):
-            if not n:
-                continue
-            dg, mx = kinds(r).get("decode_graph", {}), kinds(r).get("mixed", {})
-            up = r.get("breakdown", {}).get("adapter_uploads", {})
-            print(
-                f"  n={n:5d}: {r['output_tok_per_s']:.0f} tok/s = "
-                f"{r['output_tok_per_s'] / base['output_tok_per_s']:.3f}x base; "
-                f"TTFT p50 {r['ttft_p50_s'] / base['ttft_p50_s']:.2f}x; decode {r['decode_seconds']:.2f} s "
-                f"(graph span {dg.get('gpu_span_s', 0):.2f} s vs base {base_span:.2f}); "
-                f"mixed span {mx.get('gpu_span_s', 0):.2f} s; uploads {up.get('count')} host "
-                f"{up.get('host_s', 0):.2f} gpu {up.get('gpu_s') or 0:.2f} s"
-            )
-        for m in res.get("decode_step") or []:
-            if "skipped" in m or m.get("graph_replay_ms") is None:
-                print(f"  micro {m}")
-                continue
-            print(
-                f"  micro B={m['batch']} lora={m['lora']}: replay {m['graph_replay_ms']:.2f} ms "
-                f"({m['replay_over_floor']:.2f}x floor), step {m['engine_step_ms']:.2f} ms, "
-                f"{m.get('distinct_adapters')} adapters, by layout {m.get('graph_replay_ms_by_layout')}"
-            )
+
+
+def _micro(res: dict) -> None:
+    for m in res.get("decode_step") or []:
+        if "skipped" in m or m.get("graph_replay_ms") is None:
+            print(f"  micro {m}")
+            continue
+        print(
+            f"  micro B={m['batch']} lora={m['lora']}: replay {m['graph_replay_ms']:.2f} ms "
+            f"({m['replay_over_floor']:.2f}x floor), step {m['engine_step_ms']:.2f} ms, "
+            f"{m.get('distinct_adapters')} adapters, by layout {m.get('graph_replay_ms_by_layout')}"
+        )
+
+
+def _clocks(path: Path) -> None:
+    """SM clock (MHz) min / median / max over the log, and the throttle reasons seen."""
+    if not path.exists():
+        return
+    rows = [line.split(", ") for line in path.read_text().splitlines()[1:] if line.count(",") >= 5]
+    clocks = sorted(int(r[1].split()[0]) for r in rows if r[1].split()[0].isdigit())
+    if not clocks:
+        return
+    reasons = sorted({r[5].strip() for r in rows})
+    print(
+        f"== GPU log: {len(clocks)} samples, SM clock min {clocks[0]} / median {clocks[len(clocks) // 2]} / "
+        f"max {clocks[-1]} MHz; throttle reasons seen: {reasons}"
+    )
 
 
 if __name__ == "__main__":
