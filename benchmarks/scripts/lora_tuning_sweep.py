@@ -149,6 +149,21 @@ def _time(backend, points: list, device: torch.device) -> tuple[float, int]:  # 
     return total_s, total_bytes
 
 
+def _time_with(backend, tuning: dict, overrides: dict, points: list, device: torch.device) -> float | None:  # noqa: ANN001
+    """Seconds of the points with ``overrides`` on top of ``tuning``'s current values (restored after);
+    None when a kernel cannot run them (said on the console)."""
+    default = dict(tuning)
+    tuning.update(overrides)
+    try:
+        return _time(backend, points, device)[0]
+    except Exception as exc:  # a value a kernel cannot compile: say so, go on
+        print(f"   {overrides}: failed: {type(exc).__name__}: {exc}"[:300], flush=True)
+        return None
+    finally:
+        tuning.clear()
+        tuning.update(default)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--smoke", action="store_true")
@@ -186,18 +201,12 @@ def main() -> None:
         for knob, values in knobs.items():
             row = []
             for v in values[:2] if args.smoke else values:
-                tuning.clear()
-                tuning.update(default, **{knob: v})
-                try:
-                    secs, _ = _time(backend, points, device)
-                except Exception as exc:  # a value a kernel cannot compile: say so, go on
-                    print(f"   {knob}={v}: failed: {type(exc).__name__}: {exc}"[:300], flush=True)
+                secs = _time_with(backend, tuning, {knob: v}, points, device)
+                if secs is None:
                     continue
                 row.append((v, secs))
                 results.append({"case": label, "knob": knob, "value": v, "us": secs * 1e6,
                                 "GBps": nbytes / secs / 1e9, "default_us": base_s * 1e6})  # fmt: skip
-            tuning.clear()
-            tuning.update(default)
             if row:
                 best = min(row, key=lambda t: t[1])
                 cells = ", ".join(f"{v}: {s * 1e6:.1f}" for v, s in row)
@@ -221,7 +230,6 @@ def grid(args: argparse.Namespace) -> None:
         backend_name = "triton-bgmv" if name == "triton-bgmv" else "triton-sgmv"
         tuning = SWEEPS[backend_name][0]
         backend = get_backend(backend_name)
-        default = dict(tuning)
         cases = GRID_CASES[name][:1] if args.smoke else GRID_CASES[name]
         combos = list(itertools.product(*knobs.values()))
         for case, B, n in cases:
@@ -232,18 +240,12 @@ def grid(args: argparse.Namespace) -> None:
             base_s, nbytes = _time(backend, points, device)
             rows = []
             for combo in combos[:2] if args.smoke else combos:
-                tuning.clear()
-                tuning.update(default, **dict(zip(knobs, combo)))
-                try:
-                    secs, _ = _time(backend, points, device)
-                except Exception as exc:  # noqa: BLE001
-                    print(f"   {combo}: failed: {type(exc).__name__}"[:200], flush=True)
+                secs = _time_with(backend, tuning, dict(zip(knobs, combo)), points, device)
+                if secs is None:
                     continue
                 rows.append((secs, dict(zip(knobs, combo))))
                 results.append({"grid": name, "case": label, "tuning": dict(zip(knobs, combo)),
                                 "us": secs * 1e6, "default_us": base_s * 1e6, "GBps": nbytes / secs / 1e9})  # fmt: skip
-            tuning.clear()
-            tuning.update(default)
             rows.sort(key=lambda r: r[0])
             print(f"== {label}: default {base_s * 1e6:.1f} us ({nbytes / base_s / 1e9:.0f} GB/s)", flush=True)
             for secs, combo in rows[:5]:
