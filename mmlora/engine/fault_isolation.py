@@ -84,12 +84,17 @@ class StepGuard:
         Advances ``num_computed`` of every request whose forward succeeded.
         """
         failed: list[Failed] = []
-        rows = self._forward(batch, failed)
-        prompt_only = [req for req, _ in rows if req.sampling.max_new_tokens == 0]
-        rows = [(req, row) for req, row in rows if req.sampling.max_new_tokens > 0]
-        return self._sample(rows, failed), prompt_only, failed
+        requests, logits = self._forward(batch, failed)
+        keep = [k for k, req in enumerate(requests) if req.sampling.max_new_tokens > 0]
+        prompt_only = [req for req in requests if req.sampling.max_new_tokens == 0]
+        if len(keep) < len(requests):
+            logits = logits[torch.tensor(keep, dtype=torch.long, device=logits.device)]
+            requests = [requests[k] for k in keep]
+        return self._sample(requests, logits, failed), prompt_only, failed
 
-    def _forward(self, batch: ScheduledBatch, failed: list[Failed]) -> list[tuple[Request, torch.Tensor]]:
+    def _forward(self, batch: ScheduledBatch, failed: list[Failed]) -> tuple[list[Request], torch.Tensor]:
+        """(the requests that sample, their logits [len, V] row by row): the forward's own logits tensor,
+        never copied row by row (a [B, V] copy each step: 7 ms of a 34 ms tiny-model CPU step at B=128)."""
         try:
             if self.faults is not None:
                 self.faults.check_forward(batch.requests)
@@ -100,24 +105,24 @@ class StepGuard:
             if len(batch) == 1:
                 logger.warning("request %s failed in the forward: %r", batch.requests[0].rid, e)
                 failed.append((batch.requests[0], describe_fault(e)))
-                return []
+                return [], torch.empty(0, 0)
             logger.warning("a forward of %d requests failed (%r); retrying each half", len(batch), e)
             mid = len(batch) // 2
-            return self._forward(_part(batch, 0, mid), failed) + self._forward(
-                _part(batch, mid, len(batch)), failed
-            )
+            halves = [self._forward(_part(batch, a, b), failed) for a, b in ((0, mid), (mid, len(batch)))]
+            parts = [logits for reqs, logits in halves if reqs]
+            return [r for reqs, _ in halves for r in reqs], torch.cat(parts) if parts else torch.empty(0, 0)
         for req, n in zip(batch.requests, batch.num_new):
             req.num_computed += n
-        return [(batch.requests[i], logits[k]) for k, i in enumerate(sampling)]
+        return [batch.requests[i] for i in sampling], logits
 
-    def _sample(self, rows: list[tuple[Request, torch.Tensor]], failed: list[Failed]) -> list[Sampled]:
-        if not rows:
+    def _sample(self, requests: list[Request], logits: torch.Tensor, failed: list[Failed]) -> list[Sampled]:
+        """Sample a token for each of ``requests`` from its row of ``logits`` (grammar masks are applied
+        in place)."""
+        if not requests:
             return []
-        requests = [req for req, _ in rows]
         try:
             if self.faults is not None:
                 self.faults.check_sampling(requests)
-            logits = torch.stack([row for _, row in rows])
             apply_grammar_masks(logits, requests, self.grammar_masks)
             tokens, logprobs = sample(logits, requests, self.generator)
         except BadSamplingRows as e:
@@ -126,14 +131,18 @@ class StepGuard:
                 failed.append(
                     (requests[i], why if "sampling parameters" in why else f"internal error: {why}")
                 )
-            return self._sample([r for i, r in enumerate(rows) if i not in e.rows], failed)
+            keep = [i for i in range(len(requests)) if i not in e.rows]
+            index = torch.tensor(keep, dtype=torch.long, device=logits.device)
+            return self._sample([requests[i] for i in keep], logits[index], failed)
         except Exception as e:
-            if len(rows) == 1:
+            if len(requests) == 1:
                 logger.warning("request %s failed in sampling: %r", requests[0].rid, e)
                 failed.append((requests[0], describe_fault(e)))
                 return []
-            logger.warning("sampling %d requests failed (%r); sampling each alone", len(rows), e)
-            return [s for row in rows for s in self._sample([row], failed)]
+            logger.warning("sampling %d requests failed (%r); sampling each alone", len(requests), e)
+            return [
+                s for i, req in enumerate(requests) for s in self._sample([req], logits[i : i + 1], failed)
+            ]
         return [(req, tok, logprobs[i]) for i, (req, tok) in enumerate(zip(requests, tokens))]
 
 
