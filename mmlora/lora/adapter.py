@@ -90,7 +90,7 @@ class LoadedAdapter:
     ``staged``, when set, all A and B tensors back to back in a few page-locked blocks (set by the pool
     on CUDA): the tensors in ``weights`` are views of them, and a slot load copies each block to the
     device at once; ``staged_layout`` the id of that layout (``mmlora.lora.staging``), shared by every
-    adapter staged alike."""
+    adapter staged alike, and ``staged_scalings`` the slices' scalings in one fp32 tensor."""
 
     path: str
     rank: int
@@ -99,6 +99,7 @@ class LoadedAdapter:
     nbytes: int
     staged: tuple[torch.Tensor, ...] | None = None
     staged_layout: int | None = None
+    staged_scalings: torch.Tensor | None = None
 
 
 def load_adapter(

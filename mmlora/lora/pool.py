@@ -54,8 +54,8 @@ class LoRAPool:
                 self.buffers[(layer, t.name)] = (A, B, scalings)
         self.slot_uid: list[int | None] = [None] * num_slots
         self._views: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-        self._dst_views: dict[tuple[int, tuple[int, str], int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._staging_buffer: torch.Tensor | None = None
+        self._scale_staging_buffer: torch.Tensor | None = None
         # (slot, staged layout id) -> its upload plan, LRU; plans hold views of the staging buffer.
         self._plans: OrderedDict[tuple[int, int], UploadPlan] = OrderedDict()
         self._max_plans = 4 * num_slots
@@ -166,38 +166,43 @@ class LoRAPool:
             buf = self._staging_buffer = torch.empty(numel, dtype=dtype, device=self.device)
         return buf[:numel]
 
-    def _dst(self, slot: int, key: tuple[int, str], i: int, r: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The slot's views of slice ``i`` of module ``key`` at rank ``r`` (A rows, B columns), made once
-        (building them was most of an upload's host time): flat when contiguous, so multi-tensor copies
-        pair them with flat chunks of a staging buffer; 2-D otherwise (B at a rank below the pool's)."""
-        views = self._dst_views.get((slot, key, i, r))
-        if views is None:
-            A, B, _ = self.buffers[key]
-            R, offsets = self.max_rank, self._offsets[key[1]]
-            a, b = A[slot, i * R : i * R + r], B[slot, offsets[i] : offsets[i + 1], :r]
-            views = tuple(v.view(-1) if v.is_contiguous() else v for v in (a, b))
-            self._dst_views[(slot, key, i, r)] = views
-        return views
+    def _scale_staging(self, numel: int) -> torch.Tensor:
+        """The device buffer staged scalings are copied through (grown as ``_staging``)."""
+        buf = self._scale_staging_buffer
+        if buf is None or buf.numel() < numel:
+            self._plans.clear()  # their chunks are views of the old buffer
+            buf = self._scale_staging_buffer = torch.empty(numel, dtype=torch.float32, device=self.device)
+        return buf[:numel]
 
     def _pairs(self, slot: int, adapter: LoadedAdapter) -> list[tuple[torch.Tensor | None, torch.Tensor]]:
         """(slot view, or None for a module the pool does not hold; source) for every A and B tensor of
         ``adapter``: A then B of every slice, module by module in the adapter's order (a staged adapter's
-        block order)."""
+        block order). A slot view is flat where contiguous, so multi-tensor copies pair it with a flat
+        chunk of a staging buffer; a B view below the pool rank (B[slot, rows, :r]) is strided."""
+        R = self.max_rank
         pairs: list[tuple[torch.Tensor | None, torch.Tensor]] = []
         for key, w in adapter.weights.items():
-            ours = key in self.buffers
-            for kind, tensors in ((0, w.A), (1, w.B)):
-                for i, t in enumerate(tensors):
-                    if t is not None:
-                        r = t.shape[0] if kind == 0 else t.shape[1]
-                        pairs.append((self._dst(slot, key, i, r)[kind] if ours else None, t))
+            bufs = self.buffers.get(key)
+            if bufs is None:
+                pairs += [(None, t) for t in (*w.A, *w.B) if t is not None]
+                continue
+            A, B = bufs[0][slot], bufs[1][slot]
+            offsets = self._offsets[key[1]]
+            for i, t in enumerate(w.A):
+                if t is not None:
+                    pairs.append((A[i * R : i * R + t.shape[0]].view(-1), t))
+            for i, t in enumerate(w.B):
+                if t is not None:
+                    b = B[offsets[i] : offsets[i + 1], : t.shape[1]]
+                    pairs.append((b.view(-1) if b.is_contiguous() else b, t))
         return pairs
 
     def _plan(self, slot: int, adapter: LoadedAdapter) -> UploadPlan:
         """The upload plan of a staged adapter into ``slot``: cached per (slot, layout) when the adapter
         was staged by ``staging.flatten`` (which sets its layout id); built and checked otherwise."""
-        staged = adapter.staged
+        staged, scalings = adapter.staged, _staged_scalings(adapter)
         staging = self._staging(sum(b.numel() for b in staged), staged[0].dtype)
+        scale_staging = self._scale_staging(scalings.numel())
         key = (slot, adapter.staged_layout)
         plan = self._plans.get(key) if adapter.staged_layout is not None else None
         if plan is not None:
@@ -206,7 +211,11 @@ class LoRAPool:
                 raise ValueError("an adapter tensor is not where its staged blocks hold it")
             self._plans.move_to_end(key)
             return plan
-        plan = UploadPlan.build(self._pairs(slot, adapter), staged, staging)
+        scale_pairs = [
+            (self.buffers[k][2][slot] if k in self.buffers else None, len(w.scalings))
+            for k, w in adapter.weights.items()
+        ]
+        plan = UploadPlan.build(self._pairs(slot, adapter), staged, staging, scale_pairs, scale_staging)
         if adapter.staged_layout is not None:
             self._plans[key] = plan
             while len(self._plans) > self._max_plans:
@@ -224,7 +233,7 @@ class LoRAPool:
             torch._foreach_zero_(ab_views)
         torch._foreach_zero_(scale_views)
         if plan is not None:
-            plan.run(adapter.staged)
+            plan.run(adapter.staged, _staged_scalings(adapter))
             filled = plan.filled
         else:
             pairs = self._pairs(slot, adapter)
@@ -232,6 +241,14 @@ class LoRAPool:
             if kept:
                 torch._foreach_copy_([d for d, _ in kept], [t for _, t in kept], non_blocking=True)
             filled = sum(t.numel() for d, t in pairs if d is not None)
+            self._write_scalings(slot, adapter, scale_views)
+        self._slot_filled[slot] = filled  # A and B
+        self._on_slot_change(slot, adapter.rank)
+
+    def _write_scalings(self, slot: int, adapter: LoadedAdapter, scale_views: list[torch.Tensor]) -> None:
+        """An unstaged adapter's scalings into ``slot``: all in one host tensor (pinned on CUDA) and one
+        host-to-device copy, then one multi-tensor copy on the device (a copy per module from the host is
+        a launch each)."""
         scale_dst: list[torch.Tensor] = []
         scale_values: list[float] = []
         for key, view in zip(self.buffers, scale_views):
@@ -240,14 +257,10 @@ class LoRAPool:
                 scale_dst.append(view)
                 scale_values += [float(sc) if a is not None else 0.0 for a, sc in zip(w.A, w.scalings)]
         if scale_dst:
-            # All scalings in one host tensor (pinned on CUDA) and one host-to-device copy, then one
-            # multi-tensor copy on the device: a copy per module from the host is a launch each.
             values = torch.tensor(scale_values, dtype=torch.float32)
             if self.device.type == "cuda":
                 values = values.pin_memory().to(self.device, non_blocking=True)
             torch._foreach_copy_(scale_dst, list(values.split([t.numel() for t in scale_dst])))
-        self._slot_filled[slot] = filled  # A and B
-        self._on_slot_change(slot, adapter.rank)
 
     @property
     def slots_used(self) -> int:
@@ -257,8 +270,7 @@ class LoRAPool:
         """Drop the slot buffers and the host cache (``LoRALinear`` views of the buffers go separately)."""
         self.buffers.clear()
         self._views.clear()
-        self._dst_views.clear()
-        self._staging_buffer = None
+        self._staging_buffer = self._scale_staging_buffer = None
         self._plans.clear()
         self.host.clear()
 
@@ -275,3 +287,15 @@ class LoRAPool:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for bufs in self.buffers.values() for t in bufs)
+
+
+def _staged_scalings(adapter: LoadedAdapter) -> torch.Tensor:
+    """A staged adapter's scalings as ``staging.flatten`` lays them out (made here when it did not)."""
+    if adapter.staged_scalings is not None:
+        return adapter.staged_scalings
+    values = [
+        float(sc) if a is not None else 0.0
+        for w in adapter.weights.values()
+        for a, sc in zip(w.A, w.scalings)
+    ]
+    return torch.tensor(values, dtype=torch.float32)

@@ -55,8 +55,10 @@ def pinned(adapter: LoadedAdapter) -> LoadedAdapter:
 def flatten(adapter: LoadedAdapter, pin: bool) -> LoadedAdapter | None:
     """``adapter`` with its A and B tensors copied back to back into flat blocks of at most
     :data:`STAGE_BLOCK_BYTES` (page-locked with ``pin``; a larger tensor gets a block of its own), kept
-    in ``staged``, its tensors views of them, and ``staged_layout`` the id of that layout; None when the
-    tensors do not share one dtype (a block holds one) or there are none."""
+    in ``staged``, its tensors views of them, ``staged_layout`` the id of that layout, and
+    ``staged_scalings`` every slice's scaling (0 where the slice has no weights) in fp32, module by module
+    in the adapter's order; None when the tensors do not share one dtype (a block holds one) or there are
+    none."""
     tensors = [t for w in adapter.weights.values() for t in (*w.A, *w.B) if t is not None]
     if not tensors or len({t.dtype for t in tensors}) != 1:
         return None
@@ -95,7 +97,17 @@ def flatten(adapter: LoadedAdapter, pin: bool) -> LoadedAdapter | None:
         tuple(b.numel() for b in blocks),
     )
     layout = _LAYOUT_IDS.setdefault(signature, len(_LAYOUT_IDS))
-    return dataclasses.replace(adapter, weights=weights, staged=tuple(blocks), staged_layout=layout)
+    scalings = torch.tensor(
+        [float(sc) if a is not None else 0.0 for w in weights.values() for a, sc in zip(w.A, w.scalings)],
+        dtype=torch.float32,
+    )
+    return dataclasses.replace(
+        adapter,
+        weights=weights,
+        staged=tuple(blocks),
+        staged_layout=layout,
+        staged_scalings=scalings.pin_memory() if pin else scalings,
+    )
 
 
 def check_staged(pairs: list[Pair], staged: tuple[torch.Tensor, ...]) -> None:
@@ -119,19 +131,30 @@ def check_staged(pairs: list[Pair], staged: tuple[torch.Tensor, ...]) -> None:
 @dataclass
 class UploadPlan:
     """The copies of one staged layout into one slot: each block to its offset in the staging buffer,
-    then multi-tensor copies from the buffer's chunks to the slot's views. ``filled``: the A and B
-    elements the adapter fills in the slot."""
+    then multi-tensor copies from the buffer's chunks to the slot's views; the adapter's scalings to
+    their staging buffer, then to the slot's scalings views. ``filled``: the A and B elements the adapter
+    fills in the slot."""
 
     staging: torch.Tensor
     flat: tuple[list[torch.Tensor], list[torch.Tensor]]
     strided: tuple[list[torch.Tensor], list[torch.Tensor]]
+    scale_staging: torch.Tensor
+    scales: tuple[list[torch.Tensor], list[torch.Tensor]]
     filled: int
 
     @classmethod
-    def build(cls, pairs: list[Pair], staged: tuple[torch.Tensor, ...], staging: torch.Tensor) -> UploadPlan:
+    def build(
+        cls,
+        pairs: list[Pair],
+        staged: tuple[torch.Tensor, ...],
+        staging: torch.Tensor,
+        scale_pairs: list[tuple[torch.Tensor | None, int]],
+        scale_staging: torch.Tensor,
+    ) -> UploadPlan:
         """``pairs`` (slot view or None to skip, source), the sources being the tensors of the flat host
         blocks ``staged`` in order (checked); ``staging``: flat, on the slot's device, of the blocks'
-        dtype and total length."""
+        dtype and total length. ``scale_pairs``: (the slot's scalings view of a module or None to skip,
+        its slice count) in the order of ``staged_scalings``, whose length ``scale_staging`` has."""
         check_staged(pairs, staged)
         chunks = staging.split([t.numel() for _, t in pairs])
         flat: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
@@ -148,15 +171,24 @@ class UploadPlan:
             else:
                 strided[0].append(d)
                 strided[1].append(chunk.view(t.shape))
+        if sum(n for _, n in scale_pairs) != scale_staging.numel():
+            raise ValueError("the adapter's scalings do not match its modules")
+        scales: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+        for (d, _), chunk in zip(scale_pairs, scale_staging.split([n for _, n in scale_pairs])):
+            if d is not None:
+                scales[0].append(d)
+                scales[1].append(chunk)
         filled = sum(d.numel() for d, _ in pairs if d is not None)
-        return cls(staging, flat, strided, filled)
+        return cls(staging, flat, strided, scale_staging, scales, filled)
 
-    def run(self, staged: tuple[torch.Tensor, ...]) -> None:
-        """Copy the blocks ``staged`` (of this plan's layout) into the slot."""
+    def run(self, staged: tuple[torch.Tensor, ...], scalings: torch.Tensor) -> None:
+        """Copy the blocks ``staged`` and the ``scalings`` (of an adapter of this plan's layout) into the
+        slot."""
         at = 0
         for block in staged:
             self.staging[at : at + block.numel()].copy_(block, non_blocking=True)
             at += block.numel()
-        for dst, src in (self.flat, self.strided):
+        self.scale_staging.copy_(scalings, non_blocking=True)
+        for dst, src in (self.flat, self.strided, self.scales):
             if dst:
                 torch._foreach_copy_(dst, src, non_blocking=True)

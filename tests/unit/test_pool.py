@@ -254,9 +254,9 @@ def count_plan_builds(monkeypatch) -> list[int]:
     calls: list[int] = []
     build = staging_module.UploadPlan.build.__func__
 
-    def spy(cls, pairs, staged, staging):  # noqa: ANN001, ANN202
+    def spy(cls, pairs, *rest):  # noqa: ANN001, ANN002, ANN202
         calls.append(len(pairs))
-        return build(cls, pairs, staged, staging)
+        return build(cls, pairs, *rest)
 
     monkeypatch.setattr(staging_module.UploadPlan, "build", classmethod(spy))
     return calls
