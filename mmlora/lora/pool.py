@@ -59,6 +59,7 @@ class LoRAPool:
         # (slot, staged layout id) -> its upload plan, LRU; plans hold views of the staging buffer.
         self._plans: OrderedDict[tuple[int, int], UploadPlan] = OrderedDict()
         self._max_plans = 4 * num_slots
+        self._layouts_seen: set[int] = set()
         # A and B elements each slot's adapter fills (the rest of the slot is rank padding, or modules
         # and slices it does not target): what slot_padding_fraction measures.
         self._slot_filled = [0] * num_slots
@@ -78,9 +79,16 @@ class LoRAPool:
         return uid in self.host
 
     def put_host(self, uid: int, adapter: LoadedAdapter, protected: set[int]) -> None:
-        """Add a validated adapter to the host cache, evicting LRU ones that are not ``protected``."""
+        """Add a validated adapter to the host cache, evicting LRU ones that are not ``protected``. The
+        first adapter of a staged layout builds that layout's upload plans for every slot here, at load
+        time: a plan's first build (~450 slot views and the staging split) cost more than the upload
+        itself, and a batch admitting many adapters at once paid it per fresh slot inside its step."""
         if self.device.type == "cuda":
             adapter = pinned(adapter)
+        if adapter.staged_layout is not None and adapter.staged_layout not in self._layouts_seen:
+            self._layouts_seen.add(adapter.staged_layout)
+            for slot in range(min(self.num_slots, self._max_plans)):
+                self._plan(slot, adapter)
         self.host[uid] = adapter
         self.host.move_to_end(uid)
         if self.max_loaded is None:

@@ -324,6 +324,22 @@ def test_upload_plans_are_reused_per_slot_and_layout_and_rebuilt_after_the_stagi
     assert_slot_is(pool, 0, expected_slot(first, pool.max_rank))
 
 
+def test_the_first_adapter_of_a_layout_builds_its_plans_at_load_time(monkeypatch):
+    """Plans for every slot are built when a layout's first adapter enters the host cache, so slot loads
+    in a step (a batch admitting many adapters) only replay them; each load still copies its own
+    adapter (the oracle: the slot built from its tensors)."""
+    calls = count_plan_builds(monkeypatch)
+    pool, _ = make_pool(slots=3)
+    adapters = [_flatten(scaled(mixed_rank_adapter(), f), pin=False) for f in (1.0, 2.0, -0.5, 4.0)]
+    for uid, a in enumerate(adapters):
+        pool.put_host(uid, a, set())
+    assert calls == [12, 12, 12]  # at the first adapter's load, one per slot
+    for uid in range(4):
+        slot = pool.acquire_slot(uid, busy=set())
+        assert_slot_is(pool, slot, expected_slot(adapters[uid], pool.max_rank))
+    assert calls == [12, 12, 12] and pool.slot_loads == 4
+
+
 def test_an_adapter_filling_its_whole_slot_overwrites_every_element():
     """A rank-4 adapter on every slice of every module fills a rank-4 slot entirely, so its upload skips
     zeroing the slot first; nothing of the slot's previous adapter may remain."""
