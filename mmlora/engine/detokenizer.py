@@ -31,7 +31,8 @@ def update_text(req: Request, tokenizer: Any) -> None:
     old_len = len(req.text)
     text = req.text + window[len(prefix) :]
     req.prefix_offset, req.read_offset = req.read_offset, len(ids)
-    if (sp.stop or sp.stop_regex) and req.finish_reason in (None, "length"):
+    # Stop strings count from min_new_tokens on, as vLLM's min_tokens and SGLang's min_new_tokens do.
+    if (sp.stop or sp.stop_regex) and req.finish_reason in (None, "length") and len(ids) >= sp.min_new_tokens:
         hit = _first_stop(text, old_len, sp.stop, sp.stop_regex)
         if hit is not None:
             start, end, matched = hit

@@ -93,7 +93,9 @@ class Engine:
         # Unseeded requests sample from the engine's own generator, not the process-wide one: results
         # then do not depend on what else in the process draws random numbers.
         self.generator = torch.Generator(device=self.device).manual_seed(config.model.seed)
-        self.step_guard = StepGuard(self.runner, self.generator, vocab_size)  # a failing request fails alone
+        self.step_guard = StepGuard(
+            self.runner, self.generator, vocab_size, frozenset(self.eos_ids)
+        )  # a failing request fails alone
         self._requests: dict[str, Request] = {}
         self._aborts: set[str] = set()
         self._pending_unloads: list[AdapterEntry] = []

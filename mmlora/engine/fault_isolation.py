@@ -71,8 +71,11 @@ def describe_fault(error: BaseException) -> str:
 class StepGuard:
     """Forward and sample one scheduled batch; a request that raises fails alone."""
 
-    def __init__(self, runner: ModelRunner, generator: torch.Generator, vocab_size: int) -> None:
+    def __init__(
+        self, runner: ModelRunner, generator: torch.Generator, vocab_size: int, eos_ids: frozenset[int]
+    ) -> None:
         self.runner = runner
+        self.eos_ids = eos_ids
         self.generator = generator
         self.grammar_masks = GrammarMasks(vocab_size)
         self.faults: FaultInjector | None = None
@@ -124,7 +127,7 @@ class StepGuard:
             if self.faults is not None:
                 self.faults.check_sampling(requests)
             apply_grammar_masks(logits, requests, self.grammar_masks)
-            tokens, logprobs = sample(logits, requests, self.generator)
+            tokens, logprobs = sample(logits, requests, self.generator, self.eos_ids)
         except BadSamplingRows as e:
             for i, why in e.rows.items():
                 logger.warning("request %s failed in sampling: %s", requests[i].rid, why)

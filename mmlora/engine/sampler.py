@@ -52,6 +52,20 @@ def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Ten
     return logits
 
 
+def _mask_stop_tokens(logits: torch.Tensor, requests: list[Request], eos_ids: frozenset[int]) -> torch.Tensor:
+    """-inf, in place, on the tokens that would end a request before its ``min_new_tokens``: its
+    ``stop_token_ids``, and the model's EOS ids unless it ignores EOS (vLLM's ``min_tokens`` and
+    SGLang's ``min_new_tokens``: such a token cannot be chosen, rather than chosen and not obeyed)."""
+    for i, req in enumerate(requests):
+        sp = req.sampling
+        if len(req.output_ids) < sp.min_new_tokens:
+            stops = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(eos_ids))
+            ids = [t for t in stops if 0 <= t < logits.shape[1]]
+            if ids:
+                logits[i, torch.tensor(ids, device=logits.device)] = float("-inf")
+    return logits
+
+
 def _filter(probs_logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     """Mask logits outside top-k, top-p and min-p (each row its own settings)."""
     logits = probs_logits
@@ -74,10 +88,14 @@ def _filter(probs_logits: torch.Tensor, requests: list[Request]) -> torch.Tensor
 
 
 def sample(
-    logits: torch.Tensor, requests: list[Request], default_generator: torch.Generator
+    logits: torch.Tensor,
+    requests: list[Request],
+    default_generator: torch.Generator,
+    eos_ids: frozenset[int] = frozenset(),
 ) -> tuple[list[int], torch.Tensor]:
     """logits [B, V] fp32 -> (next token ids, log_softmax of the raw logits [B, V], or [B, 0] when no
-    request returns logprobs).
+    request returns logprobs). A request short of its ``min_new_tokens`` cannot draw a token that would
+    end it (``eos_ids``, the model's, count unless it ignores EOS).
 
     Requests without a seed draw from ``default_generator`` (the engine's own, seeded from its config).
     Raises ``BadSamplingRows`` naming the rows with NaN/Inf logits or probabilities.
@@ -90,10 +108,15 @@ def sample(
         r.sampling.repetition_penalty != 1.0 or r.sampling.frequency_penalty or r.sampling.presence_penalty
         for r in requests
     )
-    logits = _apply_penalties(raw.clone(), requests) if penalised else raw  # penalties write in place
+    held = any(len(r.output_ids) < r.sampling.min_new_tokens for r in requests)
+    logits = raw.clone() if penalised or held else raw  # penalties and stop masks write in place
+    if penalised:
+        logits = _apply_penalties(logits, requests)
+    if held:
+        logits = _mask_stop_tokens(logits, requests, eos_ids)
     greedy = [r.sampling.greedy for r in requests]
     tokens = logits.argmax(dim=-1)
-    if all(greedy) and not penalised:
+    if all(greedy) and not penalised and not held:
         # argmax picks a NaN (or else a +Inf) wherever a row has one, so the logit it chose tells whether
         # the row is bad: one gather and one transfer to the host, not three passes over [B, V] and two.
         top = raw.gather(1, tokens.unsqueeze(1)).squeeze(1)

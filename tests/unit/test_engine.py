@@ -120,6 +120,36 @@ def test_penalties_stop_strings_and_stop_tokens(tiny):
         assert base.text.startswith(out.text)
 
 
+def test_min_new_tokens_forbids_the_stop_tokens_as_hf_does(tiny):
+    """Before min_new_tokens a stop token cannot be chosen (vLLM's min_tokens, SGLang's min_new_tokens,
+    HF's MinNewTokensLengthLogitsProcessor), rather than chosen and then not obeyed. Oracle: HF's generate
+    with that token as its end token and the same min_new_tokens; then stop strings wait for it too."""
+    from transformers import AutoModelForCausalLM
+
+    base_dir, _ = tiny
+    eng = engine(tiny)
+    ids = eng.tokenizer("Hello world")["input_ids"]
+    free = eng.generate(input_ids=[ids], sampling_params={**GREEDY, "max_new_tokens": 8})[0]
+    stop_tok = free.output_ids[0]  # greedy's first choice, so holding it back changes the output
+    sp = {**GREEDY, "max_new_tokens": 8, "stop_token_ids": [stop_tok], "min_new_tokens": 3}
+    held = eng.generate(input_ids=[ids], sampling_params=sp)[0]
+    hf = AutoModelForCausalLM.from_pretrained(str(base_dir), torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf.generate(
+            torch.tensor([ids]), max_new_tokens=8, min_new_tokens=3, do_sample=False,
+            eos_token_id=[stop_tok], pad_token_id=0,
+        )[0, len(ids) :].tolist()  # fmt: skip
+    assert held.output_ids == ref
+    assert stop_tok not in held.output_ids[:3] and len(held.output_ids) >= 3
+    text = eng.generate(input_ids=[ids], sampling_params={**GREEDY, "max_new_tokens": 8})[0].text
+    if text:
+        out = eng.generate(
+            input_ids=[ids],
+            sampling_params={**GREEDY, "max_new_tokens": 8, "stop": [text[0]], "min_new_tokens": 4},
+        )[0]
+        assert len(out.output_ids) >= 4
+
+
 def test_streaming_increments_add_up_and_abort(tiny):
     eng = engine(tiny)
     pieces = list(eng.stream("Hello world", sampling_params={**GREEDY, "max_new_tokens": 8}, lora="a1"))
