@@ -56,13 +56,19 @@ def _mask_stop_tokens(logits: torch.Tensor, requests: list[Request], eos_ids: fr
     """-inf, in place, on the tokens that would end a request before its ``min_new_tokens``: its
     ``stop_token_ids``, and the model's EOS ids unless it ignores EOS (vLLM's ``min_tokens`` and
     SGLang's ``min_new_tokens``: such a token cannot be chosen, rather than chosen and not obeyed)."""
+    rows: list[int] = []
+    cols: list[int] = []
+    V = logits.shape[1]
     for i, req in enumerate(requests):
         sp = req.sampling
         if len(req.output_ids) < sp.min_new_tokens:
-            stops = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(eos_ids))
-            ids = [t for t in stops if 0 <= t < logits.shape[1]]
-            if ids:
-                logits[i, torch.tensor(ids, device=logits.device)] = float("-inf")
+            stops = set(sp.stop_token_ids) | (set() if sp.ignore_eos else eos_ids)
+            ids = [t for t in stops if 0 <= t < V]
+            rows += [i] * len(ids)
+            cols += ids
+    if rows:  # one indexed write for the batch, not one per request
+        index = torch.tensor([rows, cols], dtype=torch.long).to(logits.device, non_blocking=True)
+        logits[index[0], index[1]] = float("-inf")
     return logits
 
 

@@ -132,7 +132,11 @@ def test_min_new_tokens_forbids_the_stop_tokens_as_hf_does(tiny):
     free = eng.generate(input_ids=[ids], sampling_params={**GREEDY, "max_new_tokens": 8})[0]
     stop_tok = free.output_ids[0]  # greedy's first choice, so holding it back changes the output
     sp = {**GREEDY, "max_new_tokens": 8, "stop_token_ids": [stop_tok], "min_new_tokens": 3}
-    held = eng.generate(input_ids=[ids], sampling_params=sp)[0]
+    # In one batch with an unconstrained copy of the request: the mask touches only the held row.
+    held, unheld = eng.generate(
+        input_ids=[ids, ids], sampling_params=[sp, {**sp, "min_new_tokens": 0, "stop_token_ids": []}]
+    )
+    assert unheld.output_ids == free.output_ids
     hf = AutoModelForCausalLM.from_pretrained(str(base_dir), torch_dtype=torch.float32).eval()
     with torch.no_grad():
         ref = hf.generate(
