@@ -164,6 +164,19 @@ def _time_with(backend, tuning: dict, overrides: dict, points: list, device: tor
         tuning.update(default)
 
 
+def _release(points: list, device: torch.device) -> None:
+    """Free a case's adapter copies before the next case allocates its own."""
+    points.clear()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _write(args: argparse.Namespace, key: str, results: list) -> None:
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"rank": args.rank, key: results}, f, indent=1)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--smoke", action="store_true")
@@ -213,12 +226,8 @@ def main() -> None:
                 print(
                     f"   {knob:13s} {cells}  -> best {best[0]} ({best[1] / base_s:.3f}x default)", flush=True
                 )
-        del points
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"rank": args.rank, "results": results}, f, indent=1)
+        _release(points, device)
+    _write(args, "results", results)
 
 
 def grid(args: argparse.Namespace) -> None:
@@ -253,12 +262,8 @@ def grid(args: argparse.Namespace) -> None:
                     f"   {secs * 1e6:7.1f} us ({secs / base_s:.3f}x, {nbytes / secs / 1e9:.0f} GB/s) {combo}",
                     flush=True,
                 )
-            del points
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"rank": args.rank, "grid": results}, f, indent=1)
+            _release(points, device)
+    _write(args, "grid", results)
 
 
 if __name__ == "__main__":
