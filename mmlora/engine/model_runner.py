@@ -70,7 +70,7 @@ class ModelRunner:
         bs = self.block_size
         for b, (req, n) in enumerate(zip(sched.requests, sched.num_new)):
             start = req.num_computed
-            ids.extend(req.all_ids[start : start + n])
+            ids.extend(req.token_slice(start, start + n))
             positions.extend(range(start, start + n))
             slot_mapping.extend(req.blocks[p // bs] * bs + p % bs for p in range(start, start + n))
             qsl.append(qsl[-1] + n)

@@ -78,6 +78,16 @@ class Request:
         n = len(self.prompt_ids)
         return self.prompt_ids[p] if p < n else self.output_ids[p - n]
 
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """``all_ids[start:stop]`` without building the joined list (every eager step asks this of every
+        row: a decode row's one new token, a prefill chunk's tokens)."""
+        n = len(self.prompt_ids)
+        if start >= n:
+            return self.output_ids[start - n : stop - n]
+        if stop <= n:
+            return self.prompt_ids[start:stop]
+        return self.prompt_ids[start:] + self.output_ids[: stop - n]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)

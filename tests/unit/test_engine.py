@@ -253,3 +253,18 @@ def test_load_unload_and_reused_name(tiny):
     assert x1 == y1 and x0 != x1
     by_path = eng.generate(["Hello world"], [str(adapters["a0"])], sampling_params=GREEDY)[0].output_ids
     assert by_path == x0
+
+
+@pytest.mark.parametrize("n_prompt, n_out", [(5, 0), (5, 3), (1, 4), (0, 2)])
+def test_token_slice_and_token_at_match_the_joined_ids(n_prompt, n_out):
+    """The eager step's and the graph runner's reads of a request's tokens, against ``all_ids`` itself."""
+    from mmlora.engine.request import Request
+    from mmlora.engine.sampling_params import SamplingParams
+
+    req = Request("r", list(range(100, 100 + n_prompt)), SamplingParams(), None)
+    req.output_ids = list(range(200, 200 + n_out))
+    joined = req.all_ids
+    for start in range(len(joined) + 1):
+        for stop in range(start, len(joined) + 1):
+            assert req.token_slice(start, stop) == joined[start:stop]
+    assert [req.token_at(p) for p in range(len(joined))] == joined
