@@ -8,7 +8,9 @@
 #  2. runs the serving command with --sweep-rounds 2 in one process: base-only, 8, 32, 1000
 #     adapters, then all four again, each LoRA point against its own round's base-only run (every run
 #     starts from an empty prefix cache since session 8);
-#  3. (after the sweep, if time is left) the decode microbenchmark alone, twice.
+#  3. (after the sweep, if time is left) the decode microbenchmark;
+#  4. (if time is left) benchmarks/scripts/upload_profile.py: the first write into each slot against a
+#     repeated one (session 8 builds every slot's upload plan at load time; unmeasured on the GPU).
 # Usage: bash benchmarks/h200_next.sh OUTDIR      (then read OUTDIR/summary.txt)
 set -u
 out=${1:?output folder}
@@ -26,6 +28,11 @@ if [ "$SECONDS" -lt 440 ]; then
     --hf-batch 0 --micro-batch 32 128 --micro-adapters 32 --allow-compiles --out "$out/micro" > "$out/micro.log" 2>&1
   echo "micro rc=$?" | tee -a "$out/rc.txt"
 fi
+if [ "$SECONDS" -lt 500 ]; then
+  timeout 80 python benchmarks/scripts/upload_profile.py --num 8 > "$out/upload_profile.txt" 2>&1
+  echo "upload profile rc=$?" | tee -a "$out/rc.txt"
+fi
 kill "$logger" 2>/dev/null
 python benchmarks/scripts/serving_summary.py "$out" rounds micro > "$out/summary.txt" 2>&1
+grep -E "first write|write_slot|H2D" "$out/upload_profile.txt" >> "$out/summary.txt" 2>/dev/null
 cat "$out/summary.txt"
