@@ -91,8 +91,7 @@ class StepGuard:
         keep = [k for k, req in enumerate(requests) if req.sampling.max_new_tokens > 0]
         prompt_only = [req for req in requests if req.sampling.max_new_tokens == 0]
         if len(keep) < len(requests):
-            logits = logits[torch.tensor(keep, dtype=torch.long, device=logits.device)]
-            requests = [requests[k] for k in keep]
+            logits, requests = _rows(logits, keep), [requests[k] for k in keep]
         return self._sample(requests, logits, failed), prompt_only, failed
 
     def _forward(self, batch: ScheduledBatch, failed: list[Failed]) -> tuple[list[Request], torch.Tensor]:
@@ -135,8 +134,7 @@ class StepGuard:
                     (requests[i], why if "sampling parameters" in why else f"internal error: {why}")
                 )
             keep = [i for i in range(len(requests)) if i not in e.rows]
-            index = torch.tensor(keep, dtype=torch.long, device=logits.device)
-            return self._sample([requests[i] for i in keep], logits[index], failed)
+            return self._sample([requests[i] for i in keep], _rows(logits, keep), failed)
         except Exception as e:
             if len(requests) == 1:
                 logger.warning("request %s failed in sampling: %r", requests[0].rid, e)
@@ -147,6 +145,11 @@ class StepGuard:
                 s for i, req in enumerate(requests) for s in self._sample([req], logits[i : i + 1], failed)
             ]
         return [(req, tok, logprobs[i]) for i, (req, tok) in enumerate(zip(requests, tokens))]
+
+
+def _rows(logits: torch.Tensor, keep: list[int]) -> torch.Tensor:
+    """The rows ``keep`` of ``logits`` (one indexed copy)."""
+    return logits[torch.tensor(keep, dtype=torch.long, device=logits.device)]
 
 
 def _part(batch: ScheduledBatch, start: int, stop: int) -> ScheduledBatch:

@@ -239,10 +239,9 @@ class LoRABatchInfo:
             for length in lens:
                 indptr.append(indptr[-1] + length)
             packed = torch.tensor([indptr, [*lens, 0], [*seg_slots, -1]], dtype=torch.int32)
-            k = num_segments
-            self.seg_indptr[: k + 1].copy_(packed[0], non_blocking=True)
-            self.seg_lens[:k].copy_(packed[1, :k], non_blocking=True)
-            self.weight_indices[:k].copy_(packed[2, :k], non_blocking=True)
+            self.seg_indptr[: num_segments + 1].copy_(packed[0], non_blocking=True)
+            self.seg_lens[:num_segments].copy_(packed[1, :num_segments], non_blocking=True)
+            self.weight_indices[:num_segments].copy_(packed[2, :num_segments], non_blocking=True)
             self.seg_lens_host = lens
             self.seg_slots_host = seg_slots
             self.max_seg_len = RUN_TILE if n else 0

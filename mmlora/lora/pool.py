@@ -20,7 +20,7 @@ import torch
 
 from mmlora.lora.adapter import LoadedAdapter
 from mmlora.lora.spec import LoRAModelSpec
-from mmlora.lora.staging import UploadPlan, pinned
+from mmlora.lora.staging import UploadPlan, pinned, scalings_of
 
 logger = logging.getLogger(__name__)
 
@@ -87,8 +87,9 @@ class LoRAPool:
             adapter = pinned(adapter)
         if adapter.staged_layout is not None and adapter.staged_layout not in self._layouts_seen:
             self._layouts_seen.add(adapter.staged_layout)
-            for slot in range(min(self.num_slots, self._max_plans)):
-                self._plan(slot, adapter)
+            scalings = scalings_of(adapter)
+            for slot in range(self.num_slots):
+                self._plan(slot, adapter, scalings)
         self.host[uid] = adapter
         self.host.move_to_end(uid)
         if self.max_loaded is None:
@@ -205,10 +206,11 @@ class LoRAPool:
                     pairs.append((b.view(-1) if b.is_contiguous() else b, t))
         return pairs
 
-    def _plan(self, slot: int, adapter: LoadedAdapter) -> UploadPlan:
-        """The upload plan of a staged adapter into ``slot``: cached per (slot, layout) when the adapter
-        was staged by ``staging.flatten`` (which sets its layout id); built and checked otherwise."""
-        staged, scalings = adapter.staged, _staged_scalings(adapter)
+    def _plan(self, slot: int, adapter: LoadedAdapter, scalings: torch.Tensor) -> UploadPlan:
+        """The upload plan of a staged adapter (``scalings``: its ``staging.scalings_of``) into ``slot``:
+        cached per (slot, layout) when the adapter was staged by ``staging.flatten`` (which sets its
+        layout id); built and checked otherwise."""
+        staged = adapter.staged
         staging = self._staging(sum(b.numel() for b in staged), staged[0].dtype)
         scale_staging = self._scale_staging(scalings.numel())
         key = (slot, adapter.staged_layout)
@@ -236,12 +238,13 @@ class LoRAPool:
         # touches every (layer, module) buffer: ~1,300 launches, 17 ms of host time per Mistral-7B
         # adapter on an H200 before; issue 13).
         ab_views, scale_views = self._slot_views(slot)
-        plan = self._plan(slot, adapter) if adapter.staged is not None else None
+        scalings = scalings_of(adapter) if adapter.staged is not None else None
+        plan = self._plan(slot, adapter, scalings) if scalings is not None else None
         if plan is None or plan.filled < self._slot_elems:  # else every element is overwritten
             torch._foreach_zero_(ab_views)
         torch._foreach_zero_(scale_views)
         if plan is not None:
-            plan.run(adapter.staged, _staged_scalings(adapter))
+            plan.run(adapter.staged, scalings)
             filled = plan.filled
         else:
             pairs = self._pairs(slot, adapter)
@@ -295,15 +298,3 @@ class LoRAPool:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for bufs in self.buffers.values() for t in bufs)
-
-
-def _staged_scalings(adapter: LoadedAdapter) -> torch.Tensor:
-    """A staged adapter's scalings as ``staging.flatten`` lays them out (made here when it did not)."""
-    if adapter.staged_scalings is not None:
-        return adapter.staged_scalings
-    values = [
-        float(sc) if a is not None else 0.0
-        for w in adapter.weights.values()
-        for a, sc in zip(w.A, w.scalings)
-    ]
-    return torch.tensor(values, dtype=torch.float32)

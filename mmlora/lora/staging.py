@@ -97,10 +97,7 @@ def flatten(adapter: LoadedAdapter, pin: bool) -> LoadedAdapter | None:
         tuple(b.numel() for b in blocks),
     )
     layout = _LAYOUT_IDS.setdefault(signature, len(_LAYOUT_IDS))
-    scalings = torch.tensor(
-        [float(sc) if a is not None else 0.0 for w in weights.values() for a, sc in zip(w.A, w.scalings)],
-        dtype=torch.float32,
-    )
+    scalings = scalings_of(adapter)
     return dataclasses.replace(
         adapter,
         weights=weights,
@@ -108,6 +105,19 @@ def flatten(adapter: LoadedAdapter, pin: bool) -> LoadedAdapter | None:
         staged_layout=layout,
         staged_scalings=scalings.pin_memory() if pin else scalings,
     )
+
+
+def scalings_of(adapter: LoadedAdapter) -> torch.Tensor:
+    """Every slice's scaling in one fp32 tensor (0 where the slice has no weights), module by module in
+    the adapter's order: ``staged_scalings``, as an upload plan copies them."""
+    if adapter.staged_scalings is not None:
+        return adapter.staged_scalings
+    values = [
+        float(sc) if a is not None else 0.0
+        for w in adapter.weights.values()
+        for a, sc in zip(w.A, w.scalings)
+    ]
+    return torch.tensor(values, dtype=torch.float32)
 
 
 def check_staged(pairs: list[Pair], staged: tuple[torch.Tensor, ...]) -> None:
