@@ -5,7 +5,7 @@
 #     7B dummy presets in bf16, tp=2 against tp=1 over 16 greedy tokens.
 #  2. Serving: mmlora.bench serving at --tp-size 2 (both GPUs) and at tp=1 (GPU 0), same workload.
 #  3. Decode-step profile at tp=2: the all-reduce share and the LoRA kernels' share (torch.profiler).
-# Tensor-parallel steps run eagerly for now (CUDA graphs are captured at tp=1 only): say so in the results.
+# Decode steps replay CUDA graphs captured on both ranks (issue 17); --disable-cuda-graph would run them eagerly.
 set -u
 out=${1:?output folder}
 mkdir -p "$out"

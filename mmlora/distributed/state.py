@@ -103,9 +103,14 @@ def _checked(what: str, start, *args, timeout_s: float | None = None, **kwargs) 
 
 
 def all_reduce(t: torch.Tensor) -> torch.Tensor:
-    """Sum ``t`` over the ranks, in place; returns it."""
+    """Sum ``t`` over the ranks, in place; returns it. Inside a CUDA graph capture the collective is
+    only enqueued (captured): a bounded wait on it would poll work that runs at replay. A peer lost
+    during a replay is then found by the next command's broadcast, which is bounded."""
     if _GROUP.is_parallel:
-        _checked("all-reduce", dist.all_reduce, t, async_op=True)
+        if t.is_cuda and torch.cuda.is_current_stream_capturing():
+            dist.all_reduce(t)
+        else:
+            _checked("all-reduce", dist.all_reduce, t, async_op=True)
     return t
 
 

@@ -3,6 +3,10 @@
 A forward travels as one int64 payload (token ids, positions, attention metadata, logits rows and the
 LoRA routing, concatenated; the header gives the lengths), plus the image features of a multimodal
 step as one float tensor: tensors only, nothing pickled. Workers rebuild the same ForwardBatch.
+
+Decode graphs: CAPTURE_GRAPHS makes every worker capture the same graphs as rank 0, in the same order
+(captured collectives must pair up across ranks); REPLAY carries one graph step's static inputs as one
+int64 payload, and its graph key, so that every rank replays the same graph.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ class Command(enum.IntEnum):
     WRITE_SLOT = 2  # header: slot, adapter rank; then each worker's shard (mmlora.lora.shard)
     CLEAR_SLOT = 3  # header: slot
     STOP = 4
+    CAPTURE_GRAPHS = 5  # header: max batch size, max_model_len, capture (0: run eagerly), padding page
+    REPLAY = 6  # header: bucket, rank bound, layout index, block-table columns; then the static inputs
 
 
 @dataclass
@@ -40,6 +46,10 @@ def set_comm_device(device: torch.device) -> None:
     """Where headers and payloads live: the rank's GPU with NCCL, the CPU with gloo."""
     global _device
     _device = device
+
+
+def send_capture_graphs(max_batch_size: int, max_model_len: int, capture: bool, pad_page: int) -> None:
+    send_header(Command.CAPTURE_GRAPHS, max_batch_size, max_model_len, int(capture), pad_page)
 
 
 def send_header(cmd: Command, *args: int) -> None:
@@ -120,3 +130,19 @@ def recv_forward(header: list[int], hidden_size: int, dtype: torch.dtype) -> tup
     )
     routing = StepRouting(lora_lens.tolist(), lora_slots.tolist())
     return batch, routing
+
+
+def send_replay(bucket: int, bound: int, layout: int, inputs: torch.Tensor) -> None:
+    """One decode-graph step: ``inputs`` is the flat int64 payload of
+    :meth:`mmlora.engine.cuda_graph.CudaGraphRunner.run` ([5, bucket] rows, then the [bucket, blocks]
+    block table)."""
+    blocks = (inputs.numel() - 5 * bucket) // bucket
+    send_header(Command.REPLAY, bucket, bound, layout, blocks)
+    broadcast(inputs.to(_device))
+
+
+def recv_replay(header: list[int]) -> tuple[int, int, int, torch.Tensor]:
+    """(bucket, rank bound, layout index, the flat int64 payload) of a REPLAY command."""
+    bucket, bound, layout, blocks = header[1:5]
+    payload = broadcast(torch.zeros(bucket * (5 + blocks), dtype=torch.int64, device=_device))
+    return bucket, bound, layout, payload

@@ -30,6 +30,12 @@ Rows past the real batch are padding: they read token 0 at position 0 with ``seq
 reserved for them at start-up (taken out of the allocator), write their K/V there, and have slot -1
 (base model). Only the first ``n`` logits rows are returned.
 
+Tensor parallelism: every rank captures the same graphs in the same order (the row-parallel layers'
+all-reduces are captured too, and must pair up across ranks): rank 0 tells the workers to capture, with
+its padding page, when it starts. Each replay on rank 0 first broadcasts the step's static inputs and
+its graph key, so every rank replays the same graph (``mmlora.distributed.step``, REPLAY); a worker
+checks that its own pool gives the same rank bound.
+
 Multimodal models replay the same graphs: positions are 1-D (``mmlora.multimodal.mrope.decode_position``:
 past the prompt the three M-RoPE axes of Qwen2-VL agree); a step holding a token whose axes differ runs
 eagerly, as do steps that are not decode-only or larger than the largest bucket.
@@ -43,6 +49,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mmlora.distributed.state import tp_group
+from mmlora.distributed.step import send_capture_graphs, send_replay
 from mmlora.engine.scheduler import ScheduledBatch
 from mmlora.forward import AttentionMetadata, ForwardBatch
 from mmlora.multimodal.mrope import decode_position
@@ -50,6 +58,9 @@ from mmlora.multimodal.mrope import decode_position
 logger = logging.getLogger(__name__)
 
 _BASE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+# Every row layout a graph may have (``LoRABackend.graph_layouts`` picks among them); a REPLAY command
+# names one by its index here.
+LAYOUTS = ("rows", "runs")
 
 
 def batch_buckets(max_bs: int) -> list[int]:
@@ -95,9 +106,18 @@ class _Graph:
 class CudaGraphRunner:
     """Captures and replays decode graphs for a :class:`~mmlora.engine.model_runner.ModelRunner`."""
 
-    def __init__(self, runner, max_batch_size: int, max_model_len: int, capture: bool = True) -> None:  # noqa: ANN001
+    def __init__(
+        self,
+        runner,  # noqa: ANN001
+        max_batch_size: int,
+        max_model_len: int,
+        capture: bool = True,
+        pad_page: int | None = None,
+    ) -> None:
         """``capture=False`` runs the same static-buffer forward eagerly at every step instead of
-        replaying a graph: it exercises the buckets, padding and LoRA routing on any device (tests)."""
+        replaying a graph: it exercises the buckets, padding and LoRA routing on any device (tests).
+        ``pad_page``: the padding rows' KV page a tensor-parallel worker is told by rank 0 (rank 0, and
+        a single device, reserve one of their own)."""
         self.capture = capture
         if capture and runner.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, the engine runs on {runner.device}")
@@ -110,10 +130,12 @@ class CudaGraphRunner:
         self.block_size = runner.block_size
         self.max_model_len = max_model_len
         alloc = self.allocator
-        if alloc.num_free < 2:
-            raise ValueError("CUDA graphs: the KV cache is too small to reserve a padding page")
-        # A page only padding rows write to; out of the allocator for good (num_blocks shrinks by one).
-        self.pad_page = alloc.reserve_page()
+        if pad_page is None:
+            if alloc.num_free < 2:
+                raise ValueError("CUDA graphs: the KV cache is too small to reserve a padding page")
+            # A page only padding rows write to; out of the allocator for good (num_blocks shrinks by one).
+            pad_page = alloc.reserve_page()
+        self.pad_page = pad_page
         self.max_bs = min(max_batch_size, runner.lora.info.max_tokens)
         self.buckets = batch_buckets(self.max_bs)
         self.max_blocks = -(-max_model_len // self.block_size)
@@ -135,6 +157,10 @@ class CudaGraphRunner:
         self.last_key: tuple[int, int, str] | None = None  # (bucket, rank bound, layout) of the last replay
         self.last_slots: list[int] = []  # its rows' adapter slots (-1: base or padding)
         self._pad_host(self.max_bs)
+        group = tp_group()
+        self.sends_replays = group.is_parallel and group.rank == 0
+        if self.sends_replays:  # the workers capture alongside (their warm-up forwards meet ours)
+            send_capture_graphs(max_batch_size, max_model_len, capture, self.pad_page)
         self._capture_all()
 
     # ---- static inputs --------------------------------------------------------------------------
@@ -259,20 +285,48 @@ class CudaGraphRunner:
         pad = bs - n
         pad_slot = self.pad_page * bsz
         i64 = torch.tensor([ids + [0] * pad, pos + [0] * pad, slots_kv + [pad_slot] * pad], dtype=torch.int64)
+        seq_lens += [1] * pad
         # Only the columns in use are refreshed: kernels never read a row past its seq_len, and the
         # stale entries left beyond it are valid page ids (the torch reference gathers, then masks).
         rows = [t + [self.pad_page] * (max_blocks - len(t)) for t in tables] + [
             [self.pad_page] * max_blocks
         ] * pad
-        self.i64[:, :bs].copy_(i64, non_blocking=True)
-        self.seq_lens[:bs].copy_(torch.tensor(seq_lens + [1] * pad, dtype=torch.int32), non_blocking=True)
-        self.block_tables[:bs, :max_blocks].copy_(torch.tensor(rows, dtype=torch.int32), non_blocking=True)
         self.last_slots = lora_slots + [-1] * pad
         bound, layout = self.lora.prepare_replay(self.last_slots)
+        if self.sends_replays:
+            rest = torch.tensor(seq_lens + self.last_slots + [b for r in rows for b in r], dtype=torch.int64)
+            send_replay(bs, bound, LAYOUTS.index(layout), torch.cat([i64.view(-1), rest]))
+        self._load(bs, i64, torch.tensor(seq_lens, dtype=torch.int32), torch.tensor(rows, dtype=torch.int32))
+        return self._replay(bs, bound, layout)[:n], order
+
+    def replay_received(self, bucket: int, bound: int, layout: int, payload: torch.Tensor) -> torch.Tensor:
+        """A worker's replay of the graph step rank 0 broadcast (:func:`mmlora.distributed.step.recv_replay`):
+        the same static inputs and graph. Returns the logits [bucket, V] (rank 0 samples from its own)."""
+        rows = payload[: 5 * bucket].view(5, bucket)
+        row_slots = rows[4].tolist()
+        got, layout_name = self.lora.prepare_replay(row_slots, LAYOUTS[layout])
+        if got != bound:
+            raise RuntimeError(
+                f"tensor-parallel rank {tp_group().rank}: a decode graph step's LoRA rank bound is {got} "
+                f"here but {bound} on rank 0 (the ranks' adapter pools disagree)"
+            )
+        self.last_slots = row_slots
+        self._load(bucket, rows[:3], rows[3], payload[5 * bucket :].view(bucket, -1))
+        return self._replay(bucket, bound, layout_name)
+
+    def _load(self, bs: int, i64: torch.Tensor, seq_lens: torch.Tensor, tables: torch.Tensor) -> None:
+        """Copy a step's inputs into the static buffers: ``i64`` [3, bs] (token ids, positions, KV slots),
+        ``seq_lens`` [bs] and the first ``tables.shape[1]`` block-table columns."""
+        self.i64[:, :bs].copy_(i64, non_blocking=True)
+        self.seq_lens[:bs].copy_(seq_lens, non_blocking=True)
+        self.block_tables[:bs, : tables.shape[1]].copy_(tables, non_blocking=True)
+
+    def _replay(self, bs: int, bound: int, layout: str) -> torch.Tensor:
+        """Logits [bs, V] of graph (``bs``, ``bound``, ``layout``) over the static buffers' inputs."""
         entry = self.graphs[(bs, bound, layout)]
         self.num_replays += 1
         self.last_key = (bs, bound, layout)
         if entry.graph is None:
-            return self._forward(bs)[:n], order
+            return self._forward(bs)
         entry.graph.replay()
-        return entry.logits[:n], order
+        return entry.logits

@@ -82,8 +82,8 @@ class Engine:
         self.runner = ModelRunner(self.model, self.kv_cache, parts.attention, self.lora, self.device)
         if self._workers is not None:
             all_reduce_min(0, self.device)  # every worker built its shard and waits for commands
-        # Decode graphs are captured on one device only for now: tensor-parallel steps run eagerly.
-        if not config.scheduler.disable_cuda_graph and self.device.type == "cuda" and tp == 1:
+        # Under tensor parallelism every rank captures the same graphs (rank 0 tells the workers).
+        if not config.scheduler.disable_cuda_graph and self.device.type == "cuda":
             self.runner.enable_cuda_graphs(config.scheduler.max_running_requests, self.max_model_len)
         prefix_cache = PrefixCache(self.kv_cache.allocator, enabled=not config.cache.disable_radix)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache.allocator, self.lora, prefix_cache)

@@ -43,11 +43,16 @@ class ModelRunner:
             prepack_linears(model, dtypes=packable_dtypes())
         self.cuda_graphs = None  # a CudaGraphRunner once enable_cuda_graphs() has captured decode graphs
 
-    def enable_cuda_graphs(self, max_batch_size: int, max_model_len: int) -> None:
-        """Capture decode graphs per batch bucket; decode-only steps then replay them (mmlora.engine.cuda_graph)."""
-        from mmlora.engine.cuda_graph import capture_decode_graphs
+    def enable_cuda_graphs(self, max_batch_size: int, max_model_len: int, capture: bool = True) -> None:
+        """Capture decode graphs per batch bucket; decode-only steps then replay them (mmlora.engine.cuda_graph).
+        ``capture=False`` runs the graph steps' static-buffer forward eagerly instead, on any device
+        (tests). Under tensor parallelism the workers capture alongside (rank 0 tells them)."""
+        from mmlora.engine.cuda_graph import CudaGraphRunner, capture_decode_graphs
 
-        self.cuda_graphs = capture_decode_graphs(self, max_batch_size, max_model_len)
+        if capture:
+            self.cuda_graphs = capture_decode_graphs(self, max_batch_size, max_model_len)
+        else:
+            self.cuda_graphs = CudaGraphRunner(self, max_batch_size, max_model_len, capture=False)
 
     def close(self) -> None:
         """Drop the decode graphs and the layers' views of the KV cache (the views alone keep it alive)."""

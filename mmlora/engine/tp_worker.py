@@ -1,5 +1,6 @@
 """A tensor-parallel worker rank: builds its shard of the model, KV cache and adapter pool, then runs
-what rank 0 broadcasts (forwards, adapter slot writes) until told to stop or its group fails."""
+what rank 0 broadcasts (forwards, decode-graph capture and replays, adapter slot writes) until told to
+stop or its group fails."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import torch
 
 from mmlora.config import EngineConfig
 from mmlora.distributed.state import all_reduce_min, init_tp, shutdown_tp
-from mmlora.distributed.step import Command, recv_forward, recv_header
+from mmlora.distributed.step import Command, recv_forward, recv_header, recv_replay
+from mmlora.engine.cuda_graph import CudaGraphRunner
 from mmlora.engine.model_runner import ModelRunner
 from mmlora.engine.setup import EngineParts, build_engine_parts, rank_device
 
@@ -41,8 +43,11 @@ def serve(config: EngineConfig) -> None:
     parts = build_engine_parts(config)
     runner = ModelRunner(parts.model, parts.kv_cache, parts.attention, parts.lora, parts.device)
     all_reduce_min(0, parts.device)  # ready: rank 0 waits for this before it serves
-    with torch.inference_mode():
-        run_commands(parts, runner)
+    try:
+        with torch.inference_mode():
+            run_commands(parts, runner)
+    finally:
+        runner.close()
 
 
 def run_commands(parts: EngineParts, runner: ModelRunner) -> None:
@@ -57,5 +62,10 @@ def run_commands(parts: EngineParts, runner: ModelRunner) -> None:
             parts.lora.receive_slot(header[1], header[2])
         elif cmd is Command.CLEAR_SLOT:
             parts.lora.clear_slot(header[1])
+        elif cmd is Command.CAPTURE_GRAPHS:
+            max_bs, max_model_len, capture, pad_page = header[1:5]
+            runner.cuda_graphs = CudaGraphRunner(runner, max_bs, max_model_len, bool(capture), pad_page)
+        elif cmd is Command.REPLAY:
+            runner.cuda_graphs.replay_received(*recv_replay(header))
         else:
             return

@@ -6,8 +6,9 @@ Near ties: every greedy choice of the tp=1 run must lead the runner-up by more t
 the tolerance), checked on its top-2 logprobs, so a tie cannot flip a token and hide behind the
 tolerance. Qwen2 uses one KV head (replicated on both ranks); Gemma2 keeps its soft-caps and windows;
 Qwen2-VL's vision tower runs on rank 0 and its features are broadcast. Then adapters are loaded and
-unloaded while requests run (two slots for three adapters, so workers' slots are rewritten), and a
-worker that dies, or stops answering, fails the engine with a WorkerFailure naming it.
+unloaded while requests run (two slots for three adapters, so workers' slots are rewritten); decode
+steps go through the graph runner on every rank; and a worker that dies, or stops answering, fails the
+engine with a WorkerFailure naming it.
 """
 
 from __future__ import annotations
@@ -107,6 +108,31 @@ def test_qwen2_vl_tp2_matches_tp1(tmp_path):
     texts = [f"Hello {slot} what", "The quick brown fox", f"{slot} and", "Paris is", f"Look {slot}", "0123"]
     images = [[image[0]], None, [image[1]], None, [image[0]], None]
     ref, got = _tp1_and_tp2(base, adapters, texts=texts, images=images)
+    _assert_same(ref, got)
+
+
+def test_decode_graph_steps_under_tp2_match_tp1(tmp_path):
+    """Decode steps through the graph runner on every rank. On GPUs the graphs are captured (rank 0 tells
+    the workers to capture alongside); on the CPU the runner's static-buffer forward runs eagerly
+    (capture=False). Each step rank 0 broadcasts the static inputs and the graph key, and every worker
+    replays the same graph: a worker on another graph, or with other inputs, would change the sums of
+    the row-parallel layers and so rank 0's tokens."""
+    base, adapters = _family(tmp_path, "llama")
+    reference = _engine(base, adapters, 1, disable_cuda_graph=True)
+    try:
+        ref = _generate(reference, texts=PROMPTS)
+    finally:
+        reference.shutdown()
+    engine = _engine(base, adapters, 2, max_running_requests=8)
+    try:
+        if DEVICE == "cpu":
+            engine.runner.enable_cuda_graphs(8, engine.max_model_len, capture=False)
+        graphs = engine.runner.cuda_graphs
+        got = _generate(engine, texts=PROMPTS)
+        assert graphs.num_replays >= MAX_NEW - 1  # every decode step went through the graph runner
+        assert graphs.last_key[0] == 8  # 6 rows padded to the bucket of 8
+    finally:
+        engine.shutdown()
     _assert_same(ref, got)
 
 

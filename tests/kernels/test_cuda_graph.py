@@ -143,6 +143,34 @@ def test_decode_replays_the_graph_of_its_rank_bucket(tiny):
     assert {r for _, r, _ in graphs.graphs.used} == {0, 16}  # 0: steps left with base-only rows
 
 
+def test_a_broadcast_graph_step_replays_the_same_step(tiny, monkeypatch):
+    """What a tensor-parallel worker does with rank 0's REPLAY command, in one process: the broadcast
+    payload and graph key of a step, replayed, give that step's logits again; a worker whose pool gives
+    another rank bound fails instead of replaying another graph."""
+    from mmlora.engine import cuda_graph
+
+    base, adapters = tiny()
+    engine = _engine(base, adapters, "cpu", disable_cuda_graph=True)
+    graphs = engine.runner.cuda_graphs = CudaGraphRunner(
+        engine.runner, 5, engine.max_model_len, capture=False
+    )
+    sent, logits = [], []
+    monkeypatch.setattr(cuda_graph, "send_replay", lambda *args: sent.append(args))
+    graphs.sends_replays = True
+    replay = graphs._replay
+    monkeypatch.setattr(graphs, "_replay", lambda *key: logits.append(replay(*key).clone()) or logits[-1])
+    engine.generate(
+        input_ids=PROMPTS[:3], lora_paths=LORAS[:3], sampling_params={**SAMPLING, "max_new_tokens": 3}
+    )
+    assert len(sent) == 2 and sent[-1][:3] == (4, 4, 0)  # 3 rows in bucket 4, rank bound 4, layout rows
+    graphs._pad_host(graphs.max_bs)  # the step's inputs must come from the payload alone
+    graphs.block_tables.fill_(graphs.pad_page)
+    torch.testing.assert_close(graphs.replay_received(*sent[-1]), logits[-2], rtol=0, atol=0)
+    bucket, _, layout, payload = sent[-1]
+    with pytest.raises(RuntimeError, match="rank bound is 4 here but 0 on rank 0"):
+        graphs.replay_received(bucket, 0, layout, payload)
+
+
 @cuda
 def test_graphs_are_on_by_default_and_can_be_disabled(tiny):
     base, adapters = tiny()
