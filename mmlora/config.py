@@ -97,6 +97,11 @@ class LoRAConfig:
         'LoRA kernel backend: "auto" (triton-auto on CUDA, torch-gather otherwise) or one of '
         "mmlora.backends.available_backends().",
     )
+    disable_lora_overlap: bool = _f(
+        False,
+        "On CUDA, run each LoRA module's shrink on the main stream after the base GEMM instead of on a "
+        "second stream alongside it (both read the module's input).",
+    )
     allow_pickled_adapters: bool = _f(
         False, "Accept adapter_model.bin (read with torch.load(weights_only=True)); safetensors otherwise."
     )

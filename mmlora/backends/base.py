@@ -21,6 +21,7 @@ How a backend splits the work (shrink then expand, fused, per rank bucket) is it
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
@@ -51,3 +52,17 @@ class LoRABackend(ABC):
     def add_lora(self, out: torch.Tensor, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo) -> None:
         """``out [T, out] += lora(x [T, in])`` for the batch described by ``info`` (the semantics above);
         a no-op when no row has an adapter."""
+
+    def start_lora(
+        self, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo
+    ) -> Callable[[torch.Tensor], None]:
+        """``add_lora`` in two phases: the work that reads only ``x`` (the shrink) is launched now, and the
+        returned function adds the delta to ``out`` later, so ``start_lora(x, weights, info)(out)`` equals
+        ``add_lora(out, x, weights, info)``. The LoRA layer starts on a second CUDA stream while the base
+        GEMM runs (both read ``x``) and finishes on the main stream. By default nothing runs early."""
+        return lambda out: self.add_lora(out, x, weights, info)
+
+    def splits_work(self, info: LoRABatchInfo) -> bool:
+        """Whether :meth:`start_lora` launches anything early for this batch (else a second stream
+        would have nothing to overlap)."""
+        return False

@@ -15,6 +15,8 @@ once per row with BGMV.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from mmlora.backends.base import LoRABackend
@@ -52,3 +54,11 @@ class TritonAutoBackend(LoRABackend):
 
     def add_lora(self, out: torch.Tensor, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo) -> None:
         self.pick(info).add_lora(out, x, weights, info)
+
+    def splits_work(self, info: LoRABatchInfo) -> bool:
+        return self.pick(info).splits_work(info)
+
+    def start_lora(
+        self, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo
+    ) -> Callable[[torch.Tensor], None]:
+        return self.pick(info).start_lora(x, weights, info)

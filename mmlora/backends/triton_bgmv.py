@@ -295,6 +295,21 @@ class TritonBGMVBackend(FusedTritonBackend):
         self, out: torch.Tensor, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo, R: int
     ) -> None:
         """Partials unzeroed: shrink skips rank padding per slice and expand masks it out."""
+        self._expand_phase(out, self._shrink_phase(x, weights, info, R), weights, info, R, x.dtype)
+
+    def _shrink_phase(
+        self, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo, R: int
+    ) -> torch.Tensor:
         job = ShrinkJob(x, weights.A, info, weights.n_slices, R, True, self.split_k)
-        p = _shrink_partials(job, zero=False)
-        _expand(p, weights, info, out, R, x.dtype)
+        return _shrink_partials(job, zero=False)
+
+    def _expand_phase(
+        self,
+        out: torch.Tensor,
+        partials: torch.Tensor,
+        weights: LoRAWeights,
+        info: LoRABatchInfo,
+        R: int,
+        dtype: torch.dtype,
+    ) -> None:
+        _expand(partials, weights, info, out, R, dtype)

@@ -252,23 +252,29 @@ class _Checked:
     def accepts(self, out: torch.Tensor, x: torch.Tensor, info: LoRABatchInfo) -> bool:
         """True only where check_shrink_args and check_expand_weights would pass (never less strict):
         the per-call half of their checks, the weights' half having passed once."""
-        T, where = info.num_tokens, info.seg_indptr.device
+        T = info.num_tokens
+        return (
+            self.accepts_input(x, info)
+            and out.dim() == 2
+            and out.shape[0] >= T
+            and out.shape[1] == self.out_features
+            and out.dtype in SUPPORTED_DTYPES
+            and out.stride(-1) == 1
+            and out.device == self.device
+        )
+
+    def accepts_input(self, x: torch.Tensor, info: LoRABatchInfo) -> bool:
+        """The half of :meth:`accepts` that check_shrink_args covers (x and the batch)."""
         return (
             x.dim() == 2
-            and out.dim() == 2
-            and x.shape[0] >= T
-            and out.shape[0] >= T
+            and x.shape[0] >= info.num_tokens
             and x.shape[1] == self.in_features
-            and out.shape[1] == self.out_features
             and x.dtype == self.dtype
-            and out.dtype in SUPPORTED_DTYPES
             and x.stride(-1) == 1
-            and out.stride(-1) == 1
             and info.max_rank <= self.rank
             and info.num_slots <= self.slots
-            and self.device == where
-            and x.device == where
-            and out.device == where
+            and self.device == info.seg_indptr.device
+            and x.device == self.device
         )
 
 
@@ -304,6 +310,37 @@ class FusedTritonBackend(LoRABackend):
         if info.num_tokens == 0:
             return
         self._fused(out, x, weights, info, R)
+
+    def start_lora(
+        self, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo
+    ) -> Callable[[torch.Tensor], None]:
+        """The shrink now (its inputs validated), the expand when the returned function gets ``out``
+        (which is validated then, as ``add_lora`` does); backends without a split run it all then."""
+        if self._shrink_phase is None or not info.has_lora or info.num_tokens == 0:
+            return super().start_lora(x, weights, info)
+        seen = self._checked.get(id(weights))
+        if seen is not None and seen.weights is weights and seen.accepts_input(x, info):
+            R = seen.rank
+        else:
+            _, R = check_shrink_args(x, weights.A, info, weights.n_slices)
+        partials = self._shrink_phase(x, weights, info, R)
+
+        def finish(out: torch.Tensor) -> None:
+            seen = self._checked.get(id(weights))
+            if seen is None or seen.weights is not weights or not seen.accepts(out, x, info):
+                check_expand_weights(weights.A.shape[1], x.dtype, weights, info, out)
+                self._checked[id(weights)] = _Checked(weights, R)
+            self._expand_phase(out, partials, weights, info, R, x.dtype)
+
+        return finish
+
+    def splits_work(self, info: LoRABatchInfo) -> bool:
+        return self._shrink_phase is not None
+
+    #: Backends that split their work define ``_shrink_phase(x, weights, info, R) -> partials`` and
+    #: ``_expand_phase(out, partials, weights, info, R, x_dtype)``: start_lora's two phases.
+    _shrink_phase = None
+    _expand_phase = None
 
     @abstractmethod
     def _fused(

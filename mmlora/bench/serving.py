@@ -134,6 +134,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument(
+        "--disable-lora-overlap",
+        action="store_true",
+        help="run each LoRA shrink after its base GEMM on one stream (default: beside it, on a second stream)",
+    )
+    p.add_argument(
         "--tp-size",
         "--tensor-parallel-size",
         type=int,
@@ -254,6 +259,7 @@ def _engine(args: argparse.Namespace, slots: int, rank: int) -> Any:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         disable_cuda_graph=args.disable_cuda_graph,
+        disable_lora_overlap=getattr(args, "disable_lora_overlap", False),
         tp_size=args.tp_size,
         seed=args.seed,
         schedule_policy=getattr(args, "schedule_policy", "fcfs"),

@@ -101,6 +101,8 @@ class LoRAManager:
             self._pool = LoRAPool(*pool_args, on_slot_change=slot_ranks)
         self._offsets = {t.name: t.slice_offsets for t in self._pool.spec.targets}
         self._ctx = LoRAContext(backend=get_backend(config.lora_backend, device))
+        if device.type == "cuda" and not config.disable_lora_overlap:
+            self._ctx.side_stream = torch.cuda.Stream(device)
         self._registry = AdapterRegistry()
         self.dtype = dtype
         self._wrap(model)

@@ -283,6 +283,31 @@ def test_auto_picks_bgmv_for_decode_and_sgmv_otherwise(name: str, picked: str) -
     assert_out(c, c.out, want, out0)
 
 
+@pytest.mark.parametrize("backend", [*BACKENDS, "triton-auto"])
+@pytest.mark.parametrize(
+    "name,dtype",
+    [("decode-basemix-qkv", torch.float32), ("mixed-ranks-1-to-128", torch.float32),
+     ("prefill-basemix-gateup", torch.float32), ("decode-distinct-qkv", torch.bfloat16)],
+)  # fmt: skip
+def test_start_lora_then_finish_matches_the_reference(backend: str, name: str, dtype: torch.dtype) -> None:
+    """The two phases the LoRA layer runs on two CUDA streams (the shrink beside the base GEMM, the
+    expand after it): ``start_lora(x)(out)`` adds the same delta as ``add_lora``, with ``x`` overwritten
+    between the phases (the finish must not read x again: on the GPU the main stream may reuse it)."""
+    c = make_case(*CPU_CASES[name], dtype=dtype, seed=13, spare_rows=2)
+    _, want = reference(c)
+    out0 = c.out.clone()
+    be = get_backend(backend)
+    x = c.x.clone()
+    finish = be.start_lora(x, c.weights, c.info)
+    if be.splits_work(c.info):
+        x.fill_(float("nan"))
+    finish(c.out)
+    assert_out(c, c.out, want, out0)
+    assert be.splits_work(c.info) == (
+        backend == "triton-bgmv" or (backend == "triton-auto" and be.pick(c.info).name == "triton-bgmv")
+    )
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_no_lora_batch_leaves_out_unchanged(backend: str) -> None:
     c = make_case(*CPU_CASES["decode-basemix-qkv"][:5], "all_base", "decode", dtype=torch.float32)
