@@ -12,10 +12,6 @@ captured in the ``runs`` layout (``LoRABatchInfo.fill_rows``): a fixed number of
 empty. A replay then reads each adapter once per run of
 adjacent rows on it (the graph runner sorts rows by slot), and the empty segments' programs return at
 once.
-
-Hybrid (eager forwards only): segments of at least ``DENSE_MIN_SEG_LEN`` tokens with an adapter (prefill
-chunks) take dense per-segment GEMMs (:mod:`mmlora.backends.dense_segments`), and the kernels here run
-over a tile table of the other segments only. The split uses host ints, so it needs no device sync.
 """
 
 from __future__ import annotations
@@ -25,7 +21,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from mmlora.backends.dense_segments import dense_segments_lora, long_segments
 from mmlora.backends.registry import register_backend
 from mmlora.backends.triton_common import (
     FusedTritonBackend,
@@ -40,14 +35,6 @@ from mmlora.backends.triton_common import (
     split_k_plan,
 )
 from mmlora.forward.lora import RANK_TILE, LoRABatchInfo, LoRAWeights
-
-#: The hybrid path's threshold (``TUNING["dense_min_seg"]``): in eager forwards, segments with an adapter
-#: and at least this many tokens (prefill chunks) go through dense per-segment GEMMs (cuBLAS,
-#: :mod:`mmlora.backends.dense_segments`), the rest of the batch (decode rows, short prompts) through the
-#: kernels here; 0 turns the hybrid off. Each such segment costs 3 to 5 more launches per module (host
-#: time), so it pays where the GPU, not the host, bounds the step. 1024 is provisional:
-#: ``benchmarks/scripts/mixed_lora_ab.py`` times the thresholds on the H200 (not yet run).
-DENSE_MIN_SEG_LEN = 1024
 
 #: Launch heuristics (read at every launch, so a benchmark can sweep them): the largest token tile of
 #: shrink and of expand, expand's column tile, warps per program (expand: ``run_expand_warps`` for
@@ -66,7 +53,6 @@ TUNING = {
     "run_expand_warps": 2,
     "max_split_k": 16,
     "waves": 2,
-    "dense_min_seg": DENSE_MIN_SEG_LEN,
 }
 
 
@@ -224,24 +210,20 @@ class _Tiles:
     prefill chunk among decode rows) would otherwise give every segment the longest one's tile count,
     nearly all of them empty programs. The table (tile i: segment ``seg[i]``, first token ``m0[i]``) is
     built from host ints once per forward and shared by every layer; batches whose segments all fit one
-    tile (decode, CUDA graphs) need none.
+    tile (decode, CUDA graphs) need none."""
 
-    ``below`` (the hybrid path): tiles only for segments that have an adapter and fewer than ``below``
-    tokens, the others being done elsewhere (:mod:`mmlora.backends.dense_segments`); always a table."""
-
-    def __init__(self, info: LoRABatchInfo, block_m: int, below: int | None = None) -> None:
+    def __init__(self, info: LoRABatchInfo, block_m: int) -> None:
         max_seg = info.max_seg_len
         self.block_m = block_m
-        self.tiled = max_seg > block_m or below is not None
+        self.tiled = max_seg > block_m
         self.m_tiles = 1  # untiled, every segment fits one tile
         self.count = info.num_segments
         seg_ids, starts, start = [], [], 0
         if self.tiled:
-            for i, (n, slot) in enumerate(zip(info.seg_lens_host, info.seg_slots_host)):
-                if below is None or (slot >= 0 and n < below):
-                    for m in range(start, start + n, block_m):
-                        seg_ids.append(i)
-                        starts.append(m)
+            for i, n in enumerate(info.seg_lens_host):
+                for m in range(start, start + n, block_m):
+                    seg_ids.append(i)
+                    starts.append(m)
                 start += n
             # Rows padded to 16 entries: the second row's pointer stays 64-byte aligned, so its alignment
             # (which Triton compiles for) does not change with the tile count.
@@ -254,28 +236,22 @@ class _Tiles:
             self.seg = self.m0 = info.seg_indptr  # unread (TILED off); any int32 device tensor
 
     @staticmethod
-    def of(info: LoRABatchInfo, cap: int, below: int | None = None) -> _Tiles:
-        """The forward's tiles for a token tile of at most ``cap`` (``below``: as in the constructor)."""
-        key = ("sgmv_tiles", cap, below)
+    def of(info: LoRABatchInfo, block_m: int) -> _Tiles:
+        key = ("sgmv_tiles", block_m)
         if key not in info.host_derived:
-            longest = info.max_seg_len
-            if below is not None:
-                kept = [n for n, s in zip(info.seg_lens_host, info.seg_slots_host) if s >= 0 and n < below]
-                longest = max(kept, default=0)
-            info.host_derived[key] = _Tiles(info, _block_m(longest, cap), below)
+            info.host_derived[key] = _Tiles(info, block_m)
         return info.host_derived[key]
 
 
-def _shrink_planes(job: ShrinkJob, fp32_planes: bool = False, below: int | None = None) -> torch.Tensor:
+def _shrink_planes(job: ShrinkJob, fp32_planes: bool = False) -> torch.Tensor:
     """Launch shrink; returns h as [SPLIT_K, T, n*R] planes (fp32 partials, or x.dtype when there is one
     plane and not ``fp32_planes``). Launch constants follow the pool rank R, not this batch's ranks,
-    so batches of any rank mix share one compiled kernel (programs still stop at their slot's rank).
-    ``below``: only segments with an adapter and fewer tokens (``_Tiles``); other rows of h are unset."""
+    so batches of any rank mix share one compiled kernel (programs still stop at their slot's rank)."""
     x, A, info, n, R, skip_pad, split_k = job
     T, in_f, top_rank = info.num_tokens, x.shape[1], job.top_rank
     ns_p2 = next_pow2(n)
     block_r = min(max(16, next_pow2(R)), max(16, 128 // ns_p2))
-    tiles = _Tiles.of(info, TUNING["shrink_block_m"], below)
+    tiles = _Tiles.of(info, _block_m(info.max_seg_len, TUNING["shrink_block_m"]))
     block_k = 64 if tiles.block_m >= 64 else 128
     if split_k:  # a forced split (tests, benchmarks) gets blocks small enough to honour it
         block_k = min(block_k, max(16, next_pow2(cdiv(in_f, split_k))))
@@ -300,17 +276,12 @@ def _shrink_planes(job: ShrinkJob, fp32_planes: bool = False, below: int | None 
 
 
 def _expand_planes(
-    h: torch.Tensor,
-    weights: LoRAWeights,
-    info: LoRABatchInfo,
-    out: torch.Tensor,
-    R: int,
-    below: int | None = None,
+    h: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo, out: torch.Tensor, R: int
 ) -> None:
     B, scalings, slice_offsets = weights.B, weights.scalings, weights.slice_offsets
     n = weights.n_slices
     widths = [b - a for a, b in zip(slice_offsets, slice_offsets[1:])]
-    tiles = _Tiles.of(info, TUNING["block_m"], below)
+    tiles = _Tiles.of(info, _block_m(info.max_seg_len, TUNING["block_m"]))
     block_n = TUNING["block_n"]
     # The rank in steps of 16 (the smallest tl.dot K): a segment stops at its slot's rank tile, so a
     # rank-8 slot of a rank-64 pool costs one step, not four.
@@ -357,18 +328,7 @@ class TritonSGMVBackend(FusedTritonBackend):
         self, out: torch.Tensor, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo, R: int
     ) -> None:
         """Shrink knows the slice count, so it skips rank padding per slice; its planes are always fp32
-        (expand rounds h to x.dtype), so the kernels' signatures do not depend on the batch.
-
-        Hybrid (eager forwards, ``TUNING["dense_min_seg"]`` > 0, out in x.dtype): segments at least that
-        long go through :func:`dense_segments_lora`, the kernels take the others (none: no launch)."""
-        below = None
-        if info.graph_layout is None and out.dtype == x.dtype:
-            long = long_segments(info, TUNING["dense_min_seg"])
-            if long:
-                dense_segments_lora(out, x, weights, info.ranks_host, long)
-                below = TUNING["dense_min_seg"]
-                if _Tiles.of(info, TUNING["shrink_block_m"], below).count == 0:
-                    return
+        (expand rounds h to x.dtype), so the kernels' signatures do not depend on the batch."""
         job = ShrinkJob(x, weights.A, info, weights.n_slices, R, True, self.split_k)
-        h = _shrink_planes(job, fp32_planes=True, below=below)
-        _expand_planes(h, weights, info, out, R, below)
+        h = _shrink_planes(job, fp32_planes=True)
+        _expand_planes(h, weights, info, out, R)

@@ -16,16 +16,12 @@ from collections.abc import Iterable
 import torch
 
 from mmlora.backends.base import LoRABackend
-from mmlora.backends.triton_sgmv import DENSE_MIN_SEG_LEN
 from mmlora.forward import LoRABatchInfo, LoRAWeights
 
 #: Segment lengths of the warm-up batches: decode rows (BGMV under triton-auto), then one run of
-#: each token-tile class of SGMV (up to 16, 32, 64 tokens, and longer: its tile table), a mixed
-#: step (decode rows next to a long chunk), and one whose chunk takes SGMV's hybrid path (decode rows
-#: alone in a tile table).
-LAYOUTS: tuple[tuple[int, ...], ...] = ((1, 1), (2,), (17,), (33,), (65,), (1, 1, 65)) + (
-    ((1, 1, DENSE_MIN_SEG_LEN),) if DENSE_MIN_SEG_LEN > 0 else ()
-)
+#: each token-tile class of SGMV (up to 16, 32, 64 tokens, and longer: its tile table), and a mixed
+#: step (decode rows next to a long chunk).
+LAYOUTS: tuple[tuple[int, ...], ...] = ((1, 1), (2,), (17,), (33,), (65,), (1, 1, 65))
 
 
 def warm_up_lora_kernels(backend: LoRABackend, weights: Iterable[LoRAWeights], max_tokens: int) -> int:
