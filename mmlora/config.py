@@ -102,6 +102,11 @@ class LoRAConfig:
         "On CUDA, run each LoRA module's shrink on the main stream after the base GEMM instead of on a "
         "second stream alongside it (both read the module's input).",
     )
+    disable_async_uploads: bool = _f(
+        False,
+        "On CUDA, load adapters into slots on the main stream, the step waiting for the copies, instead "
+        "of on a stream of their own while requests whose adapters are resident run.",
+    )
     allow_pickled_adapters: bool = _f(
         False, "Accept adapter_model.bin (read with torch.load(weights_only=True)); safetensors otherwise."
     )

@@ -134,6 +134,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument(
+        "--disable-async-uploads",
+        action="store_true",
+        help="load adapters into slots on the main stream, the step waiting (default: beside the forwards)",
+    )
+    p.add_argument(
         "--disable-lora-overlap",
         action="store_true",
         help="run each LoRA shrink after its base GEMM on one stream (default: beside it, on a second stream)",
@@ -260,6 +265,7 @@ def _engine(args: argparse.Namespace, slots: int, rank: int) -> Any:
         max_model_len=args.max_model_len,
         disable_cuda_graph=args.disable_cuda_graph,
         disable_lora_overlap=getattr(args, "disable_lora_overlap", False),
+        disable_async_uploads=getattr(args, "disable_async_uploads", False),
         tp_size=args.tp_size,
         seed=args.seed,
         schedule_policy=getattr(args, "schedule_policy", "fcfs"),

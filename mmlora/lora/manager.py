@@ -100,6 +100,9 @@ class LoRAManager:
         else:
             self._pool = LoRAPool(*pool_args, on_slot_change=slot_ranks)
         self._offsets = {t.name: t.slice_offsets for t in self._pool.spec.targets}
+        # One device (a sharded pool's writes are collectives, kept in step): slot loads beside the forwards.
+        if device.type == "cuda" and not tp_group().is_parallel and not config.disable_async_uploads:
+            self._pool.upload_stream = torch.cuda.Stream(device)
         self._ctx = LoRAContext(backend=get_backend(config.lora_backend, device))
         if device.type == "cuda" and not config.disable_lora_overlap:
             self._ctx.side_stream = torch.cuda.Stream(device)
@@ -307,9 +310,11 @@ class LoRAManager:
         """Whether ``entry`` has, or can take without evicting an adapter in ``busy``, a device slot."""
         return self._pool.can_get_slot(entry.uid, busy)
 
-    def admit(self, entry: AdapterEntry, busy: set[int]) -> int:
+    def admit(self, entry: AdapterEntry, busy: set[int]) -> int | None:
         """Bring ``entry`` into the host cache (re-validated from disk if it was evicted: a ValueError if
-        its files changed) and a device slot; returns the slot. Call after ``can_admit``."""
+        its files changed) and a device slot; returns the slot, or None while its load into the slot
+        still runs beside the forwards (:attr:`loads_async`: ask again next step). Call after
+        ``can_admit``."""
         if self._pool.in_host(entry.uid):
             self._pool.touch_host(entry.uid)
         else:
@@ -317,7 +322,25 @@ class LoRAManager:
         slot = self._pool.acquire_slot(entry.uid, busy)
         if slot is None:
             raise RuntimeError(f"admit: no device slot for {entry.name!r} (can_admit was not asked)")
-        return slot
+        return slot if self._pool.slot_ready(slot) else None
+
+    @property
+    def loads_async(self) -> bool:
+        """Whether slot loads run beside the forwards (CUDA, one device, not disabled)."""
+        return self._pool.upload_stream is not None
+
+    def prefetch(self, entry: AdapterEntry, keep: set[int]) -> None:
+        """Start loading ``entry`` into a slot ahead of its request's admission (S-LoRA's prefetch), when a
+        slot is free or holds an adapter outside ``keep``; nothing if it is resident or loading already,
+        or if its files cannot be read now (its admission reports that)."""
+        if not self.loads_async or self._pool.slot_of(entry.uid) is not None:
+            return
+        if not self._pool.can_get_slot(entry.uid, keep):
+            return
+        try:
+            self.admit(entry, keep)
+        except ValueError:
+            return
 
     # ---- per forward ----------------------------------------------------------------------------
 

@@ -7,7 +7,9 @@ one whose adapter is in the running batch (``busy``) and never a pinned one. Hos
 in flight; an evicted adapter is read from disk again on its next use.
 
 On CUDA the host copy of an adapter is a few flat page-locked blocks, and a slot load replays an upload
-plan built once per (slot, staged layout): ``mmlora.lora.staging``.
+plan built once per (slot, staged layout): ``mmlora.lora.staging``. With an ``upload_stream`` (CUDA,
+one device), slot loads run on that stream beside the forwards: a slot is not ready
+(:meth:`LoRAPool.slot_ready`) until its copies are done, and a loading slot is never a victim.
 """
 
 from __future__ import annotations
@@ -72,6 +74,10 @@ class LoRAPool:
         self.slot_loads = 0
         self.host: OrderedDict[int, LoadedAdapter] = OrderedDict()
         self.pinned: set[int] = set()
+        # Set by the manager on CUDA (one device): slot loads go there, each slot's completion event kept
+        # in ``_loading`` until slot_ready sees it done.
+        self.upload_stream: torch.cuda.Stream | None = None
+        self._loading: dict[int, torch.cuda.Event] = {}
 
     # ---- host cache -----------------------------------------------------------------------------
 
@@ -114,7 +120,13 @@ class LoRAPool:
         free = [s for s, u in enumerate(self.slot_uid) if u is None]
         if free:
             return free[0]
-        candidates = [s for s, u in enumerate(self.slot_uid) if u not in busy and u not in self.pinned]
+        for slot in list(self._loading):  # loads done since: their slots may be taken again
+            self.slot_ready(slot)
+        candidates = [
+            s
+            for s, u in enumerate(self.slot_uid)
+            if u not in busy and u not in self.pinned and s not in self._loading
+        ]
         return min(candidates, key=lambda s: self._slot_clock[s]) if candidates else None
 
     def can_get_slot(self, uid: int, busy: set[int]) -> bool:
@@ -131,12 +143,45 @@ class LoRAPool:
             old = self.slot_uid[slot]
             if old is not None:
                 del self._slot_of[old]
-            self.write_slot(slot, self.host[uid])
+            if self.upload_stream is None:
+                self.write_slot(slot, self.host[uid])
+            else:
+                self._write_beside(slot, self.host[uid])
             self.slot_loads += 1
             self.slot_uid[slot] = uid
             self._slot_of[uid] = slot
         self._slot_clock[slot] = self._clock
         return slot
+
+    def _write_beside(self, slot: int, adapter: LoadedAdapter) -> None:
+        """``write_slot`` on the upload stream, after the work already queued on the current stream (it may
+        still read the slot's previous adapter); the slot is loading until that write is done."""
+        stream = self.upload_stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self.write_slot(slot, adapter)
+            done = torch.cuda.Event()
+            done.record(stream)
+        self._loading[slot] = done
+
+    def slot_ready(self, slot: int) -> bool:
+        """Whether ``slot`` holds its adapter (False while its load still runs on the upload stream). Once
+        done, the current stream is ordered after the load (no host wait)."""
+        done = self._loading.get(slot)
+        if done is None:
+            return True
+        if not done.query():
+            return False
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).wait_event(done)
+        del self._loading[slot]
+        return True
+
+    def _settle(self, slot: int) -> None:
+        """Wait for ``slot``'s load, if one runs (before the slot is zeroed or dropped: rare)."""
+        done = self._loading.pop(slot, None)
+        if done is not None:
+            done.synchronize()
 
     def drop(self, uid: int) -> None:
         """Forget an adapter entirely: its slot (zeroed) and its host copy."""
@@ -149,6 +194,7 @@ class LoRAPool:
 
     def clear_slot(self, slot: int) -> None:
         """Zero a slot's weights (its bookkeeping is the caller's)."""
+        self._settle(slot)
         for views in self._slot_views(slot):
             torch._foreach_zero_(views)
         self._slot_filled[slot] = 0
@@ -172,6 +218,7 @@ class LoRAPool:
         buf = self._staging_buffer
         if buf is None or buf.numel() < numel or buf.dtype != dtype:
             self._plans.clear()  # their chunks are views of the old buffer
+            self._retire(buf)
             buf = self._staging_buffer = torch.empty(numel, dtype=dtype, device=self.device)
         return buf[:numel]
 
@@ -180,8 +227,15 @@ class LoRAPool:
         buf = self._scale_staging_buffer
         if buf is None or buf.numel() < numel:
             self._plans.clear()  # their chunks are views of the old buffer
+            self._retire(buf)
             buf = self._scale_staging_buffer = torch.empty(numel, dtype=torch.float32, device=self.device)
         return buf[:numel]
+
+    def _retire(self, buf: torch.Tensor | None) -> None:
+        """A staging buffer being replaced: loads still queued on the upload stream may read it, so its
+        memory is not reused before they are done."""
+        if buf is not None and self.upload_stream is not None:
+            buf.record_stream(self.upload_stream)
 
     def _pairs(self, slot: int, adapter: LoadedAdapter) -> list[tuple[torch.Tensor | None, torch.Tensor]]:
         """(slot view, or None for a module the pool does not hold; source) for every A and B tensor of
@@ -279,6 +333,8 @@ class LoRAPool:
 
     def close(self) -> None:
         """Drop the slot buffers and the host cache (``LoRALinear`` views of the buffers go separately)."""
+        for slot in list(self._loading):
+            self._settle(slot)
         self.buffers.clear()
         self._views.clear()
         self._staging_buffer = self._scale_staging_buffer = None

@@ -28,6 +28,8 @@ ADAPTERS = [None, AdapterEntry("a", "/a", uid=1), AdapterEntry("b", "/b", uid=2)
 class _AnySlot:
     """LoRA admission out of the way: every adapter gets slot 0 (slots are not what is tested here)."""
 
+    loads_async = False
+
     def can_admit(self, entry: AdapterEntry, busy: set[int]) -> bool:
         return True
 

@@ -43,9 +43,11 @@ def adapter(rank: int, value: float) -> LoadedAdapter:
     return LoadedAdapter(path=f"/a/{value}", rank=rank, weights=weights, config={}, nbytes=0)
 
 
-def make_pool(slots: int = 2, max_loaded: int | None = None) -> tuple[LoRAPool, LoRABatchInfo]:
-    info = LoRABatchInfo(16, slots, "cpu")
-    pool = LoRAPool(SPEC, slots, 4, max_loaded, torch.float32, torch.device("cpu"), info.set_slot_rank)
+def make_pool(
+    slots: int = 2, max_loaded: int | None = None, device: str = "cpu"
+) -> tuple[LoRAPool, LoRABatchInfo]:
+    info = LoRABatchInfo(16, slots, device)
+    pool = LoRAPool(SPEC, slots, 4, max_loaded, torch.float32, torch.device(device), info.set_slot_rank)
     return pool, info
 
 

@@ -41,7 +41,9 @@ class ScanScheduler(Scheduler):
 
 
 class LRUSlots:
-    """The two calls the scheduler makes of the LoRA manager, over ``n`` LRU slots."""
+    """The calls the scheduler makes of the LoRA manager, over ``n`` LRU slots (loaded at once)."""
+
+    loads_async = False
 
     def __init__(self, n: int) -> None:
         self.n = n
