@@ -79,7 +79,7 @@ def test_a_finished_load_nobody_asked_about_frees_its_slot_for_eviction():
 def _engine(base: Path, adapters: dict[str, str]) -> mmlora.Engine:
     return mmlora.Engine(
         model=str(base), lora_paths=adapters, max_loras_per_batch=3, max_lora_rank=8, dtype="float32",
-        max_running_requests=2, max_num_batched_tokens=64,
+        max_running_requests=2, max_num_batched_tokens=64, device="cpu",
     )  # fmt: skip
 
 
