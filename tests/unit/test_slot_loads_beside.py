@@ -157,6 +157,7 @@ def test_cuda_loads_on_the_upload_stream_fill_the_slot_and_keep_tokens(tiny):
             model=str(base), lora_paths=adapters, max_loras_per_batch=3, max_lora_rank=8,
             dtype="float32", device="cuda", disable_async_uploads=disable,
         )  # fmt: skip
-        assert engine.lora.loads_async is not disable
-        outs.append(engine.generate(input_ids=prompts, lora_paths=loras, sampling_params=sp))
+        with engine:  # closed before the next one takes the device's memory
+            assert engine.lora.loads_async is not disable
+            outs.append(engine.generate(input_ids=prompts, lora_paths=loras, sampling_params=sp))
     assert [o.output_ids for o in outs[0]] == [o.output_ids for o in outs[1]]
