@@ -19,7 +19,7 @@ from mmlora.config import EngineConfig
 from mmlora.distributed.launch import Workers
 from mmlora.distributed.state import WorkerFailure, all_reduce_min, shutdown_tp
 from mmlora.distributed.step import Command, send_header
-from mmlora.engine.detokenizer import take_delta, update_text
+from mmlora.engine.detokenizer import ids_decoder, take_delta, update_text
 from mmlora.engine.fault_isolation import StepGuard, describe_fault
 from mmlora.engine.grammar import GrammarCompiler
 from mmlora.engine.model_runner import ModelRunner
@@ -71,6 +71,7 @@ class Engine:
         self.model = parts.model
         self.hf_config = parts.hf_config
         self.tokenizer = parts.tokenizer
+        self._decode_ids = ids_decoder(parts.tokenizer)
         self.lora = parts.lora
         self.kv_cache = parts.kv_cache
         self.max_model_len = parts.max_model_len
@@ -295,7 +296,7 @@ class Engine:
             req.finish_reason, req.matched_stop = "stop", token
         if req.finish_reason is None and (n_out >= sp.max_new_tokens or req.num_tokens >= self.max_model_len):
             req.finish_reason = "length"
-        update_text(req, self.tokenizer)
+        update_text(req, self._decode_ids)
         if req.finish_reason is not None:
             self._finish(req, req.finish_reason)
 

@@ -7,7 +7,7 @@ import random
 import pytest
 from tiny_models import make_tokenizer
 
-from mmlora.engine.detokenizer import take_delta, update_text
+from mmlora.engine.detokenizer import ids_decoder, take_delta, update_text
 from mmlora.engine.request import Request
 from mmlora.engine.sampling_params import SamplingParams
 
@@ -24,7 +24,7 @@ def run(tok, ids, **sampling):
         req.output_ids.append(t)
         if i == len(ids) - 1:
             req.finish_reason = "length"
-        update_text(req, tok)
+        update_text(req, ids_decoder(tok))
         if req.finish_reason == "stop":
             req.status = req.status.FINISHED
             deltas.append(take_delta(req))
@@ -58,3 +58,24 @@ def test_stop_string_cuts_the_text_and_is_never_streamed(tok):
     assert req.finish_reason == "stop" and req.matched_stop == "How are"
     assert req.text == "Hello world! "
     assert "".join(deltas) == req.text and not any("How" in d for d in deltas)
+
+
+@pytest.mark.parametrize("cleanup", [False, True])
+def test_the_decoder_equals_the_tokenizers_decode(tok, cleanup):
+    """ids_decoder calls a fast tokenizer's backend directly when it cleans up no spaces (else its own
+    decode): the text must be decode's, with and without special tokens, over random ids including the
+    special ones, and with the clean-up switched on (where decode's own path is kept)."""
+    tok.clean_up_tokenization_spaces = cleanup
+    try:
+        decode = ids_decoder(tok)
+        rng = random.Random(3)
+        specials = tok.all_special_ids
+        for _ in range(200):
+            ids = [rng.choice(specials) if rng.random() < 0.1 else rng.randrange(len(tok)) for _ in range(12)]
+            for skip in (True, False):
+                want = tok.decode(ids, skip_special_tokens=skip, spaces_between_special_tokens=True)
+                assert decode(ids, skip, True) == want, (ids, skip)
+        words = tok("a , b . c ! d", add_special_tokens=False)["input_ids"]
+        assert decode(words, True, True) == tok.decode(words, skip_special_tokens=True)
+    finally:
+        tok.clean_up_tokenization_spaces = False
