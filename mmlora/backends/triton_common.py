@@ -297,19 +297,25 @@ class FusedTritonBackend(LoRABackend):
     def add_lora(self, out: torch.Tensor, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo) -> None:
         if not info.has_lora:
             return
-        checked = self._checked
-        seen = checked.get(id(weights))
-        if seen is not None and seen.weights is weights and seen.accepts(out, x, info):
-            R = seen.rank
-        else:
-            _, R = check_shrink_args(x, weights.A, info, weights.n_slices)
-            check_expand_weights(weights.A.shape[1], x.dtype, weights, info, out)
-            if len(checked) >= self._MAX_CHECKED:
-                checked.clear()
-            checked[id(weights)] = _Checked(weights, R)
+        R = self._validated_rank(out, x, weights, info)
         if info.num_tokens == 0:
             return
         self._fused(out, x, weights, info, R)
+
+    def _validated_rank(
+        self, out: torch.Tensor, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo
+    ) -> int:
+        """The pool rank R, after the full check of this call (or the remembered one it matches)."""
+        checked = self._checked
+        seen = checked.get(id(weights))
+        if seen is not None and seen.weights is weights and seen.accepts(out, x, info):
+            return seen.rank
+        _, R = check_shrink_args(x, weights.A, info, weights.n_slices)
+        check_expand_weights(weights.A.shape[1], x.dtype, weights, info, out)
+        if len(checked) >= self._MAX_CHECKED:
+            checked.clear()
+        checked[id(weights)] = _Checked(weights, R)
+        return R
 
     def start_lora(
         self, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo
@@ -326,10 +332,7 @@ class FusedTritonBackend(LoRABackend):
         partials = self._shrink_phase(x, weights, info, R)
 
         def finish(out: torch.Tensor) -> None:
-            seen = self._checked.get(id(weights))
-            if seen is None or seen.weights is not weights or not seen.accepts(out, x, info):
-                check_expand_weights(weights.A.shape[1], x.dtype, weights, info, out)
-                self._checked[id(weights)] = _Checked(weights, R)
+            self._validated_rank(out, x, weights, info)  # out is checked here, as add_lora checks it
             self._expand_phase(out, partials, weights, info, R, x.dtype)
 
         return finish

@@ -44,27 +44,22 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # A row-parallel base gives this rank's partial sum; its delta joins it before the all-reduce.
         row_parallel = isinstance(self.base, RowParallelLinear)
-        info, side = self.ctx.info, self.ctx.side_stream
-        if (
-            side is not None
-            and info is not None
-            and info.has_lora
-            and x.is_cuda
-            and self.ctx.backend.splits_work(info)
-        ):
+        info, side, backend = self.ctx.info, self.ctx.side_stream, self.ctx.backend
+        lora = info is not None and info.has_lora
+        flat_x = x.reshape(-1, x.shape[-1]) if lora else None
+        finish = None
+        if lora and side is not None and x.is_cuda and backend.splits_work(info):
             # The shrink reads only x: it runs on the side stream while the base GEMM runs, and the
             # expand adds to the base output once both are done. Its partials are freed before the next
             # module forks again (and the fork waits for this module's expand), so no stream reuses them early.
             main = torch.cuda.current_stream(x.device)
             side.wait_stream(main)
             with torch.cuda.stream(side):
-                finish = self.ctx.backend.start_lora(x.reshape(-1, x.shape[-1]), self.weights, info)
-            out = self.base.partial(x) if row_parallel else self.base(x)
+                finish = backend.start_lora(flat_x, self.weights, info)
+        out = self.base.partial(x) if row_parallel else self.base(x)
+        if finish is not None:
             main.wait_stream(side)
             finish(out.view(-1, out.shape[-1]))
-        else:
-            out = self.base.partial(x) if row_parallel else self.base(x)
-            if info is not None and info.has_lora:
-                flat_x, flat_out = x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1])
-                self.ctx.backend.add_lora(flat_out, flat_x, self.weights, info)
+        elif lora:
+            backend.add_lora(out.view(-1, out.shape[-1]), flat_x, self.weights, info)
         return self.base.reduce(out) if row_parallel else out
