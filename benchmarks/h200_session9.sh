@@ -7,6 +7,9 @@
 #     against after it, alternating, in one process.
 #  4. benchmarks/scripts/mixed_lora_ab.py: mixed and prefill steps, SGMV against the hybrid dense path.
 # Usage: bash benchmarks/h200_session9.sh OUTDIR
+# Ran once, at dcf27a5. The hybrid path it measures (4, and tests/kernels/test_dense_segments.py) lost
+# and was reverted afterwards, so steps 2 and 4 now miss those files; the results are in
+# benchmarks/results/h200-2026-12-02-session9/call2.
 set -u
 out=${1:?output folder}
 mkdir -p "$out"
