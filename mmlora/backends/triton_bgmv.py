@@ -44,6 +44,7 @@ from mmlora.backends.triton_common import (
     split_k_plan,
 )
 from mmlora.forward.lora import RANK_TILE, LoRABatchInfo, LoRAWeights
+from mmlora.triton_launch import fast
 
 #: Launch heuristics (read at every launch, so a benchmark can sweep them): elements per register
 #: tile of shrink and expand, warps per program, expand's per-slice reduction (else one selected h
@@ -234,7 +235,7 @@ def _shrink_partials(job: ShrinkJob, zero: bool = True) -> torch.Tensor:
     # every token count.
     p = alloc((plan.split_k, -(-T // 16) * 16, A.shape[1]), dtype=torch.float32, device=x.device)[:, :T]
     grid = (T * plan.split_k * plan.r_tiles,)
-    _bgmv_shrink_kernel[grid](
+    fast(_bgmv_shrink_kernel)[grid](
         x, A, p, info.token_slots, info.ranks,
         x.shape[1], R, plan.k_per_split, x.stride(0), A.stride(0), A.stride(1), p.stride(0), p.stride(1),
         plan.split_k, plan.r_tiles,
@@ -259,7 +260,7 @@ def _expand(
     block_n = min(512, max(32, TUNING["expand_tile"] // block_r))
     n_tiles = cdiv(n_out, block_n)
     grid = (info.num_tokens * n_tiles,)
-    _bgmv_expand_kernel[grid](
+    fast(_bgmv_expand_kernel)[grid](
         p, B, out, scalings, info.token_slots, info.ranks,
         R, n_out, p.stride(0), p.stride(1), B.stride(0), B.stride(1), out.stride(0), scalings.stride(0),
         *offset_args(slice_offsets), n_tiles, p.shape[0],

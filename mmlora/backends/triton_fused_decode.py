@@ -29,6 +29,7 @@ from mmlora.backends.registry import register_backend
 from mmlora.backends.triton_common import cdiv, dot_upcast, next_pow2, offset_args, select_bound
 from mmlora.backends.triton_sgmv import TritonSGMVBackend
 from mmlora.forward import LoRABatchInfo, LoRAWeights
+from mmlora.triton_launch import fast
 
 #: Launch settings: rows per head, columns per program (a slice is split into chunks of this many),
 #: column tile inside a chunk, in_features tile, warps. Unmeasured guesses.
@@ -117,7 +118,7 @@ def fused_decode_add_lora(
     chunks = cdiv(max(widths), chunk)
     T = info.num_tokens
     grid = (T * n * chunks,)
-    _fused_decode_kernel[grid](
+    fast(_fused_decode_kernel)[grid](
         x, A, B, out, scalings, info.token_slots, info.ranks,
         T, x.shape[1], R, x.stride(0), A.stride(0), A.stride(1), B.stride(0), B.stride(1), out.stride(0),
         scalings.stride(0), *offset_args(slice_offsets), chunks,

@@ -35,6 +35,7 @@ from mmlora.backends.triton_common import (
     split_k_plan,
 )
 from mmlora.forward.lora import RANK_TILE, LoRABatchInfo, LoRAWeights
+from mmlora.triton_launch import fast
 
 #: Launch heuristics (read at every launch, so a benchmark can sweep them): the largest token tile of
 #: shrink and of expand, expand's column tile, warps per program (expand: ``run_expand_warps`` for
@@ -264,7 +265,7 @@ def _shrink_planes(job: ShrinkJob, fp32_planes: bool = False) -> torch.Tensor:
     # Planes padded to 16 rows: their stride keeps the same divisibility for every batch.
     h = torch.empty((split, -(-T // 16) * 16, A.shape[1]), dtype=dtype, device=x.device)[:, :T]
     grid = (tiles.count * split * r_tiles,)
-    _sgmv_shrink_kernel[grid](
+    fast(_sgmv_shrink_kernel)[grid](
         x, A, h, info.seg_indptr, info.weight_indices, info.ranks, tiles.seg, tiles.m0,
         in_f, R, k_per_split, x.stride(0), A.stride(0), A.stride(1), h.stride(0), h.stride(1),
         tiles.m_tiles, r_tiles, split,
@@ -289,7 +290,7 @@ def _expand_planes(
     n_tiles = cdiv(max(widths), block_n)
     grid = (tiles.count * n * n_tiles,)
     warps = TUNING["run_expand_warps"] if tiles.block_m <= 16 else TUNING["expand_warps"]
-    _sgmv_expand_kernel[grid](
+    fast(_sgmv_expand_kernel)[grid](
         h, B, out, scalings, info.seg_indptr, info.weight_indices, info.ranks, tiles.seg, tiles.m0,
         R, h.shape[0], h.stride(0), h.stride(1), B.stride(0), B.stride(1), out.stride(0), scalings.stride(0),
         *offset_args(slice_offsets), tiles.m_tiles, n_tiles,

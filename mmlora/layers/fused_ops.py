@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from mmlora.backends.triton_common import cdiv, next_pow2
+from mmlora.triton_launch import fast
 
 #: Launch heuristics (read at every launch, so a benchmark can sweep them): the widest row RMSNorm keeps
 #: in registers in one tile (wider rows loop over tiles of this width, reading the row twice), columns
@@ -284,7 +285,7 @@ def rms_norm_triton(
     if rows and N:
         block = block or min(next_pow2(N), TUNING["norm_max_block"])
         tiles = cdiv(N, block)
-        _rms_norm_kernel[(rows,)](
+        fast(_rms_norm_kernel)[(rows,)](
             x2, r2, weight, y, s,
             N, x2.stride(0), r2.stride(0), y.stride(0), s.stride(0), float(eps), float(offset),
             HAS_RESIDUAL=residual is not None, GEMMA=bool(offset), BLOCK=block, NUM_TILES=tiles,
@@ -340,7 +341,7 @@ def _act_and_mul_triton(name: str, gate_up: torch.Tensor, act: int) -> torch.Ten
     if g2.shape[0] and inter:
         block = min(next_pow2(inter), TUNING["act_block"])
         grid = (g2.shape[0], cdiv(inter, block))
-        _act_and_mul_kernel[grid](
+        fast(_act_and_mul_kernel)[grid](
             g2, out, inter, g2.stride(0), out.stride(0), ACT=act, BLOCK=block, num_warps=TUNING["act_warps"],
             enable_fp_fusion=True,  # fma inside act, as nvcc builds torch's own activation kernels
         )  # fmt: skip
@@ -410,7 +411,7 @@ def apply_rotary_triton(
     block_h = max(1, min(TUNING["rope_tile"] // block_d, next_pow2(max(Hq, Hkv))))
     q_blocks = cdiv(Hq, block_h)
     grid = (T, q_blocks + cdiv(Hkv, block_h))
-    _rope_kernel[grid](
+    fast(_rope_kernel)[grid](
         q, k, cos, sin, qo, ko,
         Hq, Hkv, half, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0),
         qo.stride(0), qo.stride(1), ko.stride(0), ko.stride(1), q_blocks,

@@ -32,6 +32,7 @@ from mmlora.layers.attention.base import (
 from mmlora.layers.attention.triton_common import interpreting
 from mmlora.layers.attention.triton_decode import decode_attention
 from mmlora.layers.attention.triton_prefill import prefill_attention
+from mmlora.triton_launch import fast
 
 _MIN_TOKENS_PER_SPLIT = 256
 _MAX_SPLITS = 32
@@ -77,7 +78,7 @@ def store_kv_triton(
     if t == 0:
         return
     kc = k_cache.view(-1, hkv, d)
-    _store_kv_kernel[(t,)](
+    fast(_store_kv_kernel)[(t,)](
         k,
         v,
         kc,

@@ -21,6 +21,7 @@ import triton.language as tl
 
 from mmlora.backends.triton_common import next_pow2
 from mmlora.layers.attention.triton_common import attend_key_tile, dot_precision, dot_upcast, softmax_args
+from mmlora.triton_launch import fast
 
 
 @triton.jit
@@ -132,7 +133,7 @@ def decode_attention(
     mid_lse = torch.empty((num_seqs, hq, num_splits), dtype=torch.float32, device=q.device)
     kc = k_cache.view(-1, hkv, d)
     mult, cap_mult = softmax_args(scale, logit_softcap)
-    _decode_split_kernel[(num_seqs, hkv, num_splits)](
+    fast(_decode_split_kernel)[(num_seqs, hkv, num_splits)](
         q, kc, v_cache.view(-1, hkv, d), block_tables, seq_lens, mid_o, mid_lse,
         q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), block_tables.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
@@ -143,7 +144,7 @@ def decode_attention(
         DOT_PREC=dot_precision(q.dtype), UPCAST=dot_upcast(q.dtype),
         num_warps=4, num_stages=2,
     )  # fmt: skip
-    _decode_reduce_kernel[(num_seqs, hq)](
+    fast(_decode_reduce_kernel)[(num_seqs, hq)](
         mid_o, mid_lse, out,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),

@@ -18,6 +18,7 @@ import triton.language as tl
 
 from mmlora.backends.triton_common import cdiv, next_pow2
 from mmlora.layers.attention.triton_common import attend_key_tile, dot_precision, dot_upcast, softmax_args
+from mmlora.triton_launch import fast
 
 
 @triton.jit
@@ -111,7 +112,7 @@ def prefill_attention(
     mult, cap_mult = softmax_args(scale, logit_softcap)
     kc = k_cache.view(-1, hkv, d)
     grid = (cdiv(max_query_len, tokens), num_seqs, hkv)
-    _prefill_kernel[grid](
+    fast(_prefill_kernel)[grid](
         q, kc, v_cache.view(-1, hkv, d), out, block_tables, query_start_loc, seq_lens,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), kc.stride(0), kc.stride(1),
         block_tables.stride(0),
