@@ -84,6 +84,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     exit_on_config_error(check_port, server_config.host, server_config.port)
     from mmlora import Engine
     from mmlora.engine.background import BackgroundEngine
+    from mmlora.engine.setup import freeze_startup_objects
     from mmlora.server.app import build_app
 
     try:
@@ -92,6 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         logger.error("cannot start: %s", e)
         return 2
     num_loras = len(engine.list_loras())  # before the engine thread owns it
+    freeze_startup_objects()
     bg = BackgroundEngine(engine)
     app = build_app(bg, server_config)
     server = _make_server(app, server_config, bg)

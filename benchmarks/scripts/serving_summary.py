@@ -44,10 +44,16 @@ def _round(name: str, runs: dict) -> None:
     def kinds(r: dict) -> dict:
         return r.get("breakdown", {}).get("step_kinds", {})
 
+    def gc_s(r: dict) -> str:
+        g = r.get("breakdown", {}).get("python_gc")
+        return "-" if g is None else f"{g['total_s']:.2f} s ({g['collections'][2]} full)"
+
     base_span = kinds(base).get("decode_graph", {}).get("gpu_span_s", 0)
+    bmx = kinds(base).get("mixed", {})
     print(
         f"== {name}: base-only {base['output_tok_per_s']:.0f} tok/s, TTFT p50 "
-        f"{base['ttft_p50_s'] * 1e3:.0f} ms, decode {base['decode_seconds']:.2f} s"
+        f"{base['ttft_p50_s'] * 1e3:.0f} ms, decode {base['decode_seconds']:.2f} s, mixed wall "
+        f"{bmx.get('wall_s', 0):.2f} s (launch {bmx.get('forward_launch_s', 0):.2f}); python gc {gc_s(base)}"
     )
     for n, r in sorted(runs.items()):
         if not n:
@@ -59,8 +65,9 @@ def _round(name: str, runs: dict) -> None:
             f"{r['output_tok_per_s'] / base['output_tok_per_s']:.3f}x base; "
             f"TTFT p50 {r['ttft_p50_s'] / base['ttft_p50_s']:.2f}x; decode {r['decode_seconds']:.2f} s "
             f"(graph span {dg.get('gpu_span_s', 0):.2f} s vs base {base_span:.2f}); "
-            f"mixed span {mx.get('gpu_span_s', 0):.2f} s; uploads {up.get('count')} host "
-            f"{up.get('host_s', 0):.2f} gpu {up.get('gpu_s') or 0:.2f} s"
+            f"mixed wall {mx.get('wall_s', 0):.2f} s (launch {mx.get('forward_launch_s', 0):.2f}, span "
+            f"{mx.get('gpu_span_s', 0):.2f}); uploads {up.get('count')} host "
+            f"{up.get('host_s', 0):.2f} gpu {up.get('gpu_s') or 0:.2f} s; python gc {gc_s(r)}"
         )
 
 

@@ -17,7 +17,9 @@ wrapping the instance attributes a step goes through (nothing in the engine know
   (``LoRABatchInfo.fill`` / the graph runner's ``prepare_replay``), LoRA host time (Python and Triton
   launches inside ``add_lora``), sample, postprocess (append token, stop checks, detokenize);
 - adapter uploads into device slots: count, host seconds, GPU seconds, bytes;
-- Triton compiles (``knobs.runtime.jit_post_compile_hook``): a timed run should have none.
+- Triton compiles (``knobs.runtime.jit_post_compile_hook``): a timed run should have none;
+- Python's cyclic garbage collector: collections per generation and the seconds they took (``gc.callbacks``):
+  a full collection walks every live object, so its cost grows with what the process holds.
 
 The forward wrapper waits for the forward's last event before returning: the engine samples right
 after and would wait there anyway, so the wait moves from ``sample`` into ``gpu_wait_s``.
@@ -25,6 +27,7 @@ after and would wait there anyway, so the wait moves from ``sample`` into ``gpu_
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable
 from typing import Any
@@ -77,6 +80,36 @@ class _CompileCounter:
             self._knobs = None
 
 
+class _GCTimer:
+    """Collections per generation and their seconds, through ``gc.callbacks``."""
+
+    def __init__(self) -> None:
+        self.reset()
+        self._t0 = 0.0
+
+    def reset(self) -> None:
+        self.counts = [0, 0, 0]
+        self.seconds = [0.0, 0.0, 0.0]
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            gen = info.get("generation", 2)
+            self.counts[gen] += 1
+            self.seconds[gen] += time.perf_counter() - self._t0
+
+    def install(self) -> None:
+        gc.callbacks.append(self)
+
+    def uninstall(self) -> None:
+        if self in gc.callbacks:
+            gc.callbacks.remove(self)
+
+    def summary(self) -> dict[str, Any]:
+        return {"collections": list(self.counts), "seconds": list(self.seconds), "total_s": sum(self.seconds)}
+
+
 class _Timer:
     """Host seconds of calls to a wrapped callable, added to ``sink[key]``."""
 
@@ -99,6 +132,7 @@ class StepBreakdown:
         self.lora_sample_every = max(1, lora_sample_every)
         self.cuda = engine.device.type == "cuda"
         self.compiles = _CompileCounter()
+        self.gc = _GCTimer()
         self._undo: list[Callable[[], None]] = []
         self.host = dict.fromkeys(PHASES, 0.0)  # updated in place: the installed timers hold it
         self.reset()
@@ -118,6 +152,7 @@ class StepBreakdown:
         self._kind: str | None = None
         self._sampling_lora: list[tuple[Any, Any]] | None = None
         self._compiles_at_reset = self.compiles.count
+        self.gc.reset()
 
     def _event(self) -> Any:
         return torch.cuda.Event(enable_timing=True) if self.cuda else None
@@ -166,6 +201,8 @@ class StepBreakdown:
         self._undo.append(lambda: setattr(sampling_module, "sample", sample))
         self.compiles.install()
         self._undo.append(self.compiles.uninstall)
+        self.gc.install()
+        self._undo.append(self.gc.uninstall)
         return self
 
     def uninstall(self) -> None:
@@ -271,6 +308,7 @@ class StepBreakdown:
             if self.compiles.available
             else None,
             "lora_sample_every": self.lora_sample_every,
+            "python_gc": self.gc.summary(),
         }
 
 
@@ -305,4 +343,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"  uploads {up['count']} ({up['bytes'] / 1e6:.0f} MB) host {ms(up['host_s'])} ms gpu "
         f"{ms(up['gpu_s'])} ms; triton compiles {summary['triton_compiles']}"
     )
+    pgc = summary.get("python_gc")
+    if pgc is not None:
+        lines.append(f"  python gc: collections {pgc['collections']} (gen 0/1/2), {ms(pgc['total_s'])} ms")
     return "\n".join(lines)

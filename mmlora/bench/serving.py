@@ -54,6 +54,7 @@ from mmlora.bench.serving_parts import (
     time_graph_replay,
     weight_bytes,
 )
+from mmlora.engine.setup import freeze_startup_objects
 
 logger = logging.getLogger(__name__)
 
@@ -176,6 +177,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "--allow-compiles",
         action="store_true",
         help="report Triton compiles inside timed runs instead of failing on them",
+    )
+    p.add_argument(
+        "--no-gc-freeze",
+        action="store_true",
+        help="leave start-up objects in Python's collector (the server freezes them after start-up)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--adapter-dir", default=None, help="where random adapters go (default: a temp folder)")
@@ -412,6 +418,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.perf_counter()
     _warmup(engine, args, adapters, recorder, bw, rng)
     print(f"warm-up (Triton compiles of the prefill shapes, untimed) in {time.perf_counter() - t0:.1f} s")
+    if not args.no_gc_freeze:
+        freeze_startup_objects()  # as launch_server does once the engine is up
     runs = []
     skipped = []
     round_points = [(_mix_label(args.mixes[0]), 0)] + [
@@ -477,6 +485,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     engine.runner.cuda_graphs = None
     engine.shutdown()
     del engine, recorder
+    gc.unfreeze()  # the engine's objects may now be garbage in cycles: let the collector see them
     _free()
     if args.hf_batch:
         hf = hf_peft_subset(hf_config, args, adapters, device, dtype, free=_free)

@@ -164,6 +164,17 @@ def _no_init_weights() -> contextlib.AbstractContextManager:
     return no_init_weights()
 
 
+def freeze_startup_objects() -> None:
+    """Move every object alive now out of the cyclic collector's generations (``gc.freeze``), after a
+    collection. A serving process keeps its start-up objects (modules, parameters' wrappers, imported
+    libraries' state) for life, and each full collection would walk them all: its cost grows with what
+    the process holds, not with what serving creates. vLLM and SGLang freeze after start-up too.
+    Objects frozen here are still freed by reference counting; only cycles among them are never
+    collected, so call it once the long-lived objects exist (``gc.unfreeze()`` undoes it)."""
+    gc.collect()
+    gc.freeze()
+
+
 def _plan_kv_blocks(
     config: EngineConfig, device: torch.device, per_token: int, max_tokens: int, vocab: int
 ) -> int:
