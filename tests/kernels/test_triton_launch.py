@@ -153,19 +153,23 @@ def test_direct_launches_equal_triton_launches(monkeypatch: pytest.MonkeyPatch) 
     weights = LoRAWeights(A, B, torch.full((S, 3), 0.5, device=dev), offs)
     w = torch.randn(in_f, device=dev, generator=g).to(dt)
 
+    cases = []
+    for name, lens, slots in (
+        ("triton-sgmv", [5, 40, 3], [0, 2, -1]),
+        ("triton-bgmv", [1] * 9, [0, 1, 2, 3, -1, 0, 1, 2, 3]),
+    ):
+        info = LoRABatchInfo(sum(lens), S, dev)
+        for s in range(S):
+            info.set_slot_rank(s, R)
+        info.fill(lens, slots)
+        cases.append((get_backend(name), info))
+
     def run_all(x: torch.Tensor) -> list[torch.Tensor]:
         outs = []
-        for name, lens, slots in (
-            ("triton-sgmv", [5, 40, 3], [0, 2, -1]),
-            ("triton-bgmv", [1] * 9, [0, 1, 2, 3, -1, 0, 1, 2, 3]),
-        ):
-            T = sum(lens)
-            info = LoRABatchInfo(T, S, dev)
-            for s in range(S):
-                info.set_slot_rank(s, R)
-            info.fill(lens, slots)
+        for backend, info in cases:
+            T = info.num_tokens
             out = torch.zeros(T, offs[-1], device=dev, dtype=dt)
-            get_backend(name).add_lora(out, x[:T], weights, info)
+            backend.add_lora(out, x[:T], weights, info)
             outs.append(out)
         outs.append(F.rms_norm_triton(x[:9], w, 1e-6))
         return outs
