@@ -104,8 +104,10 @@ def make_case(
     seed: int = 0,
     spare_rows: int = 0,
     pad_value: float = 0.0,
+    device: torch.device = DEV,
 ) -> Case:
-    """A pool of len(ranks) slots of max rank R (padding filled with ``pad_value``) and one batch."""
+    """A pool of len(ranks) slots of max rank R (padding filled with ``pad_value``) and one batch, on
+    ``device``."""
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
     S, n = len(ranks), len(widths)
@@ -119,16 +121,24 @@ def make_case(
     scalings = torch.rand(S, n, generator=g) + 0.5
     lens = split_tokens(T, mode, rng)
     slots = slots_for(pattern, len(lens), S, rng)
-    info = LoRABatchInfo(T + spare_rows + 4, S, DEV)
+    info = LoRABatchInfo(T + spare_rows + 4, S, device)
     for s, r in enumerate(ranks):
         info.set_slot_rank(s, r)
     info.fill(lens, slots)
     token_slots = [s for n_tok, s in zip(lens, slots) for _ in range(n_tok)]
     x = torch.randn(T + spare_rows, in_f, generator=g)
     out = torch.randn(T + spare_rows, offsets[-1], generator=g)
-    to = dict(device=DEV, dtype=dtype)
+    to = dict(device=device, dtype=dtype)
     return Case(
-        x.to(**to), A.to(**to), B.to(**to), scalings.to(DEV), out.to(**to), offsets, info, ranks, token_slots
+        x.to(**to),
+        A.to(**to),
+        B.to(**to),
+        scalings.to(device),
+        out.to(**to),
+        offsets,
+        info,
+        ranks,
+        token_slots,
     )
 
 
@@ -248,8 +258,9 @@ def test_shrink_then_expand(backend: str, name: str) -> None:
 @pytest.mark.parametrize("name", ["decode-distinct-qkv", "decode-basemix-qkv", "mixed-ranks-1-to-128"])
 def test_torch_gather_small_cpu_batches_skip_rank_padding(name: str, dtype: torch.dtype) -> None:
     """torch-gather's CPU dense path (at most 64 tokens) multiplies only each slot's live rank rows: a
-    rank-8 adapter in a rank-64 pool costs 8 rows. Padding poisoned with NaN must not reach the sum."""
-    c = make_case(*CPU_CASES[name], dtype=dtype, seed=3, pad_value=float("nan"))
+    rank-8 adapter in a rank-64 pool costs 8 rows. Padding poisoned with NaN must not reach the sum.
+    On CPU on every machine: the path is CPU-only (a GPU's torch-gather reads the padded pool)."""
+    c = make_case(*CPU_CASES[name], dtype=dtype, seed=3, pad_value=float("nan"), device=torch.device("cpu"))
     assert c.info.num_tokens <= 64
     _, want = reference(c)
     out0 = c.out.clone()
