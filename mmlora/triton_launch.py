@@ -163,6 +163,77 @@ class FastKernel:
         )  # fmt: skip
         self.direct_launches += 1
 
+    def plan(
+        self, grid: Sequence[int], args: tuple[Any, ...], kwargs: dict[str, Any], tensor_pos: tuple[int, ...]
+    ) -> LaunchPlan:
+        """A :class:`LaunchPlan` of ``args`` / ``kwargs`` (as for ``self[grid](...)``) whose arguments at
+        positions ``tensor_pos`` are given at each launch instead (those in ``args`` are ignored)."""
+        g = tuple(grid)
+        grid3 = (g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1)
+        if not self.names:  # Triton's interpreter: no parameter list; every launch goes through it
+            return LaunchPlan(grid3, list(args), tuple(tensor_pos), (), dict(kwargs))
+        values, options = self._bound(args, kwargs)
+        plan = LaunchPlan(grid3, values, tuple(tensor_pos), options, dict(options))
+        if _FAST:
+            fixed = list(values)
+            for i in plan.tensor_pos:
+                fixed[i] = None  # keyed per launch
+            try:
+                plan.static_key = self.launch_key(fixed, options, torch.cuda.current_device())
+            except TypeError:  # an argument kind the key does not cover: every launch through Triton
+                plan.static_key = None
+        return plan
+
+    def launch_plan(self, plan: LaunchPlan, tensors: Sequence[torch.Tensor]) -> None:
+        """Launch ``plan`` with ``tensors`` at its ``tensor_pos``: the same launch as ``self[grid](...)``
+        with those arguments."""
+        values = plan.values
+        for i, t in zip(plan.tensor_pos, tensors):
+            values[i] = t
+        runtime = knobs.runtime if _FAST and plan.static_key is not None else None
+        if runtime is None or _hooked(runtime.launch_enter_hook) or _hooked(runtime.launch_exit_hook):
+            self.fn[plan.grid](*values, **plan.kwargs)
+            return
+        key = (plan.static_key, *[(t.dtype, t.data_ptr() % 16 == 0) for t in tensors])
+        kernel = self._compiled.get(key)
+        if kernel is None:
+            kernel = self.fn[plan.grid](*values, **plan.kwargs)
+            if kernel is not None and getattr(kernel, "function", None) is not None:
+                self._compiled[key] = kernel
+            return
+        g = plan.grid
+        kernel.run(
+            g[0], g[1], g[2], _current_stream(torch.cuda.current_device()), kernel.function,
+            kernel.packed_metadata, None, None, None, *values,
+        )  # fmt: skip
+        self.direct_launches += 1
+
+
+class LaunchPlan:
+    """One launch site's arguments for a forward, all but the tensors at ``tensor_pos`` (given per call):
+    built once by :meth:`FastKernel.plan` and launched by :meth:`FastKernel.launch_plan` from every layer
+    (the layers of a model share module shapes and the forward's batch). Its key part of the fixed
+    arguments is computed once; a launch adds only its tensors' dtypes and alignments."""
+
+    __slots__ = ("grid", "values", "tensor_pos", "options", "kwargs", "static_key")
+
+    def __init__(
+        self,
+        grid: tuple[int, int, int],
+        values: list[Any],
+        tensor_pos: tuple[int, ...],
+        options: tuple,
+        kwargs: dict,
+    ) -> None:
+        self.grid, self.values, self.tensor_pos, self.options, self.kwargs = (
+            grid,
+            values,
+            tensor_pos,
+            options,
+            kwargs,
+        )
+        self.static_key: tuple[Any, ...] | None = None
+
 
 _FAST = fast_launch_enabled()
 # What Triton's CUDA driver itself asks for the current stream (a raw handle, no Stream object built).

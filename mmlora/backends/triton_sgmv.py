@@ -244,10 +244,12 @@ class _Tiles:
         return info.host_derived[key]
 
 
-def _shrink_planes(job: ShrinkJob, fp32_planes: bool = False) -> torch.Tensor:
-    """Launch shrink; returns h as [SPLIT_K, T, n*R] planes (fp32 partials, or x.dtype when there is one
-    plane and not ``fp32_planes``). Launch constants follow the pool rank R, not this batch's ranks,
-    so batches of any rank mix share one compiled kernel (programs still stop at their slot's rank)."""
+def _shrink_launch(
+    job: ShrinkJob, fp32_planes: bool
+) -> tuple[tuple[int], tuple, dict, tuple[int, int, int], torch.dtype]:
+    """(grid, positional args with None for h, keyword args, h's padded shape, h's dtype) of shrink's
+    launch. Launch constants follow the pool rank R, not this batch's ranks, so batches of any rank mix
+    share one compiled kernel (programs still stop at their slot's rank)."""
     x, A, info, n, R, skip_pad, split_k = job
     T, in_f, top_rank = info.num_tokens, x.shape[1], job.top_rank
     ns_p2 = next_pow2(n)
@@ -263,22 +265,34 @@ def _shrink_planes(job: ShrinkJob, fp32_planes: bool = False) -> torch.Tensor:
     k_per_split, split = split_k_plan(in_f, block_k, busy, x.device, split_k, TUNING)
     dtype = x.dtype if split == 1 and not fp32_planes else torch.float32
     # Planes padded to 16 rows: their stride keeps the same divisibility for every batch.
-    h = torch.empty((split, -(-T // 16) * 16, A.shape[1]), dtype=dtype, device=x.device)[:, :T]
-    grid = (tiles.count * split * r_tiles,)
-    fast(_sgmv_shrink_kernel)[grid](
-        x, A, h, info.seg_indptr, info.weight_indices, info.ranks, tiles.seg, tiles.m0,
-        in_f, R, k_per_split, x.stride(0), A.stride(0), A.stride(1), h.stride(0), h.stride(1),
+    shape = (split, -(-T // 16) * 16, A.shape[1])
+    args = (
+        x, A, None, info.seg_indptr, info.weight_indices, info.ranks, tiles.seg, tiles.m0,
+        in_f, R, k_per_split, x.stride(0), A.stride(0), A.stride(1), shape[1] * shape[2], shape[2],
         tiles.m_tiles, r_tiles, split,
+    )  # fmt: skip
+    kwargs = dict(
         N_SLICES=n, NS_P2=ns_p2, SKIP_PAD=skip_pad, BLOCK_M=tiles.block_m, BLOCK_R=block_r, BLOCK_K=block_k,
         UPCAST=dot_upcast(x.dtype), PREC="ieee" if x.dtype == torch.float32 else "tf32", TILED=tiles.tiled,
         num_warps=TUNING["shrink_warps"],
     )  # fmt: skip
+    return (tiles.count * split * r_tiles,), args, kwargs, shape, dtype
+
+
+def _shrink_planes(job: ShrinkJob, fp32_planes: bool = False) -> torch.Tensor:
+    """Launch shrink; returns h as [SPLIT_K, T, n*R] planes (fp32 partials, or x.dtype when there is one
+    plane and not ``fp32_planes``)."""
+    grid, args, kwargs, shape, dtype = _shrink_launch(job, fp32_planes)
+    h = torch.empty(shape, dtype=dtype, device=job.x.device)[:, : job.info.num_tokens]
+    fast(_sgmv_shrink_kernel)[grid](*args[:2], h, *args[3:], **kwargs)
     return h
 
 
-def _expand_planes(
-    h: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo, out: torch.Tensor, R: int
-) -> None:
+def _expand_launch(
+    h_strides: tuple[int, int, int], weights: LoRAWeights, info: LoRABatchInfo, out: torch.Tensor, R: int
+) -> tuple[tuple[int], tuple, dict]:
+    """(grid, positional args with None for h, keyword args) of expand's launch over h's planes given as
+    (planes, plane stride, row stride)."""
     B, scalings, slice_offsets = weights.B, weights.scalings, weights.slice_offsets
     n = weights.n_slices
     widths = [b - a for a, b in zip(slice_offsets, slice_offsets[1:])]
@@ -288,15 +302,40 @@ def _expand_planes(
     # rank-8 slot of a rank-64 pool costs one step, not four.
     block_k = RANK_TILE
     n_tiles = cdiv(max(widths), block_n)
-    grid = (tiles.count * n * n_tiles,)
     warps = TUNING["run_expand_warps"] if tiles.block_m <= 16 else TUNING["expand_warps"]
-    fast(_sgmv_expand_kernel)[grid](
-        h, B, out, scalings, info.seg_indptr, info.weight_indices, info.ranks, tiles.seg, tiles.m0,
-        R, h.shape[0], h.stride(0), h.stride(1), B.stride(0), B.stride(1), out.stride(0), scalings.stride(0),
-        *offset_args(slice_offsets), tiles.m_tiles, n_tiles,
+    args = (
+        None, B, out, scalings, info.seg_indptr, info.weight_indices, info.ranks, tiles.seg, tiles.m0,
+        R, *h_strides, B.stride(0), B.stride(1), out.stride(0),
+        scalings.stride(0), *offset_args(slice_offsets), tiles.m_tiles, n_tiles,
+    )  # fmt: skip
+    kwargs = dict(
         N_SLICES=n, BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=dot_upcast(B.dtype),
         PREC="ieee" if B.dtype == torch.float32 else "tf32", TILED=tiles.tiled, num_warps=warps,
     )  # fmt: skip
+    return (tiles.count * n * n_tiles,), args, kwargs
+
+
+def _expand_planes(
+    h: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo, out: torch.Tensor, R: int
+) -> None:
+    """Launch expand over h's planes [SPLIT_K, >= T, n*R] (rows padded or not: its strides are read)."""
+    grid, args, kwargs = _expand_launch((h.shape[0], h.stride(0), h.stride(1)), weights, info, out, R)
+    fast(_sgmv_expand_kernel)[grid](h, *args[1:], **kwargs)
+
+
+class _ModulePlan:
+    """Shrink's and expand's launch plans for one module shape in one forward (``_fused``): the layers of
+    a model share module shapes and the forward's batch, so every layer after the first launches these
+    with its own x, A, B, scalings and out, skipping the launch arithmetic."""
+
+    __slots__ = ("shrink", "expand", "h_shape", "h_dtype")
+
+    def __init__(self, job: ShrinkJob, weights: LoRAWeights, out: torch.Tensor) -> None:
+        grid, args, kwargs, self.h_shape, self.h_dtype = _shrink_launch(job, fp32_planes=True)
+        self.shrink = fast(_sgmv_shrink_kernel).plan(grid, args, kwargs, (0, 1, 2))
+        splits, rows, cols = self.h_shape
+        grid, args, kwargs = _expand_launch((splits, rows * cols, cols), weights, job.info, out, job.R)
+        self.expand = fast(_sgmv_expand_kernel).plan(grid, args, kwargs, (0, 1, 2, 3))
 
 
 def sgmv_shrink(
@@ -330,6 +369,16 @@ class TritonSGMVBackend(FusedTritonBackend):
     ) -> None:
         """Shrink knows the slice count, so it skips rank padding per slice; its planes are always fp32
         (expand rounds h to x.dtype), so the kernels' signatures do not depend on the batch."""
-        job = ShrinkJob(x, weights.A, info, weights.n_slices, R, True, self.split_k)
-        h = _shrink_planes(job, fp32_planes=True)
-        _expand_planes(h, weights, info, out, R)
+        A, B, scalings = weights.A, weights.B, weights.scalings
+        # Everything the launch arithmetic reads of this call, but the batch (the plan is per forward).
+        key = (
+            "sgmv_module", x.shape[1], x.stride(0), x.dtype, A.shape, A.stride(), B.shape, B.stride(),
+            scalings.stride(0), weights.slice_offsets, out.stride(0), R, self.split_k,
+        )  # fmt: skip
+        plan = info.host_derived.get(key)
+        if plan is None:
+            job = ShrinkJob(x, A, info, weights.n_slices, R, True, self.split_k)
+            plan = info.host_derived[key] = _ModulePlan(job, weights, out)
+        h = torch.empty(plan.h_shape, dtype=plan.h_dtype, device=x.device)
+        fast(_sgmv_shrink_kernel).launch_plan(plan.shrink, (x, A, h))
+        fast(_sgmv_expand_kernel).launch_plan(plan.expand, (h, B, out, scalings))

@@ -117,6 +117,28 @@ def test_first_call_of_a_key_goes_through_triton_then_direct(direct) -> None:  #
     assert len(fn.via_triton) == 6 and k.direct_launches == 2
 
 
+def test_plans_launch_their_tensors_with_the_same_keys(direct) -> None:  # noqa: ANN001
+    """A plan fixes every argument but its tensors; each launch keys on those tensors' dtype and
+    alignment, as a plain launch would."""
+    fn = _StandIn()
+    k = FastKernel(fn)
+    buf = torch.zeros(64, dtype=torch.float16)
+    plan = k.plan((4,), (None, 32, 5), {"BLOCK": 64, "num_warps": 4}, (0,))
+    k.launch_plan(plan, (buf[:8],))  # first: through Triton
+    assert len(fn.via_triton) == 1 and fn.via_triton[0][1][0].data_ptr() == buf.data_ptr()
+    assert fn.via_triton[0][1][1:] == (32, 5, 64) and fn.via_triton[0][2] == {"num_warps": 4}
+    k.launch_plan(plan, (buf[16:24],))  # aligned too: direct, with this tensor
+    (call,) = fn.compiled[0].calls
+    assert (
+        call[:4] == (4, 1, 1, 1234)
+        and call[9].data_ptr() == buf[16:24].data_ptr()
+        and call[10:] == (32, 5, 64)
+    )
+    k.launch_plan(plan, (buf[1:9],))  # misaligned: through Triton again
+    k.launch_plan(plan, (buf.float()[:8],))  # another dtype: through Triton again
+    assert len(fn.via_triton) == 3 and k.direct_launches == 1
+
+
 def test_missing_arguments_and_foreign_kinds(direct) -> None:  # noqa: ANN001
     fn = _StandIn()
     k = FastKernel(fn)
