@@ -6,7 +6,7 @@
 #     rows + a 260-token prompt), direct against Triton's path, alternating in one process.
 #  3. The serving command, --sweep-rounds 2, in one process (start-up objects frozen out of
 #     Python's collector after the warm-up, as the server now does; the breakdown counts collections).
-# Usage: bash benchmarks/h200_session10.sh OUTDIR
+# Usage: bash benchmarks/h200_session10.sh OUTDIR (calls 1 and 2)
 set -u
 out=${1:?output folder}
 mkdir -p "$out"

@@ -63,7 +63,8 @@ def _round(name: str, runs: dict) -> None:
         print(
             f"  n={n:5d}: {r['output_tok_per_s']:.0f} tok/s = "
             f"{r['output_tok_per_s'] / base['output_tok_per_s']:.3f}x base; "
-            f"TTFT p50 {r['ttft_p50_s'] / base['ttft_p50_s']:.2f}x; decode {r['decode_seconds']:.2f} s "
+            f"TTFT p50 {r['ttft_p50_s'] / base['ttft_p50_s']:.2f}x; decode bytes bound "
+            f"{base['decode_floor_seconds'] / r['decode_floor_seconds']:.3f}x; decode {r['decode_seconds']:.2f} s "
             f"(graph span {dg.get('gpu_span_s', 0):.2f} s vs base {base_span:.2f}); "
             f"mixed wall {mx.get('wall_s', 0):.2f} s (launch {mx.get('forward_launch_s', 0):.2f}, span "
             f"{mx.get('gpu_span_s', 0):.2f}); uploads {up.get('count')} host "
