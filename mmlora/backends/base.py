@@ -53,6 +53,20 @@ class LoRABackend(ABC):
         """``out [T, out] += lora(x [T, in])`` for the batch described by ``info`` (the semantics above);
         a no-op when no row has an adapter."""
 
+    def fused_linear(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        weights: LoRAWeights,
+        info: LoRABatchInfo,
+    ) -> torch.Tensor | None:
+        """``F.linear(x, weight, bias)`` with the batch's LoRA delta added, in one go where this backend
+        fuses the base matmul with its LoRA work for this batch; None where it does not (the layer then
+        runs the base and :meth:`add_lora`). ``weight`` and ``bias`` are the base layer's (for a
+        row-parallel shard: its weight shard and the bias this rank adds). By default never fused."""
+        return None
+
     def start_lora(
         self, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo
     ) -> Callable[[torch.Tensor], None]:

@@ -60,13 +60,22 @@ def pack_weight(weight: torch.Tensor, batch_size: int | None = None) -> torch.Te
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_size)
 
 
+def row_bucket(rows: int) -> int:
+    """The row count a packed matmul of ``0 < rows <= PACKED_MAX_ROWS`` rows runs at: the next power of two."""
+    return 1 << (rows - 1).bit_length()
+
+
+def pad_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` [rows, in] with zero rows appended up to :func:`row_bucket` rows (``x`` itself when none are)."""
+    rows = x.shape[0]
+    bucket = row_bucket(rows)
+    return x if bucket == rows else torch.cat([x, x.new_zeros(bucket - rows, x.shape[1])])
+
+
 def packed_matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W.T + bias`` for x [rows, in] with ``0 < rows <= PACKED_MAX_ROWS``, W packed by
     :func:`pack_weight` (same dtype as x); returns [rows, out]. Rows are padded with zeros up to a power
     of two (their outputs dropped), which leaves the real rows' values unchanged."""
     rows = x.shape[0]
-    bucket = 1 << (rows - 1).bit_length()
-    if bucket != rows:
-        x = torch.cat([x, x.new_zeros(bucket - rows, x.shape[1])])
-    out = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    return out if bucket == rows else out[:rows]
+    out = torch.ops.mkldnn._linear_pointwise(pad_rows(x), packed, bias, "none", [], "")
+    return out if out.shape[0] == rows else out[:rows]

@@ -27,6 +27,7 @@ from mmlora.backends.onednn import (
     pack_weight,
     packable_dtypes,
     packed_matmul,
+    pad_rows,
 )
 from mmlora.backends.registry import register_backend
 from mmlora.forward.lora import LoRABatchInfo, LoRAWeights
@@ -105,6 +106,56 @@ def gather_expand(h: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo, ou
 class TorchGatherBackend(LoRABackend):
     def __init__(self) -> None:
         self._dense_cache: dict[int, _DenseWeights] = {}
+        self._fused_cache: dict[int, _FusedWeights] = {}
+
+    def fused_linear(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        weights: LoRAWeights,
+        info: LoRABatchInfo,
+    ) -> torch.Tensor | None:
+        """A CPU decode step (at most PACKED_MAX_ROWS tokens over few slots, a packable dtype): the
+        base GEMM and the LoRA expand as one oneDNN matmul, ``[x | h] @ [W | W_lora].T + bias``, where
+        ``h = (x @ A_live.T) * mask`` is every slot's shrink with the other slots' columns zeroed. At
+        decode sizes a oneDNN call costs about 10 us before it multiplies anything, more than a rank-8
+        expand's FLOPs, so the expand rides on the base call. The shrink is a plain ``mm`` (MKL): for
+        its thin [in, K] weight that is cheaper than oneDNN's call (16 rows, K = 32: 8 against 14 us;
+        the mask as oneDNN's post-op was slower still). Costs a second packed copy of the module's weight (beside the base layer's own,
+        which base-only steps keep using), rebuilt when an adapter slot or the base weight changes."""
+        T = info.num_tokens
+        rows = x.numel() // x.shape[-1]
+        if (
+            x.device.type != "cpu"
+            or rows != T
+            or not 0 < T <= PACKED_MAX_ROWS
+            or info.num_slots > _DENSE_MAX_SLOTS
+            or x.dtype not in _packable()
+            or not x.dtype == weight.dtype == weights.A.dtype == weights.B.dtype
+            or weight.is_inference()  # no version counter: a later write could not be noticed
+            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+        ):
+            return None
+        fused = self._fused(weight, weights, info.ranks_host)
+        xp = pad_rows(x.reshape(T, x.shape[-1]))
+        h = torch.mm(xp, fused.A_t)
+        h *= _slot_mask(info, weights.n_slices, x.dtype, xp.shape[0])
+        y = torch.ops.mkldnn._linear_pointwise(torch.cat([xp, h], 1), fused.W, bias, "none", [], "")
+        return (y if y.shape[0] == T else y[:T]).view(*x.shape[:-1], y.shape[1])
+
+    def _fused(self, weight: torch.Tensor, weights: LoRAWeights, ranks: list[int]) -> _FusedWeights:
+        """The module's fused-path weights, cached as :meth:`_dense`'s (and on the base weight's version)."""
+        A, B, scalings = weights.A, weights.B, weights.scalings
+        key = (A._version, B._version, scalings._version, weight._version, tuple(ranks))
+        cached = self._fused_cache.get(B.data_ptr())
+        if cached is not None and cached.B is B and cached.weight is weight and cached.key == key:
+            return cached
+        A_live, W_live = _live_weights(weights, ranks)
+        W_cat = torch.cat([weight.detach(), W_live.T], 1)  # [out, in + live rows]
+        fused = _FusedWeights(B, weight, key, A_live.T.contiguous(), pack_weight(W_cat))
+        self._fused_cache[B.data_ptr()] = fused
+        return fused
 
     def add_lora(self, out: torch.Tensor, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo) -> None:
         """Shrink then expand; small CPU batches over few slots (decode steps, short chunks) take a dense
@@ -142,9 +193,7 @@ class TorchGatherBackend(LoRABackend):
         cached = self._dense_cache.get(B.data_ptr())
         if cached is not None and cached.B is B and cached.key == key:
             return cached
-        rows = _live_rows(weights.n_slices, A.shape[1] // weights.n_slices, ranks)
-        A_live = A.reshape(-1, A.shape[2])[rows]  # [live rows, in]
-        W_live = _expand_matrix(weights)[rows]  # [live rows, out]
+        A_live, W_live = _live_weights(weights, ranks)
         if packed:
             dense = _DenseWeights(B, key, True, pack_weight(A_live), pack_weight(W_live.T.contiguous()))
         else:
@@ -160,6 +209,22 @@ class _DenseWeights:
     packed: bool
     A: torch.Tensor  # the live rows of A [K, in] (packed: oneDNN's layout, for packed_matmul)
     W: torch.Tensor  # the expand matrix's live rows [K, out] (packed: its transpose, for packed_matmul)
+
+
+@dataclasses.dataclass
+class _FusedWeights:
+    B: torch.Tensor  # the module's B view and base weight, to tell a reused data pointer from the module
+    weight: torch.Tensor
+    key: tuple  # as _DenseWeights', and the base weight's version counter
+    A_t: torch.Tensor  # the live rows of A, transposed: [in, K]
+    W: torch.Tensor  # [out, in + K]: the base weight beside the live expand matrix's transpose, packed
+
+
+def _live_weights(weights: LoRAWeights, ranks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A's live rows [K, in], the expand matrix's live rows [K, out]) over every slot."""
+    A = weights.A
+    rows = _live_rows(weights.n_slices, A.shape[1] // weights.n_slices, ranks)
+    return A.reshape(-1, A.shape[2])[rows], _expand_matrix(weights)[rows]
 
 
 def _live_rows(n_slices: int, R: int, ranks: list[int]) -> torch.Tensor:
@@ -207,13 +272,19 @@ def _slot_groups(info: LoRABatchInfo) -> list[tuple[int, torch.Tensor]]:
     return route["groups"]
 
 
-def _slot_mask(info: LoRABatchInfo, n_slices: int, dtype: torch.dtype) -> torch.Tensor:
-    """[T, live rows of :func:`_live_rows`]: 1 over the rows of each token's own slot (all zeros for
-    base-only tokens)."""
-    key = f"mask-{n_slices}-{dtype}"
+def _slot_mask(
+    info: LoRABatchInfo, n_slices: int, dtype: torch.dtype, rows: int | None = None
+) -> torch.Tensor:
+    """[rows (default T), live rows of :func:`_live_rows`]: 1 over the columns of each token's own slot
+    (all zeros for base-only tokens and for rows past T, the padding of a packed matmul)."""
+    T = info.num_tokens
+    rows = T if rows is None else rows
+    key = f"mask-{n_slices}-{dtype}-{rows}"
     mask = info.host_derived.get(key)
     if mask is None:
-        token_slots = info.token_slots[: info.num_tokens].long()
+        token_slots = info.token_slots[:T].long()
+        if rows > T:
+            token_slots = torch.cat([token_slots, token_slots.new_full((rows - T,), -1)])
         row_slots = torch.tensor(
             [s for s, r in enumerate(info.ranks_host) for _ in range(n_slices * r)], device=info.device
         )

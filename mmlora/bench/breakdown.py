@@ -15,7 +15,8 @@ wrapping the instance attributes a step goes through (nothing in the engine know
 - host phases: schedule, build inputs (eager ``ModelRunner.build``; a graph step's static-input
   refresh is in its kind's ``forward_launch_s`` with the replay launch), LoRA batch info
   (``LoRABatchInfo.fill`` / the graph runner's ``prepare_replay``), LoRA host time (Python and Triton
-  launches inside ``add_lora``), sample, postprocess (append token, stop checks, detokenize);
+  launches inside ``add_lora``; and the calls of ``fused_linear`` that fused, which on CPU include the
+  base GEMM they replace), sample, postprocess (append token, stop checks, detokenize);
 - adapter uploads into device slots: count, host seconds, GPU seconds, bytes;
 - Triton compiles (``knobs.runtime.jit_post_compile_hook``): a timed run should have none;
 - Python's cyclic garbage collector: collections per generation and the seconds they took (``gc.callbacks``):
@@ -190,6 +191,7 @@ class StepBreakdown:
         self._wrap(runner, "forward", self._timed_forward(runner.forward))
         backend = next(m for m in eng.model.modules() if isinstance(m, LoRALinear)).ctx.backend
         self._wrap(backend, "add_lora", self._timed_lora(backend.add_lora))
+        self._wrap(backend, "fused_linear", self._timed_lora(backend.fused_linear, counts=_fused))
         pool = eng.lora._pool  # a benchmark instrument: the pool's slot writes are the uploads
         self._wrap(pool, "write_slot", self._timed_upload(pool.write_slot))
         if graphs is not None:
@@ -247,19 +249,24 @@ class StepBreakdown:
 
         return forward
 
-    def _timed_lora(self, inner: Callable[..., Any]) -> Callable[..., Any]:
+    def _timed_lora(
+        self, inner: Callable[..., Any], counts: Callable[[Any], bool] = lambda _: True
+    ) -> Callable[..., Any]:
+        """``inner`` timed as LoRA work where ``counts(its result)`` (every call by default)."""
+
         def add_lora(*args: Any, **kwargs: Any) -> Any:
             sink = self._sampling_lora
             start = self._record() if sink is not None else None
             t0 = time.perf_counter()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                self.host["lora_host"] += time.perf_counter() - t0
-                if self._kind is not None:
-                    self.kinds[self._kind]["lora_calls"] += 1
-                if sink is not None:
-                    sink.append((start, self._record()))
+            out = inner(*args, **kwargs)
+            if not counts(out):
+                return out
+            self.host["lora_host"] += time.perf_counter() - t0
+            if self._kind is not None:
+                self.kinds[self._kind]["lora_calls"] += 1
+            if sink is not None:
+                sink.append((start, self._record()))
+            return out
 
         return add_lora
 
@@ -347,3 +354,8 @@ def format_summary(summary: dict[str, Any]) -> str:
     if pgc is not None:
         lines.append(f"  python gc: collections {pgc['collections']} (gen 0/1/2), {ms(pgc['total_s'])} ms")
     return "\n".join(lines)
+
+
+def _fused(result: Any) -> bool:
+    """Whether a ``fused_linear`` call fused (else it returned None and the layer calls ``add_lora``)."""
+    return result is not None

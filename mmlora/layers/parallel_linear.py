@@ -87,9 +87,14 @@ class RowParallelLinear(PackedLinear):
         """``rank``'s (default: this rank's) input columns of a full [*, full_in_features] tensor."""
         return full.narrow(-1, *(self.in_cols if rank is None else self.cols_of(rank)))
 
+    @property
+    def partial_bias(self) -> torch.Tensor | None:
+        """The bias this rank's term adds: counted once, on rank 0."""
+        return self.bias if self.rank == 0 else None
+
     def partial(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's term of the output (the bias counted once, on rank 0)."""
-        return self.linear(x, self.bias if self.rank == 0 else None)
+        """This rank's term of the output."""
+        return self.linear(x, self.partial_bias)
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         return all_reduce(partial)

@@ -46,6 +46,12 @@ class LoRALinear(nn.Module):
         row_parallel = isinstance(self.base, RowParallelLinear)
         info, side, backend = self.ctx.info, self.ctx.side_stream, self.ctx.backend
         lora = info is not None and info.has_lora
+        if lora:
+            # Where the backend fuses the base matmul with the LoRA work (CPU decode steps).
+            bias = self.base.partial_bias if row_parallel else self.base.bias
+            fused = backend.fused_linear(x, self.base.weight, bias, self.weights, info)
+            if fused is not None:
+                return self.base.reduce(fused) if row_parallel else fused
         flat_x = x.reshape(-1, x.shape[-1]) if lora else None
         finish = None
         if lora and side is not None and x.is_cuda and backend.splits_work(info):
