@@ -173,16 +173,7 @@ class FastKernel:
         if not self.names:  # Triton's interpreter: no parameter list; every launch goes through it
             return LaunchPlan(grid3, list(args), tuple(tensor_pos), (), dict(kwargs))
         values, options = self._bound(args, kwargs)
-        plan = LaunchPlan(grid3, values, tuple(tensor_pos), options, dict(options))
-        if _FAST:
-            fixed = list(values)
-            for i in plan.tensor_pos:
-                fixed[i] = None  # keyed per launch
-            try:
-                plan.static_key = self.launch_key(fixed, options, torch.cuda.current_device())
-            except TypeError:  # an argument kind the key does not cover: every launch through Triton
-                plan.static_key = None
-        return plan
+        return LaunchPlan(grid3, values, tuple(tensor_pos), options, dict(options))
 
     def launch_plan(self, plan: LaunchPlan, tensors: Sequence[torch.Tensor]) -> None:
         """Launch ``plan`` with ``tensors`` at its ``tensor_pos``: the same launch as ``self[grid](...)``
@@ -190,8 +181,19 @@ class FastKernel:
         values = plan.values
         for i, t in zip(plan.tensor_pos, tensors):
             values[i] = t
-        runtime = knobs.runtime if _FAST and plan.static_key is not None else None
+        runtime = knobs.runtime if _FAST and self.names else None
         if runtime is None or _hooked(runtime.launch_enter_hook) or _hooked(runtime.launch_exit_hook):
+            self.fn[plan.grid](*values, **plan.kwargs)
+            return
+        if plan.static_key is None:  # the first direct launch of this plan keys its fixed arguments
+            fixed = list(values)
+            for i in plan.tensor_pos:
+                fixed[i] = None  # keyed per launch
+            try:
+                plan.static_key = self.launch_key(fixed, plan.options, torch.cuda.current_device())
+            except TypeError:  # an argument kind the key does not cover: Triton decides, every time
+                plan.static_key = _UNKEYABLE
+        if plan.static_key is _UNKEYABLE:
             self.fn[plan.grid](*values, **plan.kwargs)
             return
         key = (plan.static_key, *[(t.dtype, t.data_ptr() % 16 == 0) for t in tensors])
@@ -207,6 +209,9 @@ class FastKernel:
             kernel.packed_metadata, None, None, None, *values,
         )  # fmt: skip
         self.direct_launches += 1
+
+
+_UNKEYABLE = ("unkeyable",)
 
 
 class LaunchPlan:
