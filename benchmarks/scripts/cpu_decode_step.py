@@ -1,4 +1,5 @@
-"""One CPU decode forward of SmolLM2-135M (issue 21): mixed adapters against base-only, interleaved.
+"""One CPU decode (or prefill) forward of SmolLM2-135M (issue 21): mixed adapters against base-only,
+interleaved.
 
 16 requests decode at a context of ``--context`` tokens; their rows cycle over four random rank-8
 adapters on all seven projections and the base model (as ``python -m mmlora.bench cpu``). The step's
@@ -6,7 +7,8 @@ ForwardBatch is built once and the model forward runs on it again and again (a d
 rewrites its own K/V, so every call does the same work), routed either as the mixed batch or with every
 row base-only: the same attention and base GEMMs, only the LoRA work differs. The two alternate call by
 call, so a burst of other load on the host hits both; prints per round the median ms of each and their
-ratio. ``variants`` (a dict of name -> context manager factory) lets an A/B script time code variants in
+ratio. ``--prefill``: the same for the step that prefills all the prompts (``--context`` tokens each).
+``variants`` (a dict of name -> context manager factory) lets an A/B script time code variants in
 the same interleaving (see :func:`measure`).
 
     PYTHONPATH=. python benchmarks/scripts/cpu_decode_step.py [--dtype float32] [--rounds 2] [--profile]
@@ -35,13 +37,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--context", type=int, default=96)
     p.add_argument("--calls", type=int, default=20, help="forwards of each kind per round")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--prefill", action="store_true", help="time the prefill step instead of a decode step")
     p.add_argument("--profile", action="store_true", help="torch.profiler table of mixed forwards")
     p.add_argument("--out", default=None)
     return p.parse_args(argv)
 
 
 def setup(args: argparse.Namespace):  # noqa: ANN201
-    """The engine, one decode step's ForwardBatch, and the mixed and base-only routings of it."""
+    """The engine, one decode (``args.prefill``: prefill) step's ForwardBatch, and the mixed and
+    base-only routings of it."""
     made = write_random_adapters("smollm2-135m", tempfile.mkdtemp(), 4, [8], dtype="float32")
     paths = {m["name"]: m["path"] for m in made}
     engine = mmlora.Engine(
@@ -55,8 +59,9 @@ def setup(args: argparse.Namespace):  # noqa: ANN201
     for i in range(args.batch):
         ids = rng.integers(0, vocab, args.context).tolist()
         engine.add_request(input_ids=ids, lora=names[i % len(names)], sampling_params=sp)
-    while engine.scheduler.waiting or any(
-        r.num_computed < r.num_tokens - 1 or not r.output_ids for r in engine.scheduler.running
+    while not args.prefill and (
+        engine.scheduler.waiting
+        or any(r.num_computed < r.num_tokens - 1 or not r.output_ids for r in engine.scheduler.running)
     ):
         engine.step()
     sched, _ = engine.scheduler.schedule()
@@ -73,7 +78,7 @@ def measure(engine, batch, routings: dict, calls: int, rounds: int, variants: di
     kinds = [(f"{r}{'-' if v else ''}{v}", routings[r], variants[v]) for v in variants for r in routings]
     res: dict[str, list[float]] = {k: [] for k, _, _ in kinds}
     with torch.inference_mode():
-        for name, routing, variant in kinds:  # warm-up: primitives, caches
+        for _name, routing, variant in kinds:  # warm-up: primitives, caches
             with variant():
                 for _ in range(3):
                     runner.run_batch(batch, routing)

@@ -6,11 +6,13 @@ materialising a [tokens, R, in] gather. Runs on CPU and GPU.
 
 On CPU, a batch of at most :data:`~mmlora.backends.onednn.PACKED_MAX_ROWS` tokens over few slots (a
 decode step, a short chunk) takes a dense path: every slot's shrink in one matmul, the other slots' rows
-masked to zeros, one expand, with oneDNN-prepacked copies of A and of the expand matrix where
-:mod:`mmlora.backends.onednn` says packing pays. Larger CPU decode-like batches group tokens by slot
-(from the host mirrors, no sync to pay) and run one dense matmul per distinct adapter: the per-token
-gather copies every token's A and B, which on CPU costs more than the matmuls themselves. On GPU the
-gather path stays, as it reads only device tensors and so is capturable in CUDA graphs.
+masked to zeros, and the expand either fused into the base GEMM (:meth:`TorchGatherBackend.fused_linear`,
+which the LoRA layer tries first) or one more matmul, with oneDNN-prepacked copies where
+:mod:`mmlora.backends.onednn` says packing pays. Larger CPU batches whose adapter segments outnumber
+their slots (decode-like ones, prefills of many prompts on few adapters) group tokens by slot (from the
+host mirrors, no sync to pay) and run one dense matmul per distinct adapter: the per-token gather copies
+every token's A and B, which on CPU costs more than the matmuls themselves. On GPU the gather path
+stays, as it reads only device tensors and so is capturable in CUDA graphs.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from mmlora.backends.onednn import (
     packable_dtypes,
     packed_matmul,
     pad_rows,
+    row_bucket,
 )
 from mmlora.backends.registry import register_backend
 from mmlora.forward.lora import LoRABatchInfo, LoRAWeights
@@ -37,11 +40,25 @@ def _per_token(info: LoRABatchInfo) -> bool:
     return info.num_segments == info.num_tokens
 
 
+def _by_slot(x: torch.Tensor, info: LoRABatchInfo) -> bool:
+    """Whether a CPU batch runs one matmul per adapter slot over its rows gathered (:func:`_slot_groups`)
+    rather than one per segment: where its adapter segments outnumber their slots (a decode-like batch,
+    or a prefill of many prompts on few adapters: 16 prompts on 4 adapters make 4 gathers instead of 16
+    segment matmuls per slice, each a torch call that costs more than its FLOPs at these sizes)."""
+    if x.device.type != "cpu":
+        return False
+    route = info.host_derived
+    if "by-slot" not in route:
+        slots = [s for s in info.seg_slots_host if s >= 0]
+        route["by-slot"] = _per_token(info) or len(slots) > len(set(slots))
+    return route["by-slot"]
+
+
 def gather_shrink(x: torch.Tensor, A: torch.Tensor, info: LoRABatchInfo) -> torch.Tensor:
     """x [T, in], A [S, n*R, in] -> h [T, n*R] in x.dtype: ``h[t] = x[t] @ A[slot(t)].T``, zero rows for
     base-only tokens."""
     T = info.num_tokens
-    if _per_token(info) and x.device.type == "cpu":
+    if _by_slot(x, info):
         h = x.new_zeros(T, A.shape[1])
         for slot, idx in _slot_groups(info):
             h.index_copy_(0, idx, x.index_select(0, idx) @ A[slot].T)
@@ -68,7 +85,7 @@ def gather_expand(h: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo, ou
     T = info.num_tokens
     R = B.shape[2]
     n_slices = weights.n_slices
-    if _per_token(info) and h.device.type == "cpu":
+    if _by_slot(h, info):
         for slot, idx in _slot_groups(info):
             hs = h.index_select(0, idx)
             parts = [
@@ -122,33 +139,37 @@ class TorchGatherBackend(LoRABackend):
         decode sizes a oneDNN call costs about 10 us before it multiplies anything, more than a rank-8
         expand's FLOPs, so the expand rides on the base call. The shrink is a plain ``mm`` (MKL): for
         its thin [in, K] weight that is cheaper than oneDNN's call (16 rows, K = 32: 8 against 14 us;
-        the mask as oneDNN's post-op was slower still). Costs a second packed copy of the module's weight (beside the base layer's own,
-        which base-only steps keep using), rebuilt when an adapter slot or the base weight changes."""
+        the mask as oneDNN's post-op was slower still). Costs a second packed copy of the module's
+        weight (beside the base layer's own, which base-only steps keep using), rebuilt when an adapter
+        slot or the base weight changes.
+
+        Every module runs this once per forward, so what depends only on the batch is decided once per
+        forward (``info.host_derived``): at decode sizes the Python around the ops counts."""
+        rows = info.host_derived.get("fused-rows")
+        if rows is None:
+            rows = info.host_derived["fused-rows"] = _fused_rows(x, info)
         T = info.num_tokens
-        rows = x.numel() // x.shape[-1]
-        if (
-            x.device.type != "cpu"
-            or rows != T
-            or not 0 < T <= PACKED_MAX_ROWS
-            or info.num_slots > _DENSE_MAX_SLOTS
-            or x.dtype not in _packable()
-            or not x.dtype == weight.dtype == weights.A.dtype == weights.B.dtype
-            or weight.is_inference()  # no version counter: a later write could not be noticed
-            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-        ):
+        if not rows or x.dtype != rows[1] or x.dim() != 2 or x.shape[0] != T:
             return None
         fused = self._fused(weight, weights, info.ranks_host)
-        xp = pad_rows(x.reshape(T, x.shape[-1]))
-        h = torch.mm(xp, fused.A_t)
-        h *= _slot_mask(info, weights.n_slices, x.dtype, xp.shape[0])
-        y = torch.ops.mkldnn._linear_pointwise(torch.cat([xp, h], 1), fused.W, bias, "none", [], "")
-        return (y if y.shape[0] == T else y[:T]).view(*x.shape[:-1], y.shape[1])
+        if fused is None:
+            return None
+        if rows[0] != T:
+            x = pad_rows(x)
+        h = torch.mm(x, fused.A_t)
+        h *= _slot_mask(info, weights.n_slices, x.dtype, rows[0])
+        y = torch.ops.mkldnn._linear_pointwise(torch.cat([x, h], 1), fused.W, bias, "none", [], "")
+        return y if rows[0] == T else y[:T]
 
-    def _fused(self, weight: torch.Tensor, weights: LoRAWeights, ranks: list[int]) -> _FusedWeights:
-        """The module's fused-path weights, cached as :meth:`_dense`'s (and on the base weight's version)."""
+    def _fused(self, weight: torch.Tensor, weights: LoRAWeights, ranks: list[int]) -> _FusedWeights | None:
+        """The module's fused-path weights (None where it cannot fuse: dtypes that differ, an inference
+        weight without the version counter a later write would be noticed by), cached as :meth:`_dense`'s
+        and on the base weight's version."""
         A, B, scalings = weights.A, weights.B, weights.scalings
-        key = (A._version, B._version, scalings._version, weight._version, tuple(ranks))
         cached = self._fused_cache.get(B.data_ptr())
+        if weight.is_inference() or not weight.dtype == A.dtype == B.dtype:
+            return None
+        key = (A._version, B._version, scalings._version, weight._version, tuple(ranks))
         if cached is not None and cached.B is B and cached.weight is weight and cached.key == key:
             return cached
         A_live, W_live = _live_weights(weights, ranks)
@@ -250,6 +271,22 @@ def _expand_matrix(weights: LoRAWeights) -> torch.Tensor:
     return W
 
 
+def _fused_rows(x: torch.Tensor, info: LoRABatchInfo) -> tuple[int, torch.dtype] | tuple[()]:
+    """Whether this forward's batch takes :meth:`TorchGatherBackend.fused_linear`: (the row count its
+    packed matmuls run at, the dtype) where it does, () where not (not the CPU, too many tokens or
+    slots, a dtype oneDNN does not pay in, or autograd recording)."""
+    T = info.num_tokens
+    if (
+        x.device.type != "cpu"
+        or not 0 < T <= PACKED_MAX_ROWS
+        or info.num_slots > _DENSE_MAX_SLOTS
+        or x.dtype not in _packable()
+        or torch.is_grad_enabled()
+    ):
+        return ()
+    return (row_bucket(T), x.dtype)
+
+
 @functools.cache
 def _packable() -> tuple[torch.dtype, ...]:
     return packable_dtypes() if onednn_linear_available() else ()
@@ -259,13 +296,15 @@ _DENSE_MAX_SLOTS = 8
 
 
 def _slot_groups(info: LoRABatchInfo) -> list[tuple[int, torch.Tensor]]:
-    """(slot, int64 row indices) for every adapter slot of a one-token-per-segment batch."""
+    """(slot, int64 row indices of all its segments' tokens) for every adapter slot of the batch."""
     route = info.host_derived
     if "groups" not in route:
         rows: dict[int, list[int]] = {}
-        for t, slot in enumerate(info.seg_slots_host):
+        start = 0
+        for n, slot in zip(info.seg_lens_host, info.seg_slots_host):
             if slot >= 0:
-                rows.setdefault(slot, []).append(t)
+                rows.setdefault(slot, []).extend(range(start, start + n))
+            start += n
         route["groups"] = [
             (slot, torch.tensor(r, dtype=torch.long, device=info.device)) for slot, r in rows.items()
         ]

@@ -133,3 +133,33 @@ def test_fused_linear_declines_what_it_does_not_fuse() -> None:
     with torch.inference_mode():
         frozen = torch.randn(16, 16)
         assert backend.fused_linear(torch.randn(3, 16), frozen, None, w, _info([0] * 3, [8])) is None
+
+
+@pytest.mark.parametrize("widths", [(48, 16, 16), (40,)])
+def test_prefill_of_many_prompts_on_few_adapters_groups_rows_by_slot(widths: tuple[int, ...]) -> None:
+    """A CPU prefill whose adapter segments outnumber their slots (here 12 prompts on 3 adapters and the
+    base, past PACKED_MAX_ROWS tokens) runs one gathered matmul per slot: the same sums as the oracle,
+    base-only rows bit-identical."""
+    ranks = [8, 4, 2]
+    w = _pool(48, widths, 8, ranks, torch.float32, seed=6)
+    w = LoRAWeights(
+        torch.nan_to_num(w.A), torch.nan_to_num(w.B), w.scalings, w.slice_offsets
+    )  # the grouped path multiplies the zero rank padding
+    lens = [5, 9, 7, 3, 11, 6, 8, 2, 10, 4, 7, 9]
+    seg_slots = [0, 1, -1, 2, 0, 1, 2, -1, 0, 2, 1, 0]
+    slots = [s for n, s in zip(lens, seg_slots) for _ in range(n)]
+    assert len(slots) > PACKED_MAX_ROWS
+    info = LoRABatchInfo(len(slots), len(ranks), "cpu", max_lora_rank=8)
+    for s, r in enumerate(ranks):
+        info.set_slot_rank(s, r)
+    info.fill(lens, seg_slots)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(len(slots), 48, generator=g)
+    weight = torch.randn(sum(widths), 48, generator=g) / 48**0.5
+    out = x @ weight.T
+    out0 = out.clone()
+    with torch.inference_mode():
+        get_backend("torch-gather").add_lora(out, x, w, info)
+    torch.testing.assert_close(out.double(), _oracle(x, weight, None, w, slots, ranks), atol=1e-4, rtol=1e-4)
+    base = torch.tensor([s < 0 for s in slots])
+    assert torch.equal(out[base], out0[base])
