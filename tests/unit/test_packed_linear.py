@@ -12,7 +12,8 @@ from mmlora.layers.packed_linear import PackedLinear, onednn_linear_available, p
 from mmlora.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
 
 needs_onednn = pytest.mark.skipif(not onednn_linear_available(), reason="torch built without oneDNN")
-SHAPES = [(1, 7, 13), (3, 64, 1), (17, 33, 65), (128, 96, 200), (5, 576, 1536)]  # (rows, in, out)
+# (rows, in, out); past PACKED_MAX_ROWS rows the layer runs 64-row pieces (150: a padded last piece).
+SHAPES = [(1, 7, 13), (3, 64, 1), (17, 33, 65), (128, 96, 200), (150, 40, 72), (5, 576, 1536)]
 
 
 def _layer(in_f: int, out_f: int, bias: bool, dtype: torch.dtype, seed: int = 0) -> PackedLinear:
@@ -132,7 +133,8 @@ def test_packed_bf16_matches_f_linear_where_asked(rows: int) -> None:
 
 @needs_onednn
 def test_packed_path_takes_decode_rows_in_power_of_two_buckets(monkeypatch: pytest.MonkeyPatch) -> None:
-    """oneDNN caches a primitive (about 0.5 MB) per row count: only a few bucketed counts may reach it."""
+    """oneDNN caches a primitive (about 0.5 MB) per row count: only a few bucketed counts may reach it,
+    prefill-sized inputs included."""
     import mmlora.layers.packed_linear as packed_linear
 
     seen: list[int] = []
@@ -152,4 +154,5 @@ def test_packed_path_takes_decode_rows_in_power_of_two_buckets(monkeypatch: pyte
         with torch.inference_mode():
             got = layer(x)
         torch.testing.assert_close(got.double(), _expected(layer, x), atol=1e-4, rtol=1e-4)
-    assert seen == [1, 4, 32, 64]  # 65 and 300 rows (prefill) take F.linear
+    # 65 and 300 rows (prefill) run in 64-row pieces, the last one padded to its bucket.
+    assert seen == [1, 4, 32, 64, 64, 1, 64, 64, 64, 64, 64]
