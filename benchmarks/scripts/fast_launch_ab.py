@@ -27,7 +27,7 @@ import mmlora
 import mmlora.triton_launch as tl_launch
 from mmlora.backends import get_backend
 from mmlora.bench.adapters import write_random_adapters
-from mmlora.bench.serving_parts import abort_all, start_decode_batch
+from mmlora.bench.serving_parts import abort_all, record_forward_host, start_decode_batch
 from mmlora.forward import LoRABatchInfo, LoRAWeights
 from mmlora.layers import fused_ops as F
 
@@ -97,16 +97,7 @@ def mixed_steps(args: argparse.Namespace) -> list[dict]:
     engine.tokenizer = None
     rng = np.random.default_rng(0)
     vocab = engine.model.arch.vocab_size
-    runner, inner = engine.runner, engine.runner.forward
-    forward_host: list[float] = []
-
-    def timed_forward(sched):  # noqa: ANN001, ANN202
-        t0 = time.perf_counter()
-        out = inner(sched)
-        forward_host.append(time.perf_counter() - t0)
-        return out
-
-    runner.forward = timed_forward
+    forward_host = record_forward_host(engine)
     rows = []
     for case, lora_names in (("32 adapters", names), ("base-only", [None])):
         rids = start_decode_batch(

@@ -23,7 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import mmlora
 from mmlora.bench.adapters import write_random_adapters
-from mmlora.bench.serving_parts import start_decode_batch
+from mmlora.bench.serving_parts import record_forward_host, start_decode_batch
 
 p = argparse.ArgumentParser()
 p.add_argument("--model", default="dummy:mistral-7b-v0.3")
@@ -45,19 +45,7 @@ cuda = engine.device.type == "cuda"
 rng = np.random.default_rng(0)
 vocab = engine.model.arch.vocab_size
 start_decode_batch(engine, [names[i % len(names)] for i in range(args.batch)], 512, rng)
-runner = engine.runner
-forward_host: list[float] = []
-inner = runner.forward
-
-
-def timed_forward(sched):  # noqa: ANN001, ANN201
-    t0 = time.perf_counter()
-    out = inner(sched)
-    forward_host.append(time.perf_counter() - t0)
-    return out
-
-
-runner.forward = timed_forward
+forward_host = record_forward_host(engine)
 
 
 def mixed_step() -> tuple[float, float]:

@@ -145,6 +145,22 @@ def _time_replays(graph: Any, reps: int) -> float:
     return start.elapsed_time(end) / 1e3 / reps
 
 
+def record_forward_host(engine: Any) -> list[float]:
+    """Wrap ``engine.runner.forward`` (on the instance) so that each call appends its host seconds to the
+    returned list (the time to launch a forward, or to run it where it syncs)."""
+    inner = engine.runner.forward
+    seconds: list[float] = []
+
+    def timed_forward(sched: Any) -> Any:
+        t0 = time.perf_counter()
+        out = inner(sched)
+        seconds.append(time.perf_counter() - t0)
+        return out
+
+    engine.runner.forward = timed_forward
+    return seconds
+
+
 def start_decode_batch(engine: Any, names: list[str | None], context: int, rng: np.random.Generator) -> list:
     """One request per name (adapter name or None) with ``context - 1`` random prompt ids, stepped until all
     of them decode (every prompt prefilled, one token sampled each); returns their ids."""
