@@ -137,11 +137,11 @@ class TorchGatherBackend(LoRABackend):
         base GEMM and the LoRA expand as one oneDNN matmul, ``[x | h] @ [W | W_lora].T + bias``, where
         ``h = (x @ A_live.T) * mask`` is every slot's shrink with the other slots' columns zeroed. At
         decode sizes a oneDNN call costs about 10 us before it multiplies anything, more than a rank-8
-        expand's FLOPs, so the expand rides on the base call. The shrink is a plain ``mm`` (MKL): for
-        its thin [in, K] weight that is cheaper than oneDNN's call (16 rows, K = 32: 8 against 14 us;
-        the mask as oneDNN's post-op was slower still). Costs a second packed copy of the module's
-        weight (beside the base layer's own, which base-only steps keep using), rebuilt when an adapter
-        slot or the base weight changes.
+        expand's FLOPs, so the expand rides on the base call. The shrink is oneDNN's too: MKL's ``mm``
+        is quicker alone (16 rows, K = 32: 8 against 14 us) but measured no quicker inside a forward;
+        the mask as oneDNN's post-op was slower. Costs a second packed copy of the
+        module's weight (beside the base layer's own, which base-only steps keep using; SmolLM2-135M in
+        fp32: 465 MB), rebuilt when an adapter slot or the base weight changes.
 
         Every module runs this once per forward, so what depends only on the batch is decided once per
         forward (``info.host_derived``): at decode sizes the Python around the ops counts."""
@@ -156,25 +156,30 @@ class TorchGatherBackend(LoRABackend):
             return None
         if rows[0] != T:
             x = pad_rows(x)
-        h = torch.mm(x, fused.A_t)
+        linear = torch.ops.mkldnn._linear_pointwise
+        h = linear(x, fused.A, None, "none", [], "")
         h *= _slot_mask(info, weights.n_slices, x.dtype, rows[0])
-        y = torch.ops.mkldnn._linear_pointwise(torch.cat([x, h], 1), fused.W, bias, "none", [], "")
+        y = linear(torch.cat([x, h], 1), fused.W, bias, "none", [], "")
         return y if rows[0] == T else y[:T]
 
     def _fused(self, weight: torch.Tensor, weights: LoRAWeights, ranks: list[int]) -> _FusedWeights | None:
         """The module's fused-path weights (None where it cannot fuse: dtypes that differ, an inference
-        weight without the version counter a later write would be noticed by), cached as :meth:`_dense`'s
-        and on the base weight's version."""
+        weight without the version counter a later write would be noticed by, a weight autograd
+        records), cached as :meth:`_dense`'s and on the base weight's version."""
         A, B, scalings = weights.A, weights.B, weights.scalings
         cached = self._fused_cache.get(B.data_ptr())
-        if weight.is_inference() or not weight.dtype == A.dtype == B.dtype:
+        if (
+            weight.is_inference()
+            or not weight.dtype == A.dtype == B.dtype
+            or (weight.requires_grad and torch.is_grad_enabled())  # autograd records (as PackedLinear)
+        ):
             return None
         key = (A._version, B._version, scalings._version, weight._version, tuple(ranks))
         if cached is not None and cached.B is B and cached.weight is weight and cached.key == key:
             return cached
         A_live, W_live = _live_weights(weights, ranks)
         W_cat = torch.cat([weight.detach(), W_live.T], 1)  # [out, in + live rows]
-        fused = _FusedWeights(B, weight, key, A_live.T.contiguous(), pack_weight(W_cat))
+        fused = _FusedWeights(B, weight, key, pack_weight(A_live), pack_weight(W_cat))
         self._fused_cache[B.data_ptr()] = fused
         return fused
 
@@ -237,7 +242,7 @@ class _FusedWeights:
     B: torch.Tensor  # the module's B view and base weight, to tell a reused data pointer from the module
     weight: torch.Tensor
     key: tuple  # as _DenseWeights', and the base weight's version counter
-    A_t: torch.Tensor  # the live rows of A, transposed: [in, K]
+    A: torch.Tensor  # the live rows of A [K, in], packed
     W: torch.Tensor  # [out, in + K]: the base weight beside the live expand matrix's transpose, packed
 
 
@@ -274,14 +279,14 @@ def _expand_matrix(weights: LoRAWeights) -> torch.Tensor:
 def _fused_rows(x: torch.Tensor, info: LoRABatchInfo) -> tuple[int, torch.dtype] | tuple[()]:
     """Whether this forward's batch takes :meth:`TorchGatherBackend.fused_linear`: (the row count its
     packed matmuls run at, the dtype) where it does, () where not (not the CPU, too many tokens or
-    slots, a dtype oneDNN does not pay in, or autograd recording)."""
+    slots, a dtype oneDNN does not pay in, or autograd recording through x)."""
     T = info.num_tokens
     if (
         x.device.type != "cpu"
         or not 0 < T <= PACKED_MAX_ROWS
         or info.num_slots > _DENSE_MAX_SLOTS
         or x.dtype not in _packable()
-        or torch.is_grad_enabled()
+        or (torch.is_grad_enabled() and x.requires_grad)
     ):
         return ()
     return (row_bucket(T), x.dtype)

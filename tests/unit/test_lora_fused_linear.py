@@ -116,8 +116,9 @@ def test_fused_linear_sees_a_slot_written_after_its_first_call() -> None:
 
 
 def test_fused_linear_declines_what_it_does_not_fuse() -> None:
-    """None (the layer then runs base + add_lora) past PACKED_MAX_ROWS tokens, under autograd, for a
-    float64 batch and for an inference-mode weight (no version counter to notice writes by)."""
+    """None (the layer then runs base + add_lora) past PACKED_MAX_ROWS tokens, where autograd records x
+    or the weight (as PackedLinear), for a float64 batch and for an inference-mode weight (no version
+    counter to notice writes by)."""
     backend = get_backend("torch-gather")
     w = _pool(16, (16,), 8, [8], torch.float32, seed=4)
     weight = torch.randn(16, 16)
@@ -125,6 +126,10 @@ def test_fused_linear_declines_what_it_does_not_fuse() -> None:
     assert backend.fused_linear(torch.randn(many, 16), weight, None, w, _info([0] * many, [8])) is None
     x = torch.randn(3, 16, requires_grad=True)
     assert backend.fused_linear(x, weight, None, w, _info([0] * 3, [8])) is None
+    trained = torch.nn.Parameter(weight.clone())
+    assert backend.fused_linear(torch.randn(3, 16), trained, None, w, _info([0] * 3, [8])) is None
+    with torch.no_grad():  # the same weight with autograd off fuses
+        assert backend.fused_linear(torch.randn(3, 16), trained, None, w, _info([0] * 3, [8])) is not None
     w64 = LoRAWeights(w.A.double(), w.B.double(), w.scalings, w.slice_offsets)
     assert (
         backend.fused_linear(torch.randn(3, 16).double(), weight.double(), None, w64, _info([0] * 3, [8]))
