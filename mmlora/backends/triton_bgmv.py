@@ -44,7 +44,7 @@ from mmlora.backends.triton_common import (
     split_k_plan,
 )
 from mmlora.forward.lora import RANK_TILE, LoRABatchInfo, LoRAWeights
-from mmlora.triton_launch import fast
+from mmlora.triton_launch import LaunchPlan, fast
 
 #: Launch heuristics (read at every launch, so a benchmark can sweep them): elements per register
 #: tile of shrink and expand, warps per program, expand's per-slice reduction (else one selected h
@@ -219,6 +219,7 @@ class _ShrinkPlan:
         self.k_per_split, self.split_k = split_k_plan(
             in_features, self.block_k, T * self.r_tiles, device, split_k, TUNING
         )
+        self.launches: dict[tuple, LaunchPlan] = {}  # per argument layout (strides, skip_pad)
 
 
 def _shrink_partials(job: ShrinkJob, zero: bool = True) -> torch.Tensor:
@@ -233,16 +234,27 @@ def _shrink_partials(job: ShrinkJob, zero: bool = True) -> torch.Tensor:
     alloc = torch.zeros if zero else torch.empty
     # Planes padded to 16 rows: their stride keeps the same divisibility (which Triton compiles for) at
     # every token count.
-    p = alloc((plan.split_k, -(-T // 16) * 16, A.shape[1]), dtype=torch.float32, device=x.device)[:, :T]
-    grid = (T * plan.split_k * plan.r_tiles,)
-    fast(_bgmv_shrink_kernel)[grid](
-        x, A, p, info.token_slots, info.ranks,
-        x.shape[1], R, plan.k_per_split, x.stride(0), A.stride(0), A.stride(1), p.stride(0), p.stride(1),
-        plan.split_k, plan.r_tiles,
-        N_SLICES=n, NS_P2=plan.ns_p2, SKIP_PAD=skip_pad, BLOCK_R=plan.block_r, BLOCK_K=plan.block_k,
-        EVEN_K=plan.even_k, num_warps=TUNING["shrink_warps"],
-    )  # fmt: skip
-    return p
+    shape = (plan.split_k, -(-T // 16) * 16, A.shape[1])
+    p = alloc(shape, dtype=torch.float32, device=x.device)
+    # The launch itself, planned once per forward and argument layout: the layers share it.
+    layout = (x.stride(0), A.stride(0), A.stride(1), A.shape[1], skip_pad)
+    launch = plan.launches.get(layout)
+    if launch is None:
+        launch = plan.launches[layout] = fast(_bgmv_shrink_kernel).plan(
+            (T * plan.split_k * plan.r_tiles,),
+            (
+                None, None, None, info.token_slots, info.ranks,
+                x.shape[1], R, plan.k_per_split, x.stride(0), A.stride(0), A.stride(1), shape[1] * shape[2],
+                shape[2], plan.split_k, plan.r_tiles,
+            ),
+            dict(
+                N_SLICES=n, NS_P2=plan.ns_p2, SKIP_PAD=skip_pad, BLOCK_R=plan.block_r, BLOCK_K=plan.block_k,
+                EVEN_K=plan.even_k, num_warps=TUNING["shrink_warps"],
+            ),
+            (0, 1, 2),
+        )  # fmt: skip
+    fast(_bgmv_shrink_kernel).launch_plan(launch, (x, A, p))
+    return p[:, :T]
 
 
 def _expand(
@@ -254,19 +266,33 @@ def _expand(
     h_dtype: torch.dtype,
 ) -> None:
     B, scalings, slice_offsets = weights.B, weights.scalings, weights.slice_offsets
-    n = weights.n_slices
-    n_out = B.shape[1]
-    block_r = _block_r(R)
-    block_n = min(512, max(32, TUNING["expand_tile"] // block_r))
-    n_tiles = cdiv(n_out, block_n)
-    grid = (info.num_tokens * n_tiles,)
-    fast(_bgmv_expand_kernel)[grid](
-        p, B, out, scalings, info.token_slots, info.ranks,
-        R, n_out, p.stride(0), p.stride(1), B.stride(0), B.stride(1), out.stride(0), scalings.stride(0),
-        *offset_args(slice_offsets), n_tiles, p.shape[0],
-        SPLIT_P2=max(_split_p2(), next_pow2(p.shape[0])), N_SLICES=n, BLOCK_N=block_n, BLOCK_R=block_r,
-        H_DTYPE=_tl_dtype(h_dtype), PER_SLICE=TUNING["expand_per_slice"], num_warps=TUNING["expand_warps"],
+    # The launch, planned once per forward and argument layout (the layers share it).
+    key = (
+        "bgmv_expand", R, B.shape, B.stride(), out.stride(0), scalings.stride(0), slice_offsets, p.shape[0],
+        p.stride(0), p.stride(1), h_dtype,
     )  # fmt: skip
+    launch = info.host_derived.get(key)
+    if launch is None:
+        n = weights.n_slices
+        n_out = B.shape[1]
+        block_r = _block_r(R)
+        block_n = min(512, max(32, TUNING["expand_tile"] // block_r))
+        n_tiles = cdiv(n_out, block_n)
+        launch = info.host_derived[key] = fast(_bgmv_expand_kernel).plan(
+            (info.num_tokens * n_tiles,),
+            (
+                None, None, None, None, info.token_slots, info.ranks,
+                R, n_out, p.stride(0), p.stride(1), B.stride(0), B.stride(1), out.stride(0), scalings.stride(0),
+                *offset_args(slice_offsets), n_tiles, p.shape[0],
+            ),
+            dict(
+                SPLIT_P2=max(_split_p2(), next_pow2(p.shape[0])), N_SLICES=n, BLOCK_N=block_n,
+                BLOCK_R=block_r, H_DTYPE=_tl_dtype(h_dtype), PER_SLICE=TUNING["expand_per_slice"],
+                num_warps=TUNING["expand_warps"],
+            ),
+            (0, 1, 2, 3),
+        )  # fmt: skip
+    fast(_bgmv_expand_kernel).launch_plan(launch, (p, B, out, scalings))
 
 
 def bgmv_shrink(
