@@ -29,7 +29,6 @@ from mmlora.backends.onednn import (
     pack_weight,
     packable_dtypes,
     packed_matmul,
-    pad_rows,
     row_bucket,
 )
 from mmlora.backends.registry import register_backend
@@ -143,6 +142,13 @@ class TorchGatherBackend(LoRABackend):
         module's weight (beside the base layer's own, which base-only steps keep using; SmolLM2-135M in
         fp32: 465 MB), rebuilt when an adapter slot or the base weight changes.
 
+        A prefill whose adapter segments outnumber their slots (many prompts on few adapters) runs the
+        same in PACKED_MAX_ROWS-row pieces (as PackedLinear runs a prefill) where the module's live rank
+        rows are at most 1 / _PREFILL_RANK_SHARE of its input width: every row then multiplies every
+        slot's rank rows, a FLOP share that grows with the slots and ranks, against the per-slot
+        gathers' dozens of small calls (16 prompts x 12 tokens on 4 rank-8 adapters, SmolLM2: base-only
+        over mixed 0.76-0.79 -> 0.83-0.87 per prefill forward).
+
         Every module runs this once per forward, so what depends only on the batch is decided once per
         forward (``info.host_derived``): at decode sizes the Python around the ops counts."""
         rows = info.host_derived.get("fused-rows")
@@ -152,14 +158,18 @@ class TorchGatherBackend(LoRABackend):
         if not rows or x.dtype != rows[1] or x.dim() != 2 or x.shape[0] != T:
             return None
         fused = self._fused(weight, weights, info.ranks_host)
-        if fused is None:
+        if fused is None or (T > PACKED_MAX_ROWS and fused.live_rows * _PREFILL_RANK_SHARE > x.shape[1]):
             return None
         if rows[0] != T:
-            x = pad_rows(x)
+            x = torch.cat([x, x.new_zeros(rows[0] - T, x.shape[1])])
+        mask = _slot_mask(info, weights.n_slices, x.dtype, rows[0])
         linear = torch.ops.mkldnn._linear_pointwise
-        h = linear(x, fused.A, None, "none", [], "")
-        h *= _slot_mask(info, weights.n_slices, x.dtype, rows[0])
-        y = linear(torch.cat([x, h], 1), fused.W, bias, "none", [], "")
+        pieces = []
+        for xp, mp in zip(x.split(PACKED_MAX_ROWS), mask.split(PACKED_MAX_ROWS)):
+            h = linear(xp, fused.A, None, "none", [], "")
+            h *= mp
+            pieces.append(linear(torch.cat([xp, h], 1), fused.W, bias, "none", [], ""))
+        y = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
         return y if rows[0] == T else y[:T]
 
     def _fused(self, weight: torch.Tensor, weights: LoRAWeights, ranks: list[int]) -> _FusedWeights | None:
@@ -179,7 +189,7 @@ class TorchGatherBackend(LoRABackend):
             return cached
         A_live, W_live = _live_weights(weights, ranks)
         W_cat = torch.cat([weight.detach(), W_live.T], 1)  # [out, in + live rows]
-        fused = _FusedWeights(B, weight, key, pack_weight(A_live), pack_weight(W_cat))
+        fused = _FusedWeights(B, weight, key, A_live.shape[0], pack_weight(A_live), pack_weight(W_cat))
         self._fused_cache[B.data_ptr()] = fused
         return fused
 
@@ -242,6 +252,7 @@ class _FusedWeights:
     B: torch.Tensor  # the module's B view and base weight, to tell a reused data pointer from the module
     weight: torch.Tensor
     key: tuple  # as _DenseWeights', and the base weight's version counter
+    live_rows: int  # K: every slot's live rank rows
     A: torch.Tensor  # the live rows of A [K, in], packed
     W: torch.Tensor  # [out, in + K]: the base weight beside the live expand matrix's transpose, packed
 
@@ -283,13 +294,15 @@ def _fused_rows(x: torch.Tensor, info: LoRABatchInfo) -> tuple[int, torch.dtype]
     T = info.num_tokens
     if (
         x.device.type != "cpu"
-        or not 0 < T <= PACKED_MAX_ROWS
+        or T <= 0
+        or (T > PACKED_MAX_ROWS and not _by_slot(x, info))
         or info.num_slots > _DENSE_MAX_SLOTS
         or x.dtype not in _packable()
         or (torch.is_grad_enabled() and x.requires_grad)
     ):
         return ()
-    return (row_bucket(T), x.dtype)
+    full, rest = divmod(T, PACKED_MAX_ROWS)
+    return (full * PACKED_MAX_ROWS + (row_bucket(rest) if rest else 0), x.dtype)
 
 
 @functools.cache
@@ -298,6 +311,9 @@ def _packable() -> tuple[torch.dtype, ...]:
 
 
 _DENSE_MAX_SLOTS = 8
+#: A prefill fuses a module only where its live rank rows (every slot's) are at most this share of its
+#: input width (see :meth:`TorchGatherBackend.fused_linear`).
+_PREFILL_RANK_SHARE = 4
 
 
 def _slot_groups(info: LoRABatchInfo) -> list[tuple[int, torch.Tensor]]:

@@ -116,7 +116,8 @@ def test_fused_linear_sees_a_slot_written_after_its_first_call() -> None:
 
 
 def test_fused_linear_declines_what_it_does_not_fuse() -> None:
-    """None (the layer then runs base + add_lora) past PACKED_MAX_ROWS tokens, where autograd records x
+    """None (the layer then runs base + add_lora) for a prefill past PACKED_MAX_ROWS tokens of one
+    adapter (one segment: the segment path is exact and as few calls), where autograd records x
     or the weight (as PackedLinear), for a float64 batch and for an inference-mode weight (no version
     counter to notice writes by)."""
     backend = get_backend("torch-gather")
@@ -168,3 +169,33 @@ def test_prefill_of_many_prompts_on_few_adapters_groups_rows_by_slot(widths: tup
     torch.testing.assert_close(out.double(), _oracle(x, weight, None, w, slots, ranks), atol=1e-4, rtol=1e-4)
     base = torch.tensor([s < 0 for s in slots])
     assert torch.equal(out[base], out0[base])
+
+
+def test_a_prefill_of_many_prompts_on_few_adapters_fuses_in_pieces() -> None:
+    """Past PACKED_MAX_ROWS tokens, adapter segments outnumbering their slots: 64-row pieces (the last
+    padded), against the oracle; a module whose live rank rows exceed a quarter of its input width
+    declines (every row would multiply every slot's rank rows)."""
+    ranks = [8, 4, 2]
+    w = _pool(192, (48, 16, 16), 8, ranks, torch.float32, seed=8)  # 42 live rows <= 192 / 4
+    lens = [9, 14, 7, 12, 11, 6, 13, 10, 8, 15, 9, 16]  # 130 tokens: pieces of 64, 64 and 2 (padded to 2)
+    seg_slots = [0, 1, -1, 2, 0, 1, 2, -1, 0, 2, 1, 0]
+    slots = [s for n, s in zip(lens, seg_slots) for _ in range(n)]
+    info = LoRABatchInfo(len(slots), len(ranks), "cpu", max_lora_rank=8)
+    for s, r in enumerate(ranks):
+        info.set_slot_rank(s, r)
+    info.fill(lens, seg_slots)
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(len(slots), 192, generator=g)
+    weight = torch.randn(80, 192, generator=g) / 192**0.5
+    bias = torch.randn(80, generator=g)
+    backend = get_backend("torch-gather")
+    with torch.inference_mode():
+        got = backend.fused_linear(x, weight, bias, w, info)
+    assert got is not None and got.shape == (len(slots), 80)
+    torch.testing.assert_close(got.double(), _oracle(x, weight, bias, w, slots, ranks), atol=1e-4, rtol=1e-4)
+    narrow = _pool(40, (48, 16, 16), 8, ranks, torch.float32, seed=8)  # 42 live rows > 40 / 4
+    info.fill(lens, seg_slots)
+    with torch.inference_mode():
+        assert (
+            backend.fused_linear(torch.randn(len(slots), 40), torch.randn(80, 40), None, narrow, info) is None
+        )
