@@ -22,10 +22,10 @@ import inspect
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, TypeVar
 
-from mmlora.engine.sampling_params import Prefix, RequestOutput
+from mmlora.engine.sampling_params import RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -144,20 +144,15 @@ def _resolve(fut: asyncio.Future) -> None:
 
 
 def _snapshot(out: RequestOutput) -> RequestOutput:
-    """A copy the consumer may keep: the engine may mutate its own object and lists on later steps (its
-    ``Prefix`` snapshots never change, so they are kept as they are)."""
+    """A copy the consumer may keep: the engine may mutate its own object and lists on later steps."""
     snap = copy.copy(out)
-    snap.output_ids = _kept(out.output_ids)
+    snap.output_ids = list(out.output_ids)
     snap.delta_ids = list(out.delta_ids)
     if out.logprobs is not None:
-        snap.logprobs = _kept(out.logprobs)
+        snap.logprobs = list(out.logprobs)
     if out.top_logprobs is not None:
-        snap.top_logprobs = _kept(out.top_logprobs)
+        snap.top_logprobs = list(out.top_logprobs)
     return snap
-
-
-def _kept(items: Sequence) -> Sequence:
-    return items if isinstance(items, Prefix) else list(items)
 
 
 class BackgroundEngine:

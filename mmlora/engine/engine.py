@@ -25,7 +25,7 @@ from mmlora.engine.grammar import GrammarCompiler
 from mmlora.engine.model_runner import ModelRunner
 from mmlora.engine.prompt_logprobs import start_prompt_logprobs
 from mmlora.engine.request import Request, Status
-from mmlora.engine.sampling_params import Prefix, RequestOutput, SamplingParams
+from mmlora.engine.sampling_params import RequestOutput, SamplingParams
 from mmlora.engine.scheduler import Scheduler
 from mmlora.engine.setup import build_engine_parts
 from mmlora.engine.tp_worker import join_group, worker_main
@@ -320,9 +320,9 @@ class Engine:
             cached_tokens=req.cached_tokens,
             lora_name=req.lora_name,
             text=req.text,
-            output_ids=Prefix(req.output_ids),
-            logprobs=Prefix(req.logprobs) if req.return_logprob else None,
-            top_logprobs=Prefix(req.top_logprobs) if req.top_logprobs_num else None,
+            output_ids=list(req.output_ids),
+            logprobs=list(req.logprobs) if req.return_logprob else None,
+            top_logprobs=list(req.top_logprobs) if req.top_logprobs_num else None,
             input_logprobs=list(req.input_logprobs) if req.input_logprob_start >= 0 else None,
             input_top_logprobs=list(req.input_top_logprobs) if req.input_logprob_start >= 0 else None,
             input_ids=req.prompt_ids if req.input_logprob_start >= 0 else None,

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
 import math
 import re
-from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -174,54 +172,12 @@ def _require(ok: bool, name: str, message: str) -> None:
         raise ValueError(f"sampling_params.{name}: {message}")
 
 
-class Prefix(Sequence):
-    """The first ``n`` items of a list that only grows (a request's output ids, logprobs): an output's
-    snapshot of it in O(1) instead of a copy. Copying whole lists into every step's outputs cost O(n) per
-    request per step, O(n^2) over a generation, on the host time between decode steps (issue 13). The
-    engine only appends to these lists, so the prefix never changes. Compares equal to any sequence of
-    the same items; ``list(p)`` copies it out."""
-
-    __slots__ = ("_items", "_n")
-
-    def __init__(self, items: list, n: int | None = None) -> None:
-        self._items = items
-        self._n = len(items) if n is None else n
-
-    def __len__(self) -> int:
-        return self._n
-
-    def __getitem__(self, index: Any) -> Any:
-        if isinstance(index, slice):
-            return self._items[: self._n][index]
-        i = index + self._n if index < 0 else index
-        if not 0 <= i < self._n:
-            raise IndexError("Prefix index out of range")
-        return self._items[i]
-
-    def __iter__(self) -> Iterator:
-        return itertools.islice(self._items, self._n)
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, (Sequence, Prefix)) and not isinstance(other, (str, bytes)):
-            return len(other) == self._n and all(a == b for a, b in zip(self, other))
-        return NotImplemented
-
-    __hash__ = None  # type: ignore[assignment]  (equal to lists, which do not hash)
-
-    def __repr__(self) -> str:
-        return repr(self._items[: self._n])
-
-    def __reduce__(self) -> tuple:
-        return (Prefix, (self._items[: self._n],))
-
-
 @dataclass
 class RequestOutput:
     """The state of one request (cumulative), or an increment when streaming.
 
-    ``text``/``output_ids``/``logprobs`` hold everything generated so far (the engine's outputs hold
-    them as :class:`Prefix` snapshots: sequences that never change); when streaming, ``delta_text`` and
-    ``delta_ids`` hold what this step added. ``finish_reason`` is None while running, else
+    ``text``/``output_ids``/``logprobs`` hold everything generated so far; when streaming, ``delta_text``
+    and ``delta_ids`` hold what this step added. ``finish_reason`` is None while running, else
     ``"stop"`` (EOS, a stop string or stop token), ``"length"`` or ``"abort"``; ``matched_stop`` names
     the stop string or token id that ended it; ``error`` explains an abort caused by bad input.
     """
@@ -231,9 +187,9 @@ class RequestOutput:
     lora_name: str | None
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     text: str = ""
-    output_ids: Sequence[int] = field(default_factory=list)
-    logprobs: Sequence[float] | None = None
-    top_logprobs: Sequence[list[tuple[int, float]]] | None = None
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
     # With prompt logprobs: the prompt's ids, and entries for its tokens from the start asked for.
     input_logprobs: list[float | None] | None = None
     input_top_logprobs: list[list[tuple[int, float]]] | None = None

@@ -169,35 +169,6 @@ def test_streaming_increments_add_up_and_abort(tiny):
     assert not eng.has_unfinished() and eng.lora.entry("a2").refcount == 0
 
 
-def test_step_outputs_are_snapshots_that_later_steps_leave_alone(tiny):
-    """Each step's outputs hold the request's ids and logprobs so far as O(1) prefix snapshots of the
-    engine's growing lists (not copies): a snapshot taken at step k must still read step k's values after
-    the request has run on, equal them as lists, pickle and copy out."""
-    import pickle
-
-    from mmlora.engine.sampling_params import Prefix
-
-    eng = engine(tiny)
-    sp = {**GREEDY, "max_new_tokens": 6}
-    rid = eng.add_request(
-        "Hello world", sampling_params=sp, lora="a1", return_logprob=True, top_logprobs_num=2
-    )
-    seen = []
-    while eng.has_unfinished():
-        seen += [o for o in eng.step() if o.request_id == rid]
-    final = seen[-1]
-    assert final.finish_reason == "length" and len(final.output_ids) == 6
-    for k, out in enumerate(seen):
-        n = len(out.output_ids)
-        assert isinstance(out.output_ids, Prefix) and n == k + 1
-        assert out.output_ids == list(final.output_ids)[:n] and list(out.output_ids) == final.output_ids[:n]
-        assert list(out.logprobs) == list(final.logprobs)[:n] and len(out.top_logprobs) == n
-        assert out.output_ids[-1] == final.output_ids[n - 1] and out.output_ids[1:] == final.output_ids[1:n]
-        assert pickle.loads(pickle.dumps(out)).output_ids == final.output_ids[:n]
-    with pytest.raises(IndexError):
-        seen[0].output_ids[1]
-
-
 @pytest.mark.parametrize(
     "kwargs, match",
     [
