@@ -14,7 +14,12 @@ ROOT = Path(__file__).resolve().parents[2] / "mmlora"
 
 # Bottom to top. Same-layer packages may not import each other either (that is how cycles start).
 LAYERS: list[set[str]] = [
-    {"forward", "config", "registry"},  # leaf: forward data, frozen config, the by-name registry
+    {
+        "forward",
+        "config",
+        "registry",
+        "triton_launch",
+    },  # leaf: forward data, frozen config, the by-name registry, cheap Triton launches
     {"backends", "distributed"},  # LoRA kernels behind add_lora; tensor-parallel group and step broadcast
     {"layers"},  # attention, rotary, fused ops
     {"lora"},  # adapters: read, registry, pool, LoRALinear, manager
