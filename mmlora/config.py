@@ -107,6 +107,12 @@ class LoRAConfig:
         "On CUDA, load adapters into slots on the main stream, the step waiting for the copies, instead "
         "of on a stream of their own while requests whose adapters are resident run.",
     )
+    cpu_fused_lora: bool = _f(
+        False,
+        "On CPU, run each LoRA module's base GEMM and its adapters' expand as one oneDNN matmul over a "
+        "second packed copy of the module's weight (decode with adapters about 10% faster per forward on "
+        "issue 21's 2-core CPU) at the cost of about twice the weight memory.",
+    )
     allow_pickled_adapters: bool = _f(
         False, "Accept adapter_model.bin (read with torch.load(weights_only=True)); safetensors otherwise."
     )

@@ -22,6 +22,9 @@ class LoRAContext:
     info: LoRABatchInfo | None = None
     #: On CUDA (unless disabled): the stream each module's shrink runs on while its base GEMM runs.
     side_stream: torch.cuda.Stream | None = None
+    #: ``cpu_fused_lora``: let the backend run the base GEMM and the LoRA expand as one call
+    #: (``LoRABackend.fused_linear``), trading a second copy of the weights for speed.
+    fuse_base: bool = False
 
 
 class LoRALinear(nn.Module):
@@ -46,8 +49,8 @@ class LoRALinear(nn.Module):
         row_parallel = isinstance(self.base, RowParallelLinear)
         info, side, backend = self.ctx.info, self.ctx.side_stream, self.ctx.backend
         lora = info is not None and info.has_lora
-        if lora:
-            # Where the backend fuses the base matmul with the LoRA work (CPU decode steps).
+        if lora and self.ctx.fuse_base:
+            # Opted in (cpu_fused_lora): the backend may fuse the base matmul with the LoRA work.
             bias = self.base.partial_bias if row_parallel else self.base.bias
             fused = backend.fused_linear(x, self.base.weight, bias, self.weights, info)
             if fused is not None:

@@ -103,7 +103,10 @@ class LoRAManager:
         # One device (a sharded pool's writes are collectives, kept in step): slot loads beside the forwards.
         if device.type == "cuda" and not tp_group().is_parallel and not config.disable_async_uploads:
             self._pool.upload_stream = torch.cuda.Stream(device)
-        self._ctx = LoRAContext(backend=get_backend(config.lora_backend, device))
+        self._ctx = LoRAContext(
+            backend=get_backend(config.lora_backend, device),
+            fuse_base=config.cpu_fused_lora and device.type == "cpu",
+        )
         if device.type == "cuda" and not config.disable_lora_overlap:
             self._ctx.side_stream = torch.cuda.Stream(device)
         self._registry = AdapterRegistry()

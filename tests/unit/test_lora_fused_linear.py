@@ -199,3 +199,30 @@ def test_a_prefill_of_many_prompts_on_few_adapters_fuses_in_pieces() -> None:
         assert (
             backend.fused_linear(torch.randn(len(slots), 40), torch.randn(80, 40), None, narrow, info) is None
         )
+
+
+def test_engine_uses_the_fused_path_only_when_opted_in(tmp_path) -> None:  # noqa: ANN001
+    """``cpu_fused_lora`` (off by default: it keeps a second copy of the weights) routes an engine's CPU
+    LoRA modules through ``fused_linear``; mixed-adapter greedy tokens equal the unfused engine's (which
+    the HF + PEFT tests hold to PEFT)."""
+    from tiny_models import ALL_SEVEN, make_adapter, make_checkpoint
+
+    import mmlora
+
+    base = make_checkpoint(tmp_path / "base", "llama")
+    adapters = {
+        f"a{i}": str(
+            make_adapter(base, tmp_path / f"a{i}", seed=i, r=4, lora_alpha=8, target_modules=ALL_SEVEN)
+        )
+        for i in range(3)
+    }
+    prompts, loras = ["Hello world", "The cat", "One two three", "Why"], ["a0", None, "a1", "a2"]
+    greedy = {"temperature": 0.0, "max_new_tokens": 8}
+    runs = {}
+    for fused in (False, True):
+        eng = mmlora.Engine(
+            model=str(base), lora_paths=adapters, device="cpu", dtype="float32", cpu_fused_lora=fused
+        )
+        runs[fused] = [o.output_ids for o in eng.generate(prompts, loras, sampling_params=greedy)]
+        assert bool(eng.lora._ctx.backend._fused_cache) == fused
+    assert runs[True] == runs[False]
