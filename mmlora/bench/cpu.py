@@ -75,6 +75,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "--threads", type=int, default=0, help="torch.set_num_threads; 0 (default) keeps torch's choice"
     )
     p.add_argument(
+        "--cpu-fused-lora",
+        action="store_true",
+        help="mmlora with cpu_fused_lora (base GEMM and LoRA expand in one call, a second weight copy)",
+    )
+    p.add_argument(
         "--bf16",
         choices=("auto", "on", "off"),
         default="auto",
@@ -176,6 +181,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 max_running_requests=max(64, len(prompts)),
                 device="cpu",
                 dtype=dtype,
+                cpu_fused_lora=args.cpu_fused_lora,
             )
 
         engine = make_engine("float32")
