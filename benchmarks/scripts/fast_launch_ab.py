@@ -27,7 +27,7 @@ import mmlora
 import mmlora.triton_launch as tl_launch
 from mmlora.backends import get_backend
 from mmlora.bench.adapters import write_random_adapters
-from mmlora.bench.serving_parts import abort_all, record_forward_host, start_decode_batch
+from mmlora.bench.serving_parts import abort_all, record_forward_host, start_decode_batch, timed_step
 from mmlora.forward import LoRABatchInfo, LoRAWeights
 from mmlora.layers import fused_ops as F
 
@@ -110,18 +110,11 @@ def mixed_steps(args: argparse.Namespace) -> list[dict]:
                 input_ids=rng.integers(0, vocab, args.chunk).tolist(), lora=lora_names[k % len(lora_names)],
                 sampling_params={"max_new_tokens": 1, "temperature": 0.0, "ignore_eos": True},
             )  # fmt: skip
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             forward_host.clear()
-            t0 = time.perf_counter()
-            start.record()
-            engine.step()
-            end.record()
-            wall = time.perf_counter() - t0
-            end.synchronize()
+            wall, span = timed_step(engine)
             if k >= 4:  # the first two of each path compile nothing but fill the direct path's cache
                 rows.append({
-                    "case": case, "path": path, "wall_ms": wall * 1e3, "gpu_span_ms": start.elapsed_time(end),
+                    "case": case, "path": path, "wall_ms": wall * 1e3, "gpu_span_ms": span * 1e3,
                     "forward_host_ms": sum(forward_host) * 1e3,
                 })  # fmt: skip
         abort_all(engine, rids)

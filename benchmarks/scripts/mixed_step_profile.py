@@ -18,12 +18,11 @@ import tempfile
 import time
 
 import numpy as np
-import torch
 from torch.profiler import ProfilerActivity, profile
 
 import mmlora
 from mmlora.bench.adapters import write_random_adapters
-from mmlora.bench.serving_parts import record_forward_host, start_decode_batch
+from mmlora.bench.serving_parts import record_forward_host, start_decode_batch, timed_step
 
 p = argparse.ArgumentParser()
 p.add_argument("--model", default="dummy:mistral-7b-v0.3")
@@ -57,15 +56,7 @@ def mixed_step() -> tuple[float, float]:
         t0 = time.perf_counter()
         engine.step()
         return time.perf_counter() - t0, float("nan")
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t0 = time.perf_counter()
-    start.record()
-    engine.step()
-    end.record()
-    wall = time.perf_counter() - t0
-    end.synchronize()
-    return wall, start.elapsed_time(end) / 1e3
+    return timed_step(engine)
 
 
 for _ in range(3):

@@ -161,6 +161,20 @@ def record_forward_host(engine: Any) -> list[float]:
     return seconds
 
 
+def timed_step(engine: Any) -> tuple[float, float]:
+    """(wall seconds, GPU span seconds) of one ``engine.step()`` on CUDA, the device idle before it (the
+    span: CUDA events around the step, idle gaps included)."""
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0 = time.perf_counter()
+    start.record()
+    engine.step()
+    end.record()
+    wall = time.perf_counter() - t0
+    end.synchronize()
+    return wall, start.elapsed_time(end) / 1e3
+
+
 def start_decode_batch(engine: Any, names: list[str | None], context: int, rng: np.random.Generator) -> list:
     """One request per name (adapter name or None) with ``context - 1`` random prompt ids, stepped until all
     of them decode (every prompt prefilled, one token sampled each); returns their ids."""

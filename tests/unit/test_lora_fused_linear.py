@@ -35,6 +35,16 @@ def _pool(in_f: int, widths: tuple[int, ...], R: int, ranks: list[int], dtype: t
     return LoRAWeights(A.to(dtype), B.to(dtype), scalings, offs)
 
 
+def _segments(lens: list[int], seg_slots: list[int], ranks: list[int]) -> tuple[list[int], LoRABatchInfo]:
+    """(each token's slot, the batch info) of segments ``lens`` on ``seg_slots`` in a rank-8 pool."""
+    slots = [s for n, s in zip(lens, seg_slots) for _ in range(n)]
+    info = LoRABatchInfo(len(slots), len(ranks), "cpu", max_lora_rank=8)
+    for s, r in enumerate(ranks):
+        info.set_slot_rank(s, r)
+    info.fill(lens, seg_slots)
+    return slots, info
+
+
 def _oracle(x, weight, bias, w: LoRAWeights, slots: list[int], ranks: list[int]) -> torch.Tensor:  # noqa: ANN001
     """float64: the base linear, then each token's own adapter slice by slice (h rounded to x.dtype)."""
     out = x.double() @ weight.double().T + (0.0 if bias is None else bias.double())
@@ -153,12 +163,8 @@ def test_prefill_of_many_prompts_on_few_adapters_groups_rows_by_slot(widths: tup
     )  # the grouped path multiplies the zero rank padding
     lens = [5, 9, 7, 3, 11, 6, 8, 2, 10, 4, 7, 9]
     seg_slots = [0, 1, -1, 2, 0, 1, 2, -1, 0, 2, 1, 0]
-    slots = [s for n, s in zip(lens, seg_slots) for _ in range(n)]
+    slots, info = _segments(lens, seg_slots, ranks)
     assert len(slots) > PACKED_MAX_ROWS
-    info = LoRABatchInfo(len(slots), len(ranks), "cpu", max_lora_rank=8)
-    for s, r in enumerate(ranks):
-        info.set_slot_rank(s, r)
-    info.fill(lens, seg_slots)
     g = torch.Generator().manual_seed(7)
     x = torch.randn(len(slots), 48, generator=g)
     weight = torch.randn(sum(widths), 48, generator=g) / 48**0.5
@@ -179,11 +185,7 @@ def test_a_prefill_of_many_prompts_on_few_adapters_fuses_in_pieces() -> None:
     w = _pool(192, (48, 16, 16), 8, ranks, torch.float32, seed=8)  # 42 live rows <= 192 / 4
     lens = [9, 14, 7, 12, 11, 6, 13, 10, 8, 15, 9, 16]  # 130 tokens: pieces of 64, 64 and 2 (padded to 2)
     seg_slots = [0, 1, -1, 2, 0, 1, 2, -1, 0, 2, 1, 0]
-    slots = [s for n, s in zip(lens, seg_slots) for _ in range(n)]
-    info = LoRABatchInfo(len(slots), len(ranks), "cpu", max_lora_rank=8)
-    for s, r in enumerate(ranks):
-        info.set_slot_rank(s, r)
-    info.fill(lens, seg_slots)
+    slots, info = _segments(lens, seg_slots, ranks)
     g = torch.Generator().manual_seed(9)
     x = torch.randn(len(slots), 192, generator=g)
     weight = torch.randn(80, 192, generator=g) / 192**0.5
