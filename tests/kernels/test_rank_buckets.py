@@ -13,6 +13,7 @@ import random
 
 import pytest
 import torch
+from lora_pools import nan_padded_pool
 
 from mmlora.backends import get_backend
 from mmlora.forward.lora import RUN_TILE, LoRABatchInfo, LoRAWeights, rank_bucket, rank_buckets, slot_runs
@@ -63,17 +64,7 @@ def test_batch_info_carries_the_bucket_of_its_largest_rank() -> None:
 
 def _case(ranks: list[int], R: int, widths: tuple[int, ...], in_f: int, seed: int):
     """Pool of len(ranks) slots of rank R; everything past each slot's rank is NaN."""
-    g = torch.Generator().manual_seed(seed)
-    S, n = len(ranks), len(widths)
-    offs = tuple([0] + [sum(widths[: i + 1]) for i in range(n)])
-    A = torch.full((S, n * R, in_f), float("nan"))
-    B = torch.full((S, offs[-1], R), float("nan"))
-    for s, r in enumerate(ranks):
-        for i in range(n):
-            A[s, i * R : i * R + r] = torch.randn(r, in_f, generator=g) / in_f**0.5
-            B[s, offs[i] : offs[i + 1], :r] = torch.randn(widths[i], r, generator=g) / r**0.5
-    scalings = torch.rand(S, n, generator=g) + 0.5
-    return A, B, scalings, offs
+    return nan_padded_pool(ranks, R, widths, in_f, seed)
 
 
 def _reference(x, A, B, scalings, offs, ranks, token_slots) -> torch.Tensor:  # noqa: ANN001

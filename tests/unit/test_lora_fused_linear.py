@@ -11,6 +11,7 @@ import random
 
 import pytest
 import torch
+from lora_pools import nan_padded_pool
 
 from mmlora.backends import get_backend
 from mmlora.backends.onednn import PACKED_MAX_ROWS, onednn_linear_available, packable_dtypes
@@ -22,16 +23,7 @@ TOL = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (6e-2, 4e-2)}
 
 def _pool(in_f: int, widths: tuple[int, ...], R: int, ranks: list[int], dtype: torch.dtype, seed: int):
     """A (NaN past each rank), B, scalings and slice offsets of a pool of len(ranks) slots."""
-    g = torch.Generator().manual_seed(seed)
-    S, n = len(ranks), len(widths)
-    offs = tuple([0] + [sum(widths[: i + 1]) for i in range(n)])
-    A = torch.full((S, n * R, in_f), float("nan"))
-    B = torch.full((S, offs[-1], R), float("nan"))
-    for s, r in enumerate(ranks):
-        for i in range(n):
-            A[s, i * R : i * R + r] = torch.randn(r, in_f, generator=g) / in_f**0.5
-            B[s, offs[i] : offs[i + 1], :r] = torch.randn(widths[i], r, generator=g) / r**0.5
-    scalings = torch.rand(S, n, generator=g) + 0.5
+    A, B, scalings, offs = nan_padded_pool(ranks, R, widths, in_f, seed)
     return LoRAWeights(A.to(dtype), B.to(dtype), scalings, offs)
 
 

@@ -1,0 +1,24 @@
+"""Adapter pools for kernel and backend tests: random weights up to each slot's rank, NaN past it (rank
+padding must never be read, not even times zero)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def nan_padded_pool(
+    ranks: list[int], R: int, widths: tuple[int, ...], in_f: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, ...]]:
+    """(A [S, n*R, in_f], B [S, out, R], scalings [S, n], slice offsets) of len(ranks) slots of pool rank
+    R, fp32 on CPU, slot s holding random weights of rank ranks[s] and NaN past it."""
+    g = torch.Generator().manual_seed(seed)
+    S, n = len(ranks), len(widths)
+    offs = tuple([0] + [sum(widths[: i + 1]) for i in range(n)])
+    A = torch.full((S, n * R, in_f), float("nan"))
+    B = torch.full((S, offs[-1], R), float("nan"))
+    for s, r in enumerate(ranks):
+        for i in range(n):
+            A[s, i * R : i * R + r] = torch.randn(r, in_f, generator=g) / in_f**0.5
+            B[s, offs[i] : offs[i + 1], :r] = torch.randn(widths[i], r, generator=g) / r**0.5
+    scalings = torch.rand(S, n, generator=g) + 0.5
+    return A, B, scalings, offs
