@@ -456,13 +456,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             base_run = base_of_round[k]
             res["over_base"] = res["output_tok_per_s"] / base_run["output_tok_per_s"]
             res["ttft_p50_over_base"] = res["ttft_p50_s"] / base_run["ttft_p50_s"]
+            # The ratio decode steps could reach at the copy bandwidth: base-only's decode floor over this
+            # run's, whose steps also read each distinct adapter's bytes once.
+            res["decode_bytes_bound"] = base_run["decode_floor_seconds"] / res["decode_floor_seconds"]
         else:
             base_of_round[k] = res
         runs.append(res)
         _partial(out, {"runs": runs})
         print(
             f"{res['system']:9s} ranks {label if n else '-':6s} n={n:5d}: {res['output_tok_per_s']:9.1f} out tok/s"
-            + (f" ({res['over_base']:.2f}x base-only)" if n else "")
+            + (
+                f" ({res['over_base']:.2f}x base-only; bytes bound {res['decode_bytes_bound']:.2f}x)"
+                if n
+                else ""
+            )
             + f", {res['req_per_s']:6.2f} req/s, "
             f"TTFT p50 {res['ttft_p50_s'] * 1e3:.0f} ms, TPOT p50 {res['tpot_p50_s'] * 1e3:.1f} ms, "
             f"decode {res['decode_over_floor']:.2f}x floor, adapters loaded in {load_s:.1f} s "

@@ -98,6 +98,11 @@ def test_serving_sweep_rounds_and_pool_rank(tmp_path):
         assert lora_run["ttft_p50_over_base"] == pytest.approx(
             lora_run["ttft_p50_s"] / base_run["ttft_p50_s"]
         )
+        # the adapters' bytes only add to a decode step's floor: the bound is below 1
+        assert lora_run["decode_bytes_bound"] == pytest.approx(
+            base_run["decode_floor_seconds"] / lora_run["decode_floor_seconds"]
+        )
+        assert 0 < lora_run["decode_bytes_bound"] < 1
     assert set(result["mixed_over_base"]) == {"0 round 1", "2 round 1", "0 round 2", "2 round 2"}
     with pytest.raises(ValueError, match="pool-rank"):
         bench_main([*argv[:9], "--pool-rank", "1", *argv[11:]])
