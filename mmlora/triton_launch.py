@@ -149,19 +149,9 @@ class FastKernel:
         except TypeError:  # an argument kind the key does not cover: Triton decides
             self.fn[grid](*args, **kwargs)
             return
-        kernel = self._compiled.get(key)
-        if kernel is None:
-            kernel = self.fn[grid](*args, **kwargs)  # compiles (or finds) the kernel and launches it
-            if kernel is not None and getattr(kernel, "function", None) is not None:
-                self._compiled[key] = kernel
-            return
         g = tuple(grid)
-        kernel.run(
-            g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1,
-            _current_stream(device), kernel.function, kernel.packed_metadata,
-            None, None, None, *values,
-        )  # fmt: skip
-        self.direct_launches += 1
+        grid3 = (g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1)
+        self._run_keyed(key, grid3, values, dict(options), device)
 
     def plan(
         self, grid: Sequence[int], args: tuple[Any, ...], kwargs: dict[str, Any], tensor_pos: tuple[int, ...]
@@ -197,17 +187,29 @@ class FastKernel:
             self.fn[plan.grid](*values, **plan.kwargs)
             return
         key = (plan.static_key, *[(t.dtype, t.data_ptr() % 16 == 0) for t in tensors])
+        self._run_keyed(key, plan.grid, values, plan.kwargs, torch.cuda.current_device())
+
+    def _run_keyed(
+        self, key: tuple, grid3: tuple[int, int, int], values: list[Any], options: dict, device: int
+    ) -> None:
+        """Launch the compiled kernel of ``key`` directly; without one yet, through Triton (which compiles
+        or finds it, and launches), remembering what it returns."""
         kernel = self._compiled.get(key)
         if kernel is None:
-            kernel = self.fn[plan.grid](*values, **plan.kwargs)
+            kernel = self.fn[grid3](*values, **options)
             if kernel is not None and getattr(kernel, "function", None) is not None:
                 self._compiled[key] = kernel
             return
-        g = plan.grid
         kernel.run(
-            g[0], g[1], g[2], _current_stream(torch.cuda.current_device()), kernel.function,
-            kernel.packed_metadata, None, None, None, *values,
-        )  # fmt: skip
+            *grid3,
+            _current_stream(device),
+            kernel.function,
+            kernel.packed_metadata,
+            None,
+            None,
+            None,
+            *values,
+        )
         self.direct_launches += 1
 
 
