@@ -59,12 +59,13 @@ class LoRABackend(ABC):
         weight: torch.Tensor,
         bias: torch.Tensor | None,
         weights: LoRAWeights,
-        info: LoRABatchInfo,
+        info: LoRABatchInfo | None,
     ) -> torch.Tensor | None:
-        """``F.linear(x, weight, bias)`` with the batch's LoRA delta added, in one go where this backend
-        fuses the base matmul with its LoRA work for this batch; None where it does not (the layer then
-        runs the base and :meth:`add_lora`). ``weight`` and ``bias`` are the base layer's (for a
-        row-parallel shard: its weight shard and the bias this rank adds). By default never fused."""
+        """``F.linear(x, weight, bias)`` with the batch's LoRA delta added (none where ``info`` is None or
+        has no adapter rows), in one go where this backend fuses the base matmul with its LoRA work;
+        None where it does not (the layer then runs the base and :meth:`add_lora`). ``weight`` and
+        ``bias`` are the base layer's (for a row-parallel shard: its weight shard and the bias this rank
+        adds). The result may be a strided view. By default never fused."""
         return None
 
     def start_lora(

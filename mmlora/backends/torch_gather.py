@@ -5,14 +5,15 @@ matmul; prefill-like batches loop over the (few) segments with one dense matmul 
 materialising a [tokens, R, in] gather. Runs on CPU and GPU.
 
 On CPU, a batch of at most :data:`~mmlora.backends.onednn.PACKED_MAX_ROWS` tokens over few slots (a
-decode step, a short chunk) takes a dense path: every slot's shrink in one matmul, the other slots' rows
-masked to zeros, and the expand either fused into the base GEMM (:meth:`TorchGatherBackend.fused_linear`,
-which the LoRA layer tries first) or one more matmul, with oneDNN-prepacked copies where
-:mod:`mmlora.backends.onednn` says packing pays. Larger CPU batches whose adapter segments outnumber
-their slots (decode-like ones, prefills of many prompts on few adapters) group tokens by slot (from the
-host mirrors, no sync to pay) and run one dense matmul per distinct adapter: the per-token gather copies
-every token's A and B, which on CPU costs more than the matmuls themselves. On GPU the gather path
-stays, as it reads only device tensors and so is capturable in CUDA graphs.
+decode step, a short chunk) takes a dense path (:mod:`mmlora.backends.cpu_dense`): every slot's shrink
+in one matmul, the other slots' columns masked to zeros, and the expand as one more matmul, through
+oneDNN-prepacked copies where :mod:`mmlora.backends.onednn` says packing pays. The LoRA layer tries
+:meth:`TorchGatherBackend.fused_linear` first, where the shrink rides on the base GEMM. Larger CPU
+batches whose adapter segments outnumber their slots (decode-like ones, prefills of many prompts on few
+adapters) group tokens by slot (from the host mirrors, no sync to pay) and run one dense matmul per
+distinct adapter: the per-token gather copies every token's A and B, which on CPU costs more than the
+matmuls themselves. On GPU the gather path stays, as it reads only device tensors and so is capturable
+in CUDA graphs.
 """
 
 from __future__ import annotations
@@ -23,13 +24,13 @@ import functools
 import torch
 
 from mmlora.backends.base import LoRABackend
+from mmlora.backends.cpu_dense import ShrinkFused, live_weights, slot_mask
 from mmlora.backends.onednn import (
     PACKED_MAX_ROWS,
     onednn_linear_available,
     pack_weight,
     packable_dtypes,
     packed_matmul,
-    row_bucket,
 )
 from mmlora.backends.registry import register_backend
 from mmlora.forward.lora import LoRABatchInfo, LoRAWeights
@@ -122,7 +123,7 @@ def gather_expand(h: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo, ou
 class TorchGatherBackend(LoRABackend):
     def __init__(self) -> None:
         self._dense_cache: dict[int, _DenseWeights] = {}
-        self._fused_cache: dict[int, _FusedWeights] = {}
+        self._fused_cache: dict[int, ShrinkFused] = {}
 
     def fused_linear(
         self,
@@ -130,68 +131,82 @@ class TorchGatherBackend(LoRABackend):
         weight: torch.Tensor,
         bias: torch.Tensor | None,
         weights: LoRAWeights,
-        info: LoRABatchInfo,
+        info: LoRABatchInfo | None,
     ) -> torch.Tensor | None:
-        """A CPU decode step (at most PACKED_MAX_ROWS tokens over few slots, a packable dtype): the
-        base GEMM and the LoRA expand as one oneDNN matmul, ``[x | h] @ [W | W_lora].T + bias``, where
-        ``h = (x @ A_live.T) * mask`` is every slot's shrink with the other slots' columns zeroed. At
-        decode sizes a oneDNN call costs about 10 us before it multiplies anything, more than a rank-8
-        expand's FLOPs, so the expand rides on the base call. The shrink is oneDNN's too: MKL's ``mm``
-        is quicker alone (16 rows, K = 32: 8 against 14 us) but measured no quicker inside a forward;
-        the mask as oneDNN's post-op was slower. Costs a second packed copy of the
-        module's weight (beside the base layer's own, which base-only steps keep using; SmolLM2-135M in
-        fp32: 465 MB), rebuilt when an adapter slot or the base weight changes.
+        """x [T, in] on CPU (a packable dtype, no autograd recording): ``x @ W.T + bias`` plus the batch's
+        LoRA delta, the base GEMM and every slot's shrink as one oneDNN matmul over the module's stacked
+        ``[W; A_live]`` (:class:`~mmlora.backends.cpu_dense.ShrinkFused`); returns [T, out] (a view of
+        [T, out + K]: the last K columns are the shrink). Then ``h = shrink * mask`` (each row's own
+        slot) and one more matmul adds ``h @ expand``. A batch without adapter rows (``info`` None or
+        no LoRA) gets the base columns only, so the layer can free the base's own packed copy.
 
-        A prefill whose adapter segments outnumber their slots (many prompts on few adapters) runs the
-        same in PACKED_MAX_ROWS-row pieces (as PackedLinear runs a prefill) where the module's live rank
-        rows are at most 1 / _PREFILL_RANK_SHARE of its input width: every row then multiplies every
-        slot's rank rows, a FLOP share that grows with the slots and ranks, against the per-slot
-        gathers' dozens of small calls (16 prompts x 12 tokens on 4 rank-8 adapters, SmolLM2: base-only
-        over mixed 0.76-0.79 -> 0.83-0.87 per prefill forward).
+        Past PACKED_MAX_ROWS tokens (prefill) the matmuls run in PACKED_MAX_ROWS-row pieces (as
+        PackedLinear runs them); the expand stays dense only where the adapter segments outnumber their
+        slots and the live rank rows are at most 1 / _PREFILL_RANK_SHARE of the input width (every row
+        multiplies every slot's rank rows), else the segment or per-slot path adds the delta.
 
-        Every module runs this once per forward, so what depends only on the batch is decided once per
-        forward (``info.host_derived``): at decode sizes the Python around the ops counts."""
-        rows = info.host_derived.get("fused-rows")
-        if rows is None:
-            rows = info.host_derived["fused-rows"] = _fused_rows(x, info)
-        T = info.num_tokens
-        if not rows or x.dtype != rows[1] or x.dim() != 2 or x.shape[0] != T:
-            return None
-        fused = self._fused(weight, weights, info.ranks_host)
-        if fused is None or (T > PACKED_MAX_ROWS and fused.live_rows * _PREFILL_RANK_SHARE > x.shape[1]):
-            return None
-        if rows[0] != T:
-            x = torch.cat([x, x.new_zeros(rows[0] - T, x.shape[1])])
-        mask = _slot_mask(info, weights.n_slices, x.dtype, rows[0])
-        linear = torch.ops.mkldnn._linear_pointwise
-        pieces = []
-        for xp, mp in zip(x.split(PACKED_MAX_ROWS), mask.split(PACKED_MAX_ROWS)):
-            h = linear(xp, fused.A, None, "none", [], "")
-            h *= mp
-            pieces.append(linear(torch.cat([xp, h], 1), fused.W, bias, "none", [], ""))
-        y = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-        return y if rows[0] == T else y[:T]
-
-    def _fused(self, weight: torch.Tensor, weights: LoRAWeights, ranks: list[int]) -> _FusedWeights | None:
-        """The module's fused-path weights (None where it cannot fuse: dtypes that differ, an inference
-        weight without the version counter a later write would be noticed by, a weight autograd
-        records), cached as :meth:`_dense`'s and on the base weight's version."""
-        A, B, scalings = weights.A, weights.B, weights.scalings
-        cached = self._fused_cache.get(B.data_ptr())
+        None where it does not fuse (the layer then runs the base and :meth:`add_lora`): not CPU, a
+        dtype oneDNN does not pay in, dtypes that differ, autograd recording x or the weight, an
+        inference-mode weight (no version counter to notice a reload by), or live rank rows past
+        :data:`~mmlora.backends.cpu_dense.STACK_SHARE` of the output width."""
         if (
-            weight.is_inference()
-            or not weight.dtype == A.dtype == B.dtype
-            or (weight.requires_grad and torch.is_grad_enabled())  # autograd records (as PackedLinear)
+            x.device.type != "cpu"
+            or x.dim() != 2
+            or x.dtype not in _packable()
+            or not x.dtype == weight.dtype == weights.A.dtype == weights.B.dtype
+            or weight.is_inference()
+            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
         ):
             return None
-        key = (A._version, B._version, scalings._version, weight._version, tuple(ranks))
-        if cached is not None and cached.B is B and cached.weight is weight and cached.key == key:
+        stacked = self._stacked(weight, bias, weights, info)
+        if stacked is None:
+            return None
+        T, out = x.shape[0], stacked.out_features
+        if T <= PACKED_MAX_ROWS:
+            yk = packed_matmul(x, stacked.WA, stacked.bias)
+        else:
+            yk = torch.cat([packed_matmul(p, stacked.WA, stacked.bias) for p in x.split(PACKED_MAX_ROWS)])
+        y = yk[:, :out]
+        if info is None or not info.has_lora:
+            return y
+        if T <= PACKED_MAX_ROWS or (
+            _by_slot(x, info) and stacked.live_rows * _PREFILL_RANK_SHARE <= x.shape[1]
+        ):
+            h = yk[:, out:] * slot_mask(info, weights.n_slices, x.dtype)
+            if T <= PACKED_MAX_ROWS:
+                y += packed_matmul(h, stacked.E)
+            else:
+                y += torch.cat([packed_matmul(p, stacked.E) for p in h.split(PACKED_MAX_ROWS)])
+        else:
+            gather_expand(gather_shrink(x, weights.A, info), weights, info, y)
+        return y
+
+    def _stacked(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        weights: LoRAWeights,
+        info: LoRABatchInfo | None,
+    ) -> ShrinkFused | None:
+        """The module's stacked weights, cached on B's data pointer and rebuilt when a slot load writes
+        A, B or the scalings, a slot's rank changes, or the base weight or bias is written (version
+        counters). Without ``info`` (a forward outside the LoRA manager) the cached ones, if any."""
+        cached = self._fused_cache.get(weights.B.data_ptr())
+        if info is None:
+            ranks = list(cached.key[-1]) if cached is not None else None
+            if ranks is None:
+                return None
+        else:
+            ranks = info.ranks_host
+        key = ShrinkFused.key_of(weight, bias, weights, ranks)
+        if cached is not None and cached.matches(weight, bias, weights, key):
             return cached
-        A_live, W_live = _live_weights(weights, ranks)
-        W_cat = torch.cat([weight.detach(), W_live.T], 1)  # [out, in + live rows]
-        fused = _FusedWeights(B, weight, key, A_live.shape[0], pack_weight(A_live), pack_weight(W_cat))
-        self._fused_cache[B.data_ptr()] = fused
-        return fused
+        stacked = ShrinkFused.build(weight, bias, weights, ranks, key)
+        if stacked is None:
+            self._fused_cache.pop(weights.B.data_ptr(), None)
+        else:
+            self._fused_cache[weights.B.data_ptr()] = stacked
+        return stacked
 
     def add_lora(self, out: torch.Tensor, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo) -> None:
         """Shrink then expand; small CPU batches over few slots (decode steps, short chunks) take a dense
@@ -205,7 +220,7 @@ class TorchGatherBackend(LoRABackend):
             gather_expand(gather_shrink(x, weights.A, info), weights, info, out)
             return
         dense = self._dense(weights, info.ranks_host, packed=x.dtype in _packable())
-        mask = _slot_mask(info, weights.n_slices, x.dtype)
+        mask = slot_mask(info, weights.n_slices, x.dtype)
         lo, hi = weights.slice_offsets[0], weights.slice_offsets[-1]
         if dense.packed:
             # oneDNN's blocked copies (as PackedLinear has for the base weights): a plain mm re-blocks its
@@ -229,7 +244,7 @@ class TorchGatherBackend(LoRABackend):
         cached = self._dense_cache.get(B.data_ptr())
         if cached is not None and cached.B is B and cached.key == key:
             return cached
-        A_live, W_live = _live_weights(weights, ranks)
+        A_live, W_live = live_weights(weights, ranks)
         if packed:
             dense = _DenseWeights(B, key, True, pack_weight(A_live), pack_weight(W_live.T.contiguous()))
         else:
@@ -245,64 +260,6 @@ class _DenseWeights:
     packed: bool
     A: torch.Tensor  # the live rows of A [K, in] (packed: oneDNN's layout, for packed_matmul)
     W: torch.Tensor  # the expand matrix's live rows [K, out] (packed: its transpose, for packed_matmul)
-
-
-@dataclasses.dataclass
-class _FusedWeights:
-    B: torch.Tensor  # the module's B view and base weight, to tell a reused data pointer from the module
-    weight: torch.Tensor
-    key: tuple  # as _DenseWeights', and the base weight's version counter
-    live_rows: int  # K: every slot's live rank rows
-    A: torch.Tensor  # the live rows of A [K, in], packed
-    W: torch.Tensor  # [out, in + K]: the base weight beside the live expand matrix's transpose, packed
-
-
-def _live_weights(weights: LoRAWeights, ranks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(A's live rows [K, in], the expand matrix's live rows [K, out]) over every slot."""
-    A = weights.A
-    rows = _live_rows(weights.n_slices, A.shape[1] // weights.n_slices, ranks)
-    return A.reshape(-1, A.shape[2])[rows], _expand_matrix(weights)[rows]
-
-
-def _live_rows(n_slices: int, R: int, ranks: list[int]) -> torch.Tensor:
-    """Rows of the flattened [S * n * R] slot layout that hold rank (slot s, slice i: its first
-    ``ranks[s]`` rows), slot-major; the rest is rank padding (zeros). :func:`_slot_mask` orders its
-    columns the same way."""
-    rows = [
-        (s * n_slices + i) * R + j for s, r in enumerate(ranks) for i in range(n_slices) for j in range(r)
-    ]
-    return torch.tensor(rows, dtype=torch.long)
-
-
-def _expand_matrix(weights: LoRAWeights) -> torch.Tensor:
-    """[S * n * R, out]: row block (s, i) holds slot s's B for slice i (scaled), zero elsewhere."""
-    B, scalings, offs = weights.B, weights.scalings, weights.slice_offsets
-    S, out_features, R = B.shape
-    n = weights.n_slices
-    W = B.new_zeros(S * n * R, out_features)
-    for s in range(S):
-        for i in range(n):
-            lo, hi = offs[i], offs[i + 1]
-            W[(s * n + i) * R : (s * n + i + 1) * R, lo:hi] = (B[s, lo:hi] * scalings[s, i].to(B.dtype)).T
-    return W
-
-
-def _fused_rows(x: torch.Tensor, info: LoRABatchInfo) -> tuple[int, torch.dtype] | tuple[()]:
-    """Whether this forward's batch takes :meth:`TorchGatherBackend.fused_linear`: (the row count its
-    packed matmuls run at, the dtype) where it does, () where not (not the CPU, too many tokens or
-    slots, a dtype oneDNN does not pay in, or autograd recording through x)."""
-    T = info.num_tokens
-    if (
-        x.device.type != "cpu"
-        or T <= 0
-        or (T > PACKED_MAX_ROWS and not _by_slot(x, info))
-        or info.num_slots > _DENSE_MAX_SLOTS
-        or x.dtype not in _packable()
-        or (torch.is_grad_enabled() and x.requires_grad)
-    ):
-        return ()
-    full, rest = divmod(T, PACKED_MAX_ROWS)
-    return (full * PACKED_MAX_ROWS + (row_bucket(rest) if rest else 0), x.dtype)
 
 
 @functools.cache
@@ -330,24 +287,3 @@ def _slot_groups(info: LoRABatchInfo) -> list[tuple[int, torch.Tensor]]:
             (slot, torch.tensor(r, dtype=torch.long, device=info.device)) for slot, r in rows.items()
         ]
     return route["groups"]
-
-
-def _slot_mask(
-    info: LoRABatchInfo, n_slices: int, dtype: torch.dtype, rows: int | None = None
-) -> torch.Tensor:
-    """[rows (default T), live rows of :func:`_live_rows`]: 1 over the columns of each token's own slot
-    (all zeros for base-only tokens and for rows past T, the padding of a packed matmul)."""
-    T = info.num_tokens
-    rows = T if rows is None else rows
-    key = f"mask-{n_slices}-{dtype}-{rows}"
-    mask = info.host_derived.get(key)
-    if mask is None:
-        token_slots = info.token_slots[:T].long()
-        if rows > T:
-            token_slots = torch.cat([token_slots, token_slots.new_full((rows - T,), -1)])
-        row_slots = torch.tensor(
-            [s for s, r in enumerate(info.ranks_host) for _ in range(n_slices * r)], device=info.device
-        )
-        mask = (token_slots[:, None] == row_slots[None, :]).to(dtype)
-        info.host_derived[key] = mask
-    return mask

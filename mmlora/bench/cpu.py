@@ -76,8 +76,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--cpu-fused-lora",
-        action="store_true",
-        help="mmlora with cpu_fused_lora (base GEMM and LoRA expand in one call, a second weight copy)",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="mmlora with cpu_fused_lora (the default: base GEMM and LoRA shrink in one call)",
     )
     p.add_argument(
         "--bf16",

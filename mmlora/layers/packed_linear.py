@@ -36,6 +36,7 @@ class PackedLinear(nn.Linear):
         self._packed: torch.Tensor | None = None
         self._packed_version = -1  # the weight's version counter when packed
         self._packed_dtypes = PACKED_DTYPES
+        self._released = False  # release() freed the packed copy: the next linear() packs again
 
     @property
     def is_packed(self) -> bool:
@@ -46,6 +47,7 @@ class PackedLinear(nn.Linear):
         True when packed, False where not possible (device, a dtype not in ``dtypes``, torch build)."""
         w = self.weight
         self._packed = None
+        self._released = False
         self._packed_dtypes = dtypes
         # An inference tensor has no version counter, so a later write to it could not be noticed.
         if w.device.type != "cpu" or w.dtype not in dtypes or w.is_inference():
@@ -58,10 +60,22 @@ class PackedLinear(nn.Linear):
 
     def unpack(self) -> None:
         self._packed = None
+        self._released = False
+
+    def release(self) -> None:
+        """Free the packed copy while another holds the weight packed for this layer's calls (a LoRA
+        layer's stacked ``[W; A]``, :mod:`mmlora.backends.cpu_dense`); the next :meth:`linear` call
+        packs it again."""
+        if self._packed is not None:
+            self._packed = None
+            self._released = True
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x W^T + bias``; the layer's own bias is for :meth:`forward`, a row-parallel partial sum passes
         its own (None on ranks other than 0)."""
+        if self._released:
+            self._released = False
+            self.prepack(dtypes=self._packed_dtypes)
         packed = self._packed
         if (
             packed is None

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from mmlora.backends.base import LoRABackend
+from mmlora.distributed.state import tp_group
 from mmlora.forward.lora import LoRABatchInfo, LoRAWeights
 from mmlora.layers.parallel_linear import RowParallelLinear
 
@@ -22,8 +23,8 @@ class LoRAContext:
     info: LoRABatchInfo | None = None
     #: On CUDA (unless disabled): the stream each module's shrink runs on while its base GEMM runs.
     side_stream: torch.cuda.Stream | None = None
-    #: ``cpu_fused_lora``: let the backend run the base GEMM and the LoRA expand as one call
-    #: (``LoRABackend.fused_linear``), trading a second copy of the weights for speed.
+    #: ``cpu_fused_lora``: let the backend run the base GEMM and the LoRA work together
+    #: (``LoRABackend.fused_linear``), for base-only batches too.
     fuse_base: bool = False
 
 
@@ -43,18 +44,29 @@ class LoRALinear(nn.Module):
         self.output_sizes = getattr(base, "output_sizes", (base.out_features,))
         self.weights = weights
         self.ctx = ctx
+        # Whether the base may hold a packed copy of its own that a fused call makes redundant.
+        self._base_packed = hasattr(base, "release")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # A row-parallel base gives this rank's partial sum; its delta joins it before the all-reduce.
         row_parallel = isinstance(self.base, RowParallelLinear)
         info, side, backend = self.ctx.info, self.ctx.side_stream, self.ctx.backend
         lora = info is not None and info.has_lora
-        if lora and self.ctx.fuse_base:
-            # Opted in (cpu_fused_lora): the backend may fuse the base matmul with the LoRA work.
+        if self.ctx.fuse_base:
+            # cpu_fused_lora: the backend may run the base matmul and the LoRA work together, base-only
+            # batches included (torch-gather: one packed [W; A] for the base GEMM and the shrink).
             bias = self.base.partial_bias if row_parallel else self.base.bias
             fused = backend.fused_linear(x, self.base.weight, bias, self.weights, info)
             if fused is not None:
-                return self.base.reduce(fused) if row_parallel else fused
+                if self._base_packed:
+                    # The backend's stacked copy stands in for the base's own: one packed weight per module.
+                    self.base.release()
+                    self._base_packed = False
+                if not row_parallel:
+                    return fused
+                return self.base.reduce(fused.contiguous() if tp_group().is_parallel else fused)
+            # Declined (its base packs itself again on use): the next fused call frees that copy again.
+            self._base_packed = hasattr(self.base, "release")
         flat_x = x.reshape(-1, x.shape[-1]) if lora else None
         finish = None
         if lora and side is not None and x.is_cuda and backend.splits_work(info):
