@@ -147,6 +147,11 @@ class SchedulerConfig:
     attention_backend: str = _f(
         "auto", 'Attention kernels: "auto" (triton on CUDA, torch otherwise), "torch", "triton".'
     )
+    overlap_schedule: str = _f(
+        "auto",
+        'Schedule and launch step N+1 while the device runs step N (the overlap scheduler): "auto" (on '
+        'for CUDA with tp_size 1), "on" (also on CPU: the same outputs, no gain), "off" (serial steps).',
+    )
 
 
 @dataclass(frozen=True)
@@ -194,6 +199,16 @@ class EngineConfig:
             "must be > 0",
         )
         _check(sched.max_running_per_client >= 0, "max_running_per_client", "must be >= 0")
+        _check(
+            sched.overlap_schedule in ("auto", "on", "off"),
+            "overlap_schedule",
+            'must be "auto", "on" or "off"',
+        )
+        _check(
+            sched.overlap_schedule != "on" or self.parallel.tp_size == 1,
+            "overlap_schedule",
+            "\"on\" needs tp_size 1 (the workers take each step's token ids from rank 0's host)",
+        )
         _check(sched.max_queued_per_client >= 0, "max_queued_per_client", "must be >= 0")
         _check(
             self.model.dtype in ("auto", "float32", "float16", "bfloat16"),

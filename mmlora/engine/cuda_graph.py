@@ -51,6 +51,7 @@ import torch
 
 from mmlora.distributed.state import tp_group
 from mmlora.distributed.step import send_capture_graphs, send_replay
+from mmlora.engine.overlap import resolve_placeholders
 from mmlora.engine.scheduler import ScheduledBatch
 from mmlora.forward import AttentionMetadata, ForwardBatch
 from mmlora.multimodal.mrope import decode_position
@@ -260,9 +261,12 @@ class CudaGraphRunner:
         )
 
     @torch.inference_mode()
-    def run(self, sched: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
+    def run(
+        self, sched: ScheduledBatch, future: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, list[int]]:
         """fp32 logits [n, V] (a view of the graph's output, valid until the next replay) and the batch
-        index of each row (rows are ordered by adapter slot)."""
+        index of each row (rows are ordered by adapter slot). ``future``: the tokens the placeholders
+        among the rows' token ids stand for (the overlap scheduler's last launched step)."""
         n = len(sched)
         bs = next(b for b in self.buckets if b >= n)
         bsz = self.block_size
@@ -297,6 +301,9 @@ class CudaGraphRunner:
             rest = torch.tensor(seq_lens + self.last_slots + [b for r in rows for b in r], dtype=torch.int64)
             send_replay(bs, bound, LAYOUTS.index(layout), torch.cat([i64.view(-1), rest]))
         self._load(bs, i64, torch.tensor(seq_lens, dtype=torch.int32), torch.tensor(rows, dtype=torch.int32))
+        if future is not None and min(ids) < 0:
+            static_ids = self.i64[0, :n]
+            static_ids.copy_(resolve_placeholders(static_ids, future))
         return self._replay(bs, bound, layout)[:n], order
 
     def replay_received(self, bucket: int, bound: int, layout: int, payload: torch.Tensor) -> torch.Tensor:

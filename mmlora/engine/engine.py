@@ -23,10 +23,12 @@ from mmlora.engine.detokenizer import ids_decoder, take_delta, update_text
 from mmlora.engine.fault_isolation import StepGuard, describe_fault
 from mmlora.engine.grammar import GrammarCompiler
 from mmlora.engine.model_runner import ModelRunner
+from mmlora.engine.overlap import InFlightStep, launch_step, overlap_eligible, overlap_enabled
 from mmlora.engine.prompt_logprobs import start_prompt_logprobs
 from mmlora.engine.request import Request, Status
+from mmlora.engine.sampler import bad_row_message
 from mmlora.engine.sampling_params import RequestOutput, SamplingParams
-from mmlora.engine.scheduler import Scheduler
+from mmlora.engine.scheduler import ScheduledBatch, Scheduler
 from mmlora.engine.setup import build_engine_parts
 from mmlora.engine.tp_worker import join_group, worker_main
 from mmlora.hub import hub_root, resolve_adapter
@@ -97,6 +99,8 @@ class Engine:
         self.step_guard = StepGuard(
             self.runner, self.generator, vocab_size, frozenset(self.eos_ids)
         )  # a failing request fails alone
+        self.overlap = overlap_enabled(config, self.device)
+        self._inflight: InFlightStep | None = None  # the launched step not read back yet (overlap)
         self._requests: dict[str, Request] = {}
         self._aborts: set[str] = set()
         self._pending_unloads: list[AdapterEntry] = []
@@ -227,6 +231,9 @@ class Engine:
         if self._closed:
             return
         self._closed = True
+        if self._inflight is not None:  # its kernels read the memory freed below
+            self._inflight.read()
+            self._inflight = None
         self.shutdown()
         self._requests.clear()
         self.runner.close()
@@ -255,27 +262,82 @@ class Engine:
         for req in failed:
             self._finish(req, "abort")
         outputs = [self._output(req) for req in ended + failed]
-        if len(batch):
-            sampled, prompt_only, faulty = self.step_guard.run(batch)
-            self.scheduler.after_forward(batch)  # cache the pages the forward filled
-            for req in prompt_only:  # max_new_tokens=0: prompt logprobs only, done once the prompt ran
-                self.counters["prompt_tokens_total"] += len(req.prompt_ids)
-                self._finish(req, "length")
-                outputs.append(self._output(req))
-            now = time.monotonic()
-            for req, token, logprobs in sampled:
-                try:
-                    self._append_token(req, token, logprobs, now)
-                except Exception as e:  # e.g. detokenizing or a grammar refusing the token: this request only
-                    faulty.append((req, describe_fault(e)))
-                    continue
-                outputs.append(self._output(req))
-            for req, message in faulty:
-                req.error, req.finish_reason = message, "abort"
-                self._finish(req, "abort")
-                outputs.append(self._output(req))
+        if not self.overlap:
+            if len(batch):
+                outputs += self._run_serial(batch)
+        else:
+            eligible = len(batch) > 0 and overlap_eligible(batch.requests)
+            prev = self._inflight
+            self._inflight = (
+                launch_step(self.step_guard, batch, prev.tokens if prev else None) if eligible else None
+            )
+            if self._inflight is not None:
+                # Pages of known tokens now, so the next admissions find them (a later launch reads them).
+                self.scheduler.after_forward(batch.requests)
+            if prev is not None:
+                outputs += self._read_back(prev)
+            if len(batch) and self._inflight is None:  # not launched: step it serially, its tokens known now
+                live = [k for k, req in enumerate(batch.requests) if not req.finished]
+                if live:
+                    part = ScheduledBatch([batch.requests[k] for k in live], [batch.num_new[k] for k in live])
+                    outputs += self._run_serial(part)
+            if not self._requests and self._inflight is not None:
+                self._inflight.read()  # rows of finished requests only: wait for them, drop them
+                self._inflight = None
         self._finish_unloads()
         return outputs
+
+    def _run_serial(self, batch: ScheduledBatch) -> list[RequestOutput]:
+        """Run ``batch``'s forward and sampling to completion and take in its tokens."""
+        sampled, prompt_only, faulty = self.step_guard.run(batch)
+        self.scheduler.after_forward(batch.requests)  # cache the pages the forward filled
+        outputs = self._finish_prompt_only(prompt_only)
+        now = time.monotonic()
+        for req, token, logprobs in sampled:
+            try:
+                self._append_token(req, token, logprobs, now)
+            except Exception as e:  # e.g. detokenizing or a grammar refusing the token: this request only
+                faulty.append((req, describe_fault(e)))
+                continue
+            outputs.append(self._output(req))
+        for req, message in faulty:
+            outputs.append(self._fail(req, message))
+        return outputs
+
+    def _read_back(self, step: InFlightStep) -> list[RequestOutput]:
+        """Take in an overlapped step's tokens (waiting for the device if it is still running). Rows of
+        requests that finished meanwhile (an earlier token stopped them, or an abort) are dropped."""
+        tokens = step.read()
+        self.scheduler.after_forward(step.batch.requests)  # pages whose last token was pending at launch
+        outputs = self._finish_prompt_only([r for r in step.prompt_only if not r.finished])
+        now = time.monotonic()
+        for k, req in enumerate(step.requests):
+            if req.finished:
+                continue
+            req.pending.pop(0)
+            token = tokens[k]
+            if token < 0:
+                outputs.append(self._fail(req, bad_row_message(token, req)))
+                continue
+            try:
+                self._append_token(req, token, step.logprobs[k], now)
+            except Exception as e:  # as in _run_serial: this request only
+                outputs.append(self._fail(req, describe_fault(e)))
+                continue
+            outputs.append(self._output(req))
+        return outputs
+
+    def _finish_prompt_only(self, requests: list[Request]) -> list[RequestOutput]:
+        """max_new_tokens=0: prompt logprobs only, done once the prompt ran."""
+        for req in requests:
+            self.counters["prompt_tokens_total"] += len(req.prompt_ids)
+            self._finish(req, "length")
+        return [self._output(req) for req in requests]
+
+    def _fail(self, req: Request, message: str) -> RequestOutput:
+        req.error, req.finish_reason = message, "abort"
+        self._finish(req, "abort")
+        return self._output(req)
 
     def _append_token(self, req: Request, token: int, logprobs: torch.Tensor, now: float) -> None:
         if req.first_token_time is None:
@@ -294,7 +356,9 @@ class Engine:
         is_stop = (not sp.ignore_eos and token in self.eos_ids) or token in sp.stop_token_ids or grammar_done
         if is_stop and n_out >= sp.min_new_tokens:
             req.finish_reason, req.matched_stop = "stop", token
-        if req.finish_reason is None and (n_out >= sp.max_new_tokens or req.num_tokens >= self.max_model_len):
+        if req.finish_reason is None and (
+            n_out >= sp.max_new_tokens or req.num_known_tokens >= self.max_model_len
+        ):
             req.finish_reason = "length"
         update_text(req, self._decode_ids)
         if req.finish_reason is not None:

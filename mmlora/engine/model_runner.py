@@ -7,6 +7,7 @@ import torch
 from mmlora.backends.onednn import packable_dtypes
 from mmlora.distributed.state import tp_group
 from mmlora.distributed.step import StepRouting, send_forward
+from mmlora.engine.overlap import resolve_placeholders
 from mmlora.engine.prompt_logprobs import record_prompt_logprobs
 from mmlora.engine.scheduler import ScheduledBatch
 from mmlora.forward import AttentionMetadata, ForwardBatch
@@ -42,6 +43,9 @@ class ModelRunner:
             # CPU multiplies it natively; elsewhere bf16 stays on F.linear).
             prepack_linears(model, dtypes=packable_dtypes())
         self.cuda_graphs = None  # a CudaGraphRunner once enable_cuda_graphs() has captured decode graphs
+        # Set by the overlap scheduler for one forward: the last launched step's sampled tokens, which
+        # the placeholders among this step's token ids stand for (mmlora.engine.overlap).
+        self.future: torch.Tensor | None = None
 
     def enable_cuda_graphs(self, max_batch_size: int, max_model_len: int, capture: bool = True) -> None:
         """Capture decode graphs per batch bucket; decode-only steps then replay them (mmlora.engine.cuda_graph).
@@ -104,8 +108,11 @@ class ModelRunner:
             pos, input_embeds, embed_rows = batch_inputs(chunks, self.model.encode_images, self.device)
         else:
             pos = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
+        input_ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
+        if self.future is not None and min(ids) < 0:
+            input_ids = resolve_placeholders(input_ids, self.future)
         batch = ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True),
+            input_ids=input_ids,
             positions=pos,
             attn=attn,
             logits_rows=torch.tensor(logits_rows, dtype=torch.long).to(self.device, non_blocking=True),
@@ -118,7 +125,7 @@ class ModelRunner:
     def forward(self, sched: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
         """fp32 logits [B', V] for the requests that sample (their batch indices second)."""
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(sched):
-            return self.cuda_graphs.run(sched)
+            return self.cuda_graphs.run(sched, self.future)
         batch, sampling = self.build(sched)
         routing = StepRouting(list(sched.num_new), [r.slot for r in sched.requests])
         if tp_group().is_parallel:

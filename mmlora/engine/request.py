@@ -68,20 +68,32 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     num_registered_blocks: int = 0
     cached_tokens: int = 0
+    # Overlap scheduling (mmlora.engine.overlap): placeholders of the tokens sampled by launched steps
+    # whose results the host has not read yet, oldest first; each stands right after ``output_ids``.
+    pending: list[int] = field(default_factory=list)
 
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
     def token_at(self, p: int) -> int:
-        """``all_ids[p]`` without building the joined list (a decode step asks this of every row)."""
+        """``all_ids[p]`` without building the joined list (a decode step asks this of every row); past
+        the known tokens, a pending token's placeholder."""
         n = len(self.prompt_ids)
-        return self.prompt_ids[p] if p < n else self.output_ids[p - n]
+        if p < n:
+            return self.prompt_ids[p]
+        k = p - n
+        out = self.output_ids
+        return out[k] if k < len(out) else self.pending[k - len(out)]
 
     def token_slice(self, start: int, stop: int) -> list[int]:
         """``all_ids[start:stop]`` without building the joined list (every eager step asks this of every
-        row: a decode row's one new token, a prefill chunk's tokens)."""
+        row: a decode row's one new token, a prefill chunk's tokens); past the known tokens, the pending
+        tokens' placeholders."""
         n = len(self.prompt_ids)
+        known = n + len(self.output_ids)
+        if stop > known and self.pending:
+            return self.token_slice(start, known) + self.pending[max(start - known, 0) : stop - known]
         if start >= n:
             return self.output_ids[start - n : stop - n]
         if stop <= n:
@@ -90,7 +102,18 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
+        """Tokens of the sequence, pending ones included (what the next forward extends)."""
+        return len(self.prompt_ids) + len(self.output_ids) + len(self.pending)
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose ids the host holds: the prompt and the output read back so far."""
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_generated(self) -> int:
+        """Tokens sampled so far, pending ones included."""
+        return len(self.output_ids) + len(self.pending)
 
     @property
     def adapter_uid(self) -> int:

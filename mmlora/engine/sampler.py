@@ -28,12 +28,8 @@ def _check_rows(logits: torch.Tensor, probs: torch.Tensor | None, requests: list
     if probs is not None:
         ok = torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)
         for i, good in enumerate(ok.tolist()):
-            sp = requests[i].sampling
-            if not good and i not in rows and not sp.greedy:
-                rows[i] = (
-                    "sampling probabilities are NaN or Inf with these sampling parameters "
-                    f"(temperature={sp.temperature:g}, repetition_penalty={sp.repetition_penalty:g})"
-                )
+            if not good and i not in rows and not requests[i].sampling.greedy:
+                rows[i] = _bad_probs_message(requests[i])
     if rows:
         raise BadSamplingRows(rows, model_rows)
 
@@ -61,7 +57,7 @@ def _mask_stop_tokens(logits: torch.Tensor, requests: list[Request], eos_ids: fr
     V = logits.shape[1]
     for i, req in enumerate(requests):
         sp = req.sampling
-        if len(req.output_ids) < sp.min_new_tokens:
+        if req.num_generated < sp.min_new_tokens:
             stops = set(sp.stop_token_ids) | (set() if sp.ignore_eos else eos_ids)
             ids = [t for t in stops if 0 <= t < V]
             rows += [i] * len(ids)
@@ -114,7 +110,7 @@ def sample(
         r.sampling.repetition_penalty != 1.0 or r.sampling.frequency_penalty or r.sampling.presence_penalty
         for r in requests
     )
-    held = any(len(r.output_ids) < r.sampling.min_new_tokens for r in requests)
+    held = any(r.num_generated < r.sampling.min_new_tokens for r in requests)
     logits = raw.clone() if penalised or held else raw  # penalties and stop masks write in place
     if penalised:
         logits = _apply_penalties(logits, requests)
@@ -144,3 +140,66 @@ def sample(
                 continue
             tokens[i] = torch.multinomial(probs[i], 1, generator=req.generator or default_generator)[0]
     return tokens.tolist(), logprobs
+
+
+#: What ``sample_on_device`` writes for a row it cannot sample: its raw logits hold NaN/+Inf (the model's
+#: fault), or its sampling probabilities do (its sampling parameters' fault).
+BAD_LOGITS, BAD_PROBS = -1, -2
+
+
+def sample_on_device(
+    logits: torch.Tensor,
+    requests: list[Request],
+    default_generator: torch.Generator,
+    eos_ids: frozenset[int] = frozenset(),
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sample`` without reading anything back: -> (token ids int64 [B] on the logits' device, logprobs
+    as ``sample`` gives them). A row that cannot be sampled gets ``BAD_LOGITS`` or ``BAD_PROBS`` instead of
+    a token, for the reader to fail that request; its draw never sees a NaN (on CUDA that is a
+    device-side assert that would poison every request). Penalties are not applied here: the overlap
+    scheduler that calls this steps synchronously for penalised requests, whose output ids it lacks."""
+    if any(
+        r.sampling.repetition_penalty != 1.0 or r.sampling.frequency_penalty or r.sampling.presence_penalty
+        for r in requests
+    ):
+        raise ValueError("sample_on_device: penalised requests need their output ids; use sample()")
+    raw = logits
+    want_logprobs = any(r.return_logprob or r.top_logprobs_num for r in requests)
+    logprobs = torch.log_softmax(raw, dim=-1) if want_logprobs else raw.new_empty(len(requests), 0)
+    held = any(r.num_generated < r.sampling.min_new_tokens for r in requests)
+    logits = _mask_stop_tokens(raw.clone(), requests, eos_ids) if held else raw
+    greedy = [r.sampling.greedy for r in requests]
+    tokens = logits.argmax(dim=-1)
+    bad_logits = (torch.isnan(raw) | torch.isposinf(raw)).any(dim=-1)
+    if not all(greedy):
+        temps = torch.tensor(
+            [1.0 if g else r.sampling.temperature for r, g in zip(requests, greedy)], device=logits.device
+        )
+        probs = _filter(logits / temps.unsqueeze(1), requests).softmax(dim=-1)
+        ok = torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)
+        # A bad row draws from a harmless stand-in; its token is replaced by BAD_PROBS below.
+        probs = torch.where(ok.unsqueeze(1), probs, torch.ones_like(probs))
+        for i, req in enumerate(requests):
+            if not greedy[i]:
+                tokens[i] = torch.multinomial(probs[i], 1, generator=req.generator or default_generator)[0]
+        sampled = torch.tensor([not g for g in greedy], device=logits.device)
+        tokens = torch.where(sampled & ~ok, BAD_PROBS, tokens)
+    return torch.where(bad_logits, BAD_LOGITS, tokens), logprobs
+
+
+def bad_row_message(code: int, req: Request) -> str:
+    """Why ``sample_on_device`` could not sample ``req`` (``code``: BAD_LOGITS or BAD_PROBS), worded as
+    the synchronous sampler's failures are."""
+    return (
+        "internal error: the model produced NaN or Inf logits"
+        if code == BAD_LOGITS
+        else _bad_probs_message(req)
+    )
+
+
+def _bad_probs_message(req: Request) -> str:
+    sp = req.sampling
+    return (
+        "sampling probabilities are NaN or Inf with these sampling parameters "
+        f"(temperature={sp.temperature:g}, repetition_penalty={sp.repetition_penalty:g})"
+    )

@@ -26,6 +26,7 @@ import collections
 import dataclasses
 import itertools
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from mmlora.config import SchedulerConfig
@@ -173,6 +174,8 @@ class Scheduler:
         for req in list(self.running):
             if req.status is not Status.RUNNING or budget <= 0:
                 continue
+            if req.pending and req.num_generated >= req.sampling.max_new_tokens:
+                continue  # its last token is being sampled (overlap): it finishes once that is read
             n = min(req.num_tokens - req.num_computed, budget)
             if self.allocator.blocks_needed(req.num_computed + n, 0) > self.allocator.num_blocks:
                 req.error = (
@@ -198,7 +201,7 @@ class Scheduler:
             if req.num_computed + n == req.num_tokens:  # this forward samples a token for it
                 self.vtc.on_decode(self.client_of(req))
         self.num_prefill_tokens += sum(
-            n for r, n in zip(batch.requests, batch.num_new) if not (r.output_ids and n == 1)
+            n for r, n in zip(batch.requests, batch.num_new) if not (r.num_generated and n == 1)
         )
         return batch, failed
 
@@ -232,10 +235,12 @@ class Scheduler:
             if queue and queue[0] is head:  # still waiting: skipped, so its client is not offered again
                 passed.add(client)
 
-    def after_forward(self, batch: ScheduledBatch) -> None:
-        """Register the pages the forward filled (``num_computed`` already advanced) in the prefix cache."""
-        for req in batch.requests:
-            self.prefix_cache.insert(req)
+    def after_forward(self, requests: Iterable[Request]) -> None:
+        """Register the pages a forward filled (``num_computed`` already advanced) in the prefix cache.
+        Only pages of tokens the host holds are keyed: a pending token's page waits for its id."""
+        for req in requests:
+            if req.status is not Status.FINISHED:
+                self.prefix_cache.insert(req)
 
     def _pending_prefixes(self) -> set[bytes]:
         """Keys of the prompt pages running requests are still computing."""

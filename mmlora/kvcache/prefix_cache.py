@@ -164,10 +164,12 @@ class PrefixCache:
         return self.keys(seq, len(seq.all_ids))[seq.num_registered_blocks :]
 
     def insert(self, seq: CachedSequence) -> None:
-        """Register the sequence's pages that became full since the last call."""
-        if not self.enabled or seq.num_computed // self.block_size <= seq.num_registered_blocks:
+        """Register the sequence's pages that became full since the last call (of tokens it knows: a
+        computed position whose token id is still pending waits for a later call)."""
+        done = min(seq.num_computed, len(seq.all_ids))
+        if not self.enabled or done // self.block_size <= seq.num_registered_blocks:
             return
-        keys = self.keys(seq, seq.num_computed)
+        keys = self.keys(seq, done)
         for i in range(seq.num_registered_blocks, len(keys)):
             page, key = seq.blocks[i], keys[i]
             if key not in self._page_of:  # else another request computed it first: this copy stays private

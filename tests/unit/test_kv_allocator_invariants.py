@@ -57,7 +57,7 @@ def _forward(sched: Scheduler, batch, rng_token: int, max_new: int) -> list[Requ
     done = []
     for req, n in zip(batch.requests, batch.num_new):
         req.num_computed += n
-    sched.after_forward(batch)
+    sched.after_forward(batch.requests)
     for req in batch.requests:
         if req.num_computed == req.num_tokens and req.status is Status.RUNNING:
             req.output_ids.append(rng_token)

@@ -97,7 +97,7 @@ def _trace(cls: type[Scheduler], seed: int, policy: str, cap: int) -> tuple[list
                 if len(req.output_ids) >= req.sampling.max_new_tokens:
                     sched.remove(req)
                     req.status = Status.FINISHED
-        sched.after_forward(batch)
+        sched.after_forward(batch.requests)
     return steps, sched.num_preemptions
 
 
