@@ -22,8 +22,10 @@ wrapping the instance attributes a step goes through (nothing in the engine know
 - Python's cyclic garbage collector: collections per generation and the seconds they took (``gc.callbacks``):
   a full collection walks every live object, so its cost grows with what the process holds.
 
-The forward wrapper waits for the forward's last event before returning: the engine samples right
-after and would wait there anyway, so the wait moves from ``sample`` into ``gpu_wait_s``.
+Serial steps: the forward wrapper waits for the forward's last event before returning: the engine
+samples right after and would wait there anyway, so the wait moves from ``sample`` into ``gpu_wait_s``.
+Overlapped steps (``engine.overlap``) are never made to wait: ``gpu_wait_s`` is then the time the host
+waited to read a launched step's tokens back, charged to that step's kind.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from typing import Any
 import torch
 
 import mmlora.engine.fault_isolation as sampling_module
+import mmlora.engine.overlap as overlap_module
 from mmlora.lora.layer import LoRALinear
 
 KINDS = ("prefill", "mixed", "decode_graph", "decode_eager")
@@ -151,6 +154,7 @@ class StepBreakdown:
         self.uploads = {"count": 0, "host_s": 0.0, "bytes": 0}
         self._upload_events: list[tuple[Any, Any]] = []
         self._kind: str | None = None
+        self._kind_of_batch: dict[int, str] = {}  # overlap: id(launched batch) -> its kind, until read back
         self._sampling_lora: list[tuple[Any, Any]] | None = None
         self._compiles_at_reset = self.compiles.count
         self.gc.reset()
@@ -201,6 +205,12 @@ class StepBreakdown:
         sample = sampling_module.sample
         sampling_module.sample = _Timer(self.host, "sample", sample)
         self._undo.append(lambda: setattr(sampling_module, "sample", sample))
+        sample_on_device = overlap_module.sample_on_device
+        overlap_module.sample_on_device = _Timer(self.host, "sample", sample_on_device)
+        self._undo.append(lambda: setattr(overlap_module, "sample_on_device", sample_on_device))
+        read = overlap_module.InFlightStep.read
+        overlap_module.InFlightStep.read = self._timed_read(read)
+        self._undo.append(lambda: setattr(overlap_module.InFlightStep, "read", read))
         self.compiles.install()
         self._undo.append(self.compiles.uninstall)
         self.gc.install()
@@ -239,8 +249,11 @@ class StepBreakdown:
             inner_host = self.host["build_inputs"] + self.host["lora_batch_info"] + self.host["lora_host"]
             stats["forward_launch_s"] += (t1 - t0) - (inner_host - host_before)
             if end is not None:
-                end.synchronize()
-                stats["gpu_wait_s"] += time.perf_counter() - t1
+                if self.engine.overlap:
+                    self._kind_of_batch[id(sched)] = kind
+                else:
+                    end.synchronize()
+                    stats["gpu_wait_s"] += time.perf_counter() - t1
                 self._spans[kind].append((start, end))
             if self._sampling_lora is not None:
                 self._lora_events[kind].append(self._sampling_lora)
@@ -249,17 +262,28 @@ class StepBreakdown:
 
         return forward
 
+    def _timed_read(self, inner: Callable[[Any], list[int]]) -> Callable[[Any], list[int]]:
+        def read(step: Any) -> list[int]:
+            t0 = time.perf_counter()
+            tokens = inner(step)
+            kind = self._kind_of_batch.pop(id(step.batch), None)
+            if kind is not None:
+                self.kinds[kind]["gpu_wait_s"] += time.perf_counter() - t0
+            return tokens
+
+        return read
+
     def _timed_lora(
-        self, inner: Callable[..., Any], counts: Callable[[Any], bool] = lambda _: True
+        self, inner: Callable[..., Any], counts: Callable[[Any, tuple], bool] = lambda *_: True
     ) -> Callable[..., Any]:
-        """``inner`` timed as LoRA work where ``counts(its result)`` (every call by default)."""
+        """``inner`` timed as LoRA work where ``counts(its result, its arguments)`` (every call by default)."""
 
         def add_lora(*args: Any, **kwargs: Any) -> Any:
             sink = self._sampling_lora
             start = self._record() if sink is not None else None
             t0 = time.perf_counter()
             out = inner(*args, **kwargs)
-            if not counts(out):
+            if not counts(out, args):
                 return out
             self.host["lora_host"] += time.perf_counter() - t0
             if self._kind is not None:
@@ -356,6 +380,8 @@ def format_summary(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _fused(result: Any) -> bool:
-    """Whether a ``fused_linear`` call fused (else it returned None and the layer calls ``add_lora``)."""
-    return result is not None
+def _fused(result: Any, args: tuple) -> bool:
+    """Whether a ``fused_linear`` call fused LoRA work (else it returned None and the layer calls
+    ``add_lora``, or the batch had no adapter rows and it ran the base GEMM alone)."""
+    info = args[4] if len(args) > 4 else None
+    return result is not None and info is not None and info.has_lora

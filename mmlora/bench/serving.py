@@ -140,6 +140,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         help="load adapters into slots on the main stream, the step waiting (default: beside the forwards)",
     )
     p.add_argument(
+        "--overlap-schedule",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="launch step N+1 before reading step N's tokens back (auto: on CUDA at tp-size 1)",
+    )
+    p.add_argument(
         "--disable-lora-overlap",
         action="store_true",
         help="run each LoRA shrink after its base GEMM on one stream (default: beside it, on a second stream)",
@@ -271,6 +277,7 @@ def _engine(args: argparse.Namespace, slots: int, rank: int) -> Any:
         max_model_len=args.max_model_len,
         disable_cuda_graph=args.disable_cuda_graph,
         disable_lora_overlap=getattr(args, "disable_lora_overlap", False),
+        overlap_schedule=getattr(args, "overlap_schedule", "auto"),
         disable_async_uploads=getattr(args, "disable_async_uploads", False),
         tp_size=args.tp_size,
         seed=args.seed,
@@ -390,6 +397,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     engine.tokenizer = None
     device, dtype = engine.device, engine.model.lm_head.weight.dtype
     lora_backend = engine.lora_backend
+    overlap = engine.overlap
     bw = copy_bandwidth(device)
     print(
         f"engine up on {device} ({dtype}) in {time.perf_counter() - t_start:.1f} s; copy bandwidth {bw / 1e12:.3f} TB/s"
@@ -499,6 +507,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"HF + PEFT subset: {hf}", flush=True)
     result = {
         **result_header("serving", args, device, dtype, lora_backend),
+        "overlap_schedule": overlap,  # what "auto" resolved to
         "copy_bandwidth_bytes_per_s": bw,
         "weight_bytes": weights,
         "adapter_bytes_by_rank": adapter_bytes,
