@@ -50,6 +50,16 @@ def _masked_attention(
     scale: float,
     logit_softcap: float | None,
 ) -> torch.Tensor:
+    B, Tq, Hq, D = q.shape
+    Hkv = k.shape[2]
+    if not logit_softcap and Tq == 1 and Hq > Hkv:
+        # Decode: the query heads that share a KV head attend as that head's query rows ([B, Hkv, G,
+        # D]: query head h reads KV head h // G, as enable_gqa), so SDPA runs one task per (request, KV
+        # head) instead of one per query head (SmolLM2, 16 rows at context 97: 101 -> 88 us a layer).
+        qg = q.float().reshape(B, Hkv, Hq // Hkv, D)
+        kf, vf = k.float().transpose(1, 2), v.float().transpose(1, 2)  # [B, Hkv, L, D]
+        out = F.scaled_dot_product_attention(qg, kf, vf, attn_mask=allowed[:, None], scale=scale)
+        return out.nan_to_num(0.0).reshape(B, 1, Hq, D).to(q.dtype)
     qf = q.float().transpose(1, 2)  # [B, Hq, Tq, D]
     if not logit_softcap:
         # Same math as below in one fused call (GQA without copying K/V per query head); rows with
