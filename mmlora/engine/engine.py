@@ -1,4 +1,7 @@
-"""Engine: add requests, step (schedule -> run -> sample -> postprocess), stream and abort.
+"""Engine: add requests, step (schedule -> run -> sample -> postprocess), abort; ``generate`` and
+``stream`` (mmlora.engine.batch_api) and adapter management (mmlora.engine.adapter_api) are mixed in.
+With the overlap scheduler (mmlora.engine.overlap) a step launches the next forward before it reads
+the last one's tokens back.
 
 Not thread-safe: one thread drives ``step``. ``mmlora.engine.background.BackgroundEngine`` runs it
 on a thread for the server and the app.
@@ -10,7 +13,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -19,6 +22,8 @@ from mmlora.config import EngineConfig
 from mmlora.distributed.launch import Workers
 from mmlora.distributed.state import WorkerFailure, all_reduce_min, shutdown_tp
 from mmlora.distributed.step import Command, send_header
+from mmlora.engine.adapter_api import AdapterAPI
+from mmlora.engine.batch_api import BatchAPI
 from mmlora.engine.detokenizer import ids_decoder, take_delta, update_text
 from mmlora.engine.fault_isolation import StepGuard, describe_fault
 from mmlora.engine.grammar import GrammarCompiler
@@ -31,7 +36,7 @@ from mmlora.engine.sampling_params import RequestOutput, SamplingParams
 from mmlora.engine.scheduler import ScheduledBatch, Scheduler
 from mmlora.engine.setup import build_engine_parts
 from mmlora.engine.tp_worker import join_group, worker_main
-from mmlora.hub import hub_root, resolve_adapter
+from mmlora.hub import hub_root
 from mmlora.kvcache.prefix_cache import PrefixCache
 from mmlora.lora.manager import AdapterRef
 from mmlora.lora.registry import AdapterEntry
@@ -43,7 +48,7 @@ logger = logging.getLogger(__name__)
 PreparedPrompt = tuple[list[int], Any]  # (token ids, the model's multimodal inputs or None)
 
 
-class Engine:
+class Engine(BatchAPI, AdapterAPI):
     def __init__(self, config: EngineConfig | None = None, **kwargs: Any) -> None:
         if config is None:
             config = EngineConfig.from_kwargs(**kwargs)
@@ -400,113 +405,6 @@ class Engine:
             finish_time=req.finish_time,
         )
 
-    # ---- convenience ----------------------------------------------------------------------------
-
-    def generate(
-        self,
-        texts: str | Sequence[str] | None = None,
-        lora_paths: str | Sequence[str | None] | None = None,
-        images: Sequence[Any] | None = None,
-        sampling_params: SamplingParams | dict | Sequence[SamplingParams | dict] | None = None,
-        *,
-        input_ids: Sequence[Sequence[int]] | None = None,
-        return_logprob: bool = False,
-        top_logprobs_num: int = 0,
-        logprob_start_len: int = -1,
-    ) -> list[RequestOutput]:
-        """Run a batch to completion: one output per prompt (``n`` consecutive outputs when n > 1)."""
-        prompts: list[Any] = [texts] if isinstance(texts, str) else list(texts) if texts is not None else []
-        if input_ids is not None:
-            if prompts:
-                raise ValueError("give texts or input_ids, not both")
-            prompts = [None] * len(input_ids)
-        count = len(prompts)
-        loras = per_prompt(lora_paths, count, "lora_paths")
-        imgs = per_prompt(images, count, "images", list_is_per_prompt=True)
-        params = per_prompt(sampling_params, count, "sampling_params")
-        rids: list[str] = []
-        try:
-            for i in range(count):
-                for one in SamplingParams.from_any(params[i]).samples():
-                    rid = self.add_request(
-                        prompts[i],
-                        input_ids=input_ids[i] if input_ids is not None else None,
-                        sampling_params=one,
-                        lora=loras[i],
-                        images=_as_list(imgs[i]),
-                        request_id=f"gen-{next(self._ids)}",
-                        return_logprob=return_logprob,
-                        top_logprobs_num=top_logprobs_num,
-                        logprob_start_len=logprob_start_len,
-                    )
-                    rids.append(rid)
-        except Exception:
-            for rid in rids:
-                self.abort(rid)
-            while any(r in self._requests for r in rids):
-                self.step()
-            raise
-        results: dict[str, RequestOutput] = {}
-        while len(results) < len(rids):
-            for out in self.step():
-                if out.finished:
-                    results[out.request_id] = out
-        return [results[rid] for rid in rids]
-
-    def stream(self, prompt: str | None = None, **kwargs: Any) -> Iterator[RequestOutput]:
-        """Add one request and yield its increments until it finishes (drives the other requests too)."""
-        rid = self.add_request(prompt, **kwargs)
-        try:
-            while True:
-                for out in self.step():
-                    if out.request_id == rid:
-                        yield out
-                        if out.finished:
-                            return
-        finally:
-            if rid in self._requests:
-                self.abort(rid)
-                while rid in self._requests:
-                    self.step()
-
-    # ---- adapters -------------------------------------------------------------------------------
-
-    def load_lora(self, name: str, path: str, pinned: bool = False) -> None:
-        """Register an adapter folder, or a hub id ``org/name[@revision]`` (downloaded here, on the caller's
-        thread: the server downloads before it hands the engine a folder)."""
-        folder = resolve_adapter(
-            path,
-            download_dir=self.config.model.download_dir,
-            allow_pickled=self.config.lora.allow_pickled_adapters,
-            what="lora_path",
-        )
-        self.lora.load(name, folder, pinned=pinned)
-
-    def set_pinned(self, name: str, pinned: bool) -> None:
-        """Pin (keep in the host cache and, once loaded, in its device slot) or unpin an adapter."""
-        self.lora.set_pinned(name, pinned)
-
-    def unload_lora(self, name: str) -> None:
-        """Refuse new requests for ``name`` now; free its slot and host copy once its requests finish."""
-        entry = self.lora.begin_unload(name)
-        self._pending_unloads.append(entry)
-        self._finish_unloads()
-
-    def _finish_unloads(self) -> None:
-        for entry in list(self._pending_unloads):
-            if entry.refcount == 0:
-                self.scheduler.prefix_cache.drop_adapter(entry.uid)
-                self.lora.finish_unload(entry)
-                self._pending_unloads.remove(entry)
-
-    def list_loras(self) -> list[dict[str, Any]]:
-        return [{**a, "root": hub_root(a["path"]) or a["path"]} for a in self.lora.describe()]
-
-    @property
-    def lora_backend(self) -> str:
-        """The LoRA kernel backend in use (``lora_backend="auto"`` resolved for this device)."""
-        return self.lora.backend_name
-
     def stats(self) -> dict[str, Any]:
         sched, alloc = self.scheduler, self.kv_cache.allocator
         return {
@@ -537,19 +435,3 @@ class Engine:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(f"the model {self.model_name!r} has no chat template")
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-
-
-def _as_list(value: Any) -> list[Any] | None:
-    if value is None:
-        return None
-    return list(value) if isinstance(value, (list, tuple)) else [value]
-
-
-def per_prompt(value: Any, count: int, name: str, list_is_per_prompt: bool = False) -> list[Any]:
-    """One value for all prompts, or a list aligned with them (its length is checked). A string is one
-    value; with ``list_is_per_prompt`` any list is per prompt (images: a list of lists)."""
-    if isinstance(value, (list, tuple)) and (list_is_per_prompt or not isinstance(value, str)):
-        if len(value) != count:
-            raise ValueError(f"{name}: has {len(value)} entries for {count} prompts")
-        return list(value)
-    return [value] * count

@@ -19,7 +19,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from mmlora.engine.engine import per_prompt
+from mmlora.engine.batch_api import per_prompt
 from mmlora.engine.sampling_params import RequestOutput
 from mmlora.server.engine_io import (
     SSE_DONE,
