@@ -111,8 +111,9 @@ class LoRAConfig:
         True,
         "On CPU (torch-gather, fp32 or native bf16), run each LoRA module's base GEMM and its adapters' "
         "shrink as one oneDNN matmul over the base weight with every slot's live rank rows of A stacked "
-        "under it (one packed copy: it replaces the base layer's own). A decode forward with adapters is "
-        "about 12% faster on issue 21's 2-core CPU; each slot load repacks the modules' weights.",
+        "under it (one packed copy: it replaces the base layer's own). On issue 21's 2-core CPU a decode "
+        "forward with adapters is 6-12% faster, one without adapters 2-6% slower (it computes the stacked "
+        "columns too), and each slot load repacks the modules' weights (about 90 ms for SmolLM2 in fp32).",
     )
     allow_pickled_adapters: bool = _f(
         False, "Accept adapter_model.bin (read with torch.load(weights_only=True)); safetensors otherwise."
