@@ -244,6 +244,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "host": platform.node(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
+        "cpu_fused_lora": args.cpu_fused_lora,
         "load_average": list(os.getloadavg()),
         "num_prompts": len(prompts),
         "max_new_tokens": args.max_new_tokens,
