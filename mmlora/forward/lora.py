@@ -135,7 +135,7 @@ class LoRABatchInfo:
 
     def set_slot_rank(self, slot: int, rank: int) -> None:
         """Record the rank of the adapter now held in ``slot`` (0 when the slot is emptied)."""
-        self.ranks[slot] = rank
+        self.ranks[slot].fill_(rank)  # a kernel; item assignment copies from the host and syncs the stream
         self.ranks_host[slot] = rank
 
     def fill(self, seq_lens: Sequence[int], seq_slots: Sequence[int]) -> None:
