@@ -161,4 +161,3 @@ def test_cuda_loads_on_the_upload_stream_fill_the_slot_and_keep_tokens(tiny):
             assert engine.lora.loads_async is not disable
             outs.append(engine.generate(input_ids=prompts, lora_paths=loras, sampling_params=sp))
     assert [o.output_ids for o in outs[0]] == [o.output_ids for o in outs[1]]
-
