@@ -300,3 +300,16 @@ def assert_same_greedy(
     for i, (out, (tokens, logprobs)) in enumerate(zip(outs, expected)):
         assert out.output_ids == tokens, f"{label} prompt {i} adapter {names[i]}"
         assert out.logprobs == pytest.approx(logprobs, abs=1e-3), f"{label} prompt {i} adapter {names[i]}"
+
+
+def llama_with_two_ranks(root: Path) -> tuple[Path, dict[str, Path]]:
+    """A tiny llama and two adapters of different ranks and targets: "a" (rank 4, all seven projections)
+    and "b" (rank 2, q_proj and down_proj)."""
+    base = make_checkpoint(root / "base", "llama")
+    adapters = {
+        "a": make_adapter(base, root / "a", seed=1, r=4, lora_alpha=8, target_modules=ALL_SEVEN),
+        "b": make_adapter(
+            base, root / "b", seed=2, r=2, lora_alpha=4, target_modules=["q_proj", "down_proj"]
+        ),
+    }
+    return base, adapters

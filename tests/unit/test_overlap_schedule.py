@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import ALL_SEVEN, make_adapter, make_checkpoint
+from tiny_models import llama_with_two_ranks
 
 import mmlora
 from mmlora.config import EngineConfig
@@ -26,15 +26,7 @@ LORAS = ["a", None, "b", "a", "b"]
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("overlap")
-    base = make_checkpoint(root / "base", "llama")
-    adapters = {
-        "a": make_adapter(base, root / "a", seed=1, r=4, lora_alpha=8, target_modules=ALL_SEVEN),
-        "b": make_adapter(
-            base, root / "b", seed=2, r=2, lora_alpha=4, target_modules=["q_proj", "down_proj"]
-        ),
-    }
-    return base, adapters
+    return llama_with_two_ranks(tmp_path_factory.mktemp("overlap"))
 
 
 def _engine(tiny, overlap: str, **kw) -> mmlora.Engine:

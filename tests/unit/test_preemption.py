@@ -6,7 +6,7 @@ The oracle is the same engine configuration with a KV cache large enough that no
 from __future__ import annotations
 
 import pytest
-from tiny_models import ALL_SEVEN, make_adapter, make_checkpoint
+from tiny_models import llama_with_two_ranks
 
 import mmlora
 
@@ -17,15 +17,7 @@ SAMPLING = {"max_new_tokens": 14, "temperature": 0.0, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("preempt")
-    base = make_checkpoint(root / "base", "llama")
-    adapters = {
-        "a": make_adapter(base, root / "a", seed=1, r=4, lora_alpha=8, target_modules=ALL_SEVEN),
-        "b": make_adapter(
-            base, root / "b", seed=2, r=2, lora_alpha=4, target_modules=["q_proj", "down_proj"]
-        ),
-    }
-    return base, adapters
+    return llama_with_two_ranks(tmp_path_factory.mktemp("preempt"))
 
 
 def _run(base, adapters, max_kv_tokens: int) -> tuple[list, dict]:
