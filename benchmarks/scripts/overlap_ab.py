@@ -15,7 +15,7 @@ import torch
 
 import mmlora
 from mmlora.bench.adapters import write_random_adapters
-from mmlora.bench.serving_parts import abort_all, start_decode_batch, time_graph_replay
+from mmlora.bench.serving_parts import abort_all, mean_step_seconds, start_decode_batch, time_graph_replay
 
 p = argparse.ArgumentParser()
 p.add_argument("--model", default="dummy:mistral-7b-v0.3")
@@ -46,14 +46,7 @@ for rnd in range(args.rounds):
                 assert engine._inflight is None
                 engine.overlap = overlap  # safe between batches: nothing is in flight
                 rids = start_decode_batch(engine, names, args.context, rng)
-                for _ in range(3):
-                    engine.step()
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                for _ in range(args.steps):
-                    engine.step()
-                torch.cuda.synchronize()
-                step_ms = (time.perf_counter() - t0) / args.steps * 1e3
+                step_ms = mean_step_seconds(engine, args.steps) * 1e3
                 replay_ms = (time_graph_replay(engine) or float("nan")) * 1e3
                 abort_all(engine, rids)
                 row = {

@@ -13,14 +13,12 @@ import cProfile
 import io
 import pstats
 import tempfile
-import time
 
 import numpy as np
-import torch
 
 import mmlora
 from mmlora.bench.adapters import write_random_adapters
-from mmlora.bench.serving_parts import start_decode_batch, time_graph_replay
+from mmlora.bench.serving_parts import mean_step_seconds, start_decode_batch, time_graph_replay
 
 p = argparse.ArgumentParser()
 p.add_argument("--model", default="dummy:mistral-7b-v0.3")
@@ -44,13 +42,7 @@ engine.tokenizer = None  # as the serving benchmark (its requests are random ids
 start_decode_batch(
     engine, [names[i % len(names)] for i in range(args.batch)], args.context, np.random.default_rng(0)
 )
-for _ in range(3):
-    engine.step()
-torch.cuda.synchronize()
-t0 = time.perf_counter()
-for _ in range(args.steps):
-    engine.step()
-step_ms = (time.perf_counter() - t0) / args.steps * 1e3
+step_ms = mean_step_seconds(engine, args.steps) * 1e3
 replay_ms = (time_graph_replay(engine) or float("nan")) * 1e3
 prof = cProfile.Profile()
 prof.enable()

@@ -45,6 +45,7 @@ from mmlora.bench.serving_parts import (
     copy_bandwidth,
     hf_peft_subset,
     make_workload,
+    mean_step_seconds,
     mmlora_subset,
     plot,
     result_header,
@@ -339,13 +340,8 @@ def _micro(
             if with_lora:
                 _register(engine, adapters, set(names))
             rids = start_decode_batch(engine, names, args.micro_context, rng)
-            for _ in range(3):
-                engine.step()
             steps = 10
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                engine.step()
-            step_s = (time.perf_counter() - t0) / steps
+            step_s = mean_step_seconds(engine, steps)
             running = list(engine.scheduler.running)
             ctx = [r.num_computed + 1 - steps / 2 for r in running]  # the middle of the timed steps
             ranks = {r.lora.uid: r.lora.rank for r in running if r.lora is not None}

@@ -161,6 +161,21 @@ def record_forward_host(engine: Any) -> list[float]:
     return seconds
 
 
+def mean_step_seconds(engine: Any, steps: int, warm: int = 3) -> float:
+    """Mean wall seconds of ``steps`` back-to-back ``engine.step()`` calls after ``warm`` untimed ones,
+    the device drained before and after (with the overlap scheduler the last step still runs when
+    ``step`` returns)."""
+    for _ in range(warm):
+        engine.step()
+    sync = torch.cuda.synchronize if engine.device.type == "cuda" else lambda: None
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    sync()
+    return (time.perf_counter() - t0) / steps
+
+
 def timed_step(engine: Any) -> tuple[float, float]:
     """(wall seconds, GPU span seconds) of one ``engine.step()`` on CUDA, the device idle before it (the
     span: CUDA events around the step, idle gaps included)."""

@@ -53,16 +53,7 @@ def overlap_enabled(config: EngineConfig, device: torch.device) -> bool:
 
 def overlap_eligible(requests: Sequence[Request]) -> bool:
     """False when a request's sampling reads its output ids on the host (penalties, a grammar)."""
-    for r in requests:
-        sp = r.sampling
-        if (
-            r.grammar is not None
-            or sp.repetition_penalty != 1.0
-            or sp.frequency_penalty
-            or sp.presence_penalty
-        ):
-            return False
-    return True
+    return not any(r.grammar is not None or r.sampling.penalised for r in requests)
 
 
 def placeholder(row: int) -> int:

@@ -106,10 +106,7 @@ def sample(
     want_logprobs = any(r.return_logprob or r.top_logprobs_num for r in requests)
     # Zero-width rows when no request reads them: a log_softmax over [B, V] each step for nothing.
     logprobs = torch.log_softmax(raw, dim=-1) if want_logprobs else raw.new_empty(len(requests), 0)
-    penalised = any(
-        r.sampling.repetition_penalty != 1.0 or r.sampling.frequency_penalty or r.sampling.presence_penalty
-        for r in requests
-    )
+    penalised = any(r.sampling.penalised for r in requests)
     held = any(r.num_generated < r.sampling.min_new_tokens for r in requests)
     logits = raw.clone() if penalised or held else raw  # penalties and stop masks write in place
     if penalised:
@@ -158,10 +155,7 @@ def sample_on_device(
     a token, for the reader to fail that request; its draw never sees a NaN (on CUDA that is a
     device-side assert that would poison every request). Penalties are not applied here: the overlap
     scheduler that calls this steps synchronously for penalised requests, whose output ids it lacks."""
-    if any(
-        r.sampling.repetition_penalty != 1.0 or r.sampling.frequency_penalty or r.sampling.presence_penalty
-        for r in requests
-    ):
+    if any(r.sampling.penalised for r in requests):
         raise ValueError("sample_on_device: penalised requests need their output ids; use sample()")
     raw = logits
     want_logprobs = any(r.return_logprob or r.top_logprobs_num for r in requests)

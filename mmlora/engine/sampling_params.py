@@ -125,6 +125,11 @@ class SamplingParams:
         """Temperature below ``GREEDY_TEMPERATURE`` (1e-5) or top_k 1: the most likely token, no sampling."""
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
+    @property
+    def penalised(self) -> bool:
+        """A repetition, frequency or presence penalty: sampling reads the request's token ids."""
+        return self.repetition_penalty != 1.0 or bool(self.frequency_penalty) or bool(self.presence_penalty)
+
     def samples(self) -> list[SamplingParams]:
         """``n`` samples as ``n`` requests of n=1 (the engine takes n == 1); with a seed, sample i uses
         ``seed + i`` so that the samples differ yet the whole answer is reproducible."""
