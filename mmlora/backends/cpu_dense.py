@@ -12,6 +12,10 @@ computes about 8 (its weights and descriptors come back cold after the other mod
 the shrink's FLOPs; SmolLM2 with four rank-8 adapters adds 2-10% columns to each base GEMM instead. The
 stacked weight stands in for the base layer's own packed copy (the layer frees that one), so the module
 keeps one packed weight; a batch without adapter rows reads the first ``out`` columns.
+
+After it, where the C kernels are built (:mod:`mmlora.backends.cpu_kernels`), :meth:`ShrinkFused.add_expand`
+adds each row's own slot's expand in one call (no mask, no multiply by the other slots' zero blocks, no
+separate add); elsewhere the caller masks the shrink and multiplies by the packed expand matrix.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import dataclasses
 
 import torch
 
+from mmlora.backends import cpu_kernels
 from mmlora.backends.onednn import pack_weight
 from mmlora.forward.lora import LoRABatchInfo, LoRAWeights
 
@@ -58,6 +63,18 @@ def live_weights(weights: LoRAWeights, ranks: list[int]) -> tuple[torch.Tensor, 
     return A.reshape(-1, A.shape[2])[rows], expand_matrix(weights)[rows]
 
 
+def expand_rows(info: LoRABatchInfo, n_slices: int) -> torch.Tensor:
+    """:func:`mmlora.backends.cpu_kernels.expand_rows` of the batch's tokens (each token's first live
+    column and rank), made once per forward (``info.host_derived``)."""
+    key = ("expand-rows", n_slices)
+    rows = info.host_derived.get(key)
+    if rows is None:
+        slots = [s for n, s in zip(info.seg_lens_host, info.seg_slots_host) for _ in range(n)]
+        rows = cpu_kernels.expand_rows(slots, info.ranks_host, n_slices)
+        info.host_derived[key] = rows
+    return rows
+
+
 def slot_mask(
     info: LoRABatchInfo, n_slices: int, dtype: torch.dtype, rows: int | None = None
 ) -> torch.Tensor:
@@ -84,9 +101,11 @@ def slot_mask(
 class ShrinkFused:
     """One module's stacked weights (see the module docstring), all in the base weight's dtype.
 
-    WA    packed [out + K, in]: the base weight, then the K live rank rows of every slot's A
-    bias  [out + K] (the base bias, zeros past it) or None
-    E     packed [out, K]: the live expand matrix, transposed (None when K is 0: no adapter loaded)
+    WA       packed [out + K, in]: the base weight, then the K live rank rows of every slot's A
+    bias     [out + K] (the base bias, zeros past it) or None
+    E_rows   [K, out]: the live expand matrix (plain; :meth:`add_expand` reads it, and
+             :meth:`packed_expand` packs it once for the torch path)
+    offsets  int64 [n_slices + 1]: the slice offsets
     """
 
     B: torch.Tensor  # the module's B view, base weight and bias: to tell a reused data pointer apart
@@ -97,7 +116,28 @@ class ShrinkFused:
     live_rows: int
     WA: torch.Tensor
     bias: torch.Tensor | None
-    E: torch.Tensor | None
+    E_rows: torch.Tensor
+    offsets: torch.Tensor
+    _E_packed: torch.Tensor | None = None
+
+    def packed_expand(self) -> torch.Tensor | None:
+        """packed [out, K]: ``E_rows`` transposed for ``packed_matmul`` (None when K is 0), packed on
+        first use (only the torch path, where the C kernels are not built, asks for it)."""
+        if self._E_packed is None and self.live_rows:
+            self._E_packed = pack_weight(self.E_rows.T.contiguous())
+        return self._E_packed
+
+    def add_expand(self, yk: torch.Tensor, info: LoRABatchInfo, n_slices: int) -> bool:
+        """``yk`` [T, out + K] from the stacked GEMM: add each adapter row's expand of its own slot's
+        shrink columns to its first ``out`` columns, in place, in one C call; True when done, False
+        where the C kernels are off or not built (the caller then masks and multiplies)."""
+        if not self.live_rows or not cpu_kernels.available() or yk.dtype not in cpu_kernels.EXPAND_DTYPES:
+            return False
+        out = self.out_features
+        cpu_kernels.lora_expand_unchecked(
+            yk[:, :out], yk[:, out:], self.E_rows, expand_rows(info, n_slices), self.offsets
+        )
+        return True
 
     @staticmethod
     def key_of(
@@ -130,5 +170,6 @@ class ShrinkFused:
         with torch.no_grad():
             WA = pack_weight(torch.cat([weight.detach(), A_live.to(weight.dtype)]))
             stacked_bias = None if bias is None else torch.cat([bias.detach(), bias.new_zeros(K)])
-            E = pack_weight(W_live.T.contiguous().to(weight.dtype)) if K else None
-        return cls(weights.B, weight, bias, key, out_features, K, WA, stacked_bias, E)
+            E_rows = W_live.to(weight.dtype).contiguous()
+        offsets = torch.tensor(weights.slice_offsets, dtype=torch.int64)
+        return cls(weights.B, weight, bias, key, out_features, K, WA, stacked_bias, E_rows, offsets)

@@ -140,6 +140,8 @@ class TorchGatherBackend(LoRABackend):
         slot) and one more matmul adds ``h @ expand``. A batch without adapter rows (``info`` None or
         no LoRA) gets the base columns only, so the layer can free the base's own packed copy.
 
+        Where the C kernels are built (:mod:`~mmlora.backends.cpu_kernels`), the mask, the expand and
+        the add are one call at any row count instead (:meth:`~mmlora.backends.cpu_dense.ShrinkFused.add_expand`).
         Past PACKED_MAX_ROWS tokens (prefill) the matmuls run in PACKED_MAX_ROWS-row pieces (as
         PackedLinear runs them); the expand stays dense only where the adapter segments outnumber their
         slots and the live rank rows are at most 1 / _PREFILL_RANK_SHARE of the input width (every row
@@ -167,16 +169,17 @@ class TorchGatherBackend(LoRABackend):
         else:
             yk = torch.cat([packed_matmul(p, stacked.WA, stacked.bias) for p in x.split(PACKED_MAX_ROWS)])
         y = yk[:, :out]
-        if info is None or not info.has_lora:
+        if info is None or not info.has_lora or stacked.add_expand(yk, info, weights.n_slices):
             return y
         if T <= PACKED_MAX_ROWS or (
             _by_slot(x, info) and stacked.live_rows * _PREFILL_RANK_SHARE <= x.shape[1]
         ):
             h = yk[:, out:] * slot_mask(info, weights.n_slices, x.dtype)
+            E = stacked.packed_expand()
             if T <= PACKED_MAX_ROWS:
-                y += packed_matmul(h, stacked.E)
+                y += packed_matmul(h, E)
             else:
-                y += torch.cat([packed_matmul(p, stacked.E) for p in h.split(PACKED_MAX_ROWS)])
+                y += torch.cat([packed_matmul(p, E) for p in h.split(PACKED_MAX_ROWS)])
         else:
             gather_expand(gather_shrink(x, weights.A, info), weights, info, y)
         return y

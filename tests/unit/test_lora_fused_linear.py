@@ -13,7 +13,7 @@ import pytest
 import torch
 from lora_pools import nan_padded_pool
 
-from mmlora.backends import get_backend
+from mmlora.backends import cpu_kernels, get_backend
 from mmlora.backends.cpu_dense import STACK_SHARE
 from mmlora.backends.onednn import PACKED_MAX_ROWS, onednn_linear_available, packable_dtypes
 from mmlora.forward.lora import LoRABatchInfo, LoRAWeights
@@ -72,9 +72,16 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("c_kernels", [True, False], ids=["c-expand", "torch-expand"])
 @pytest.mark.parametrize("dtype", packable_dtypes())
 @pytest.mark.parametrize("name", CASES)
-def test_fused_linear_matches_the_float64_oracle(name: str, dtype: torch.dtype) -> None:
+def test_fused_linear_matches_the_float64_oracle(
+    name: str, dtype: torch.dtype, c_kernels: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both expands: the C kernel's (where it is built here) and the torch path's (mask, packed matmul)."""
+    if c_kernels and not cpu_kernels.available():
+        pytest.skip("the C kernels are not built here")
+    monkeypatch.setattr(cpu_kernels, "ENABLED", c_kernels)
     rows, in_f, widths, R, ranks, with_bias = CASES[name]
     rng = random.Random(name)
     slots = [rng.randrange(-1, len(ranks)) for _ in range(rows)]

@@ -1,7 +1,10 @@
 """The torch attention backend: the reference every kernel is tested against; runs on CPU.
 
 Decode batches gather every request's pages into one padded [B, L, Hkv, D] tensor and attend in one
-batched call; batches with prefill chunks loop over their requests.
+batched call; batches with prefill chunks loop over their requests. On CPU, where the C kernels are built
+(:mod:`mmlora.backends.cpu_kernels`), a decode batch in fp32 or bf16 instead reads the cache in place in
+one call (:func:`~mmlora.backends.cpu_kernels.decode_attention`: no gather, no fp32 copy of K and V, no
+mask); the torch path stays the reference it is tested against.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from mmlora.backends import cpu_kernels
 from mmlora.forward.attention import AttentionMetadata
 from mmlora.layers.attention.base import (
     AttentionBackend,
@@ -88,6 +92,11 @@ class TorchAttention(AttentionBackend):
         scale, sliding_window, logit_softcap = opts
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         B = meta.num_seqs
+        if meta.is_decode and _in_place(q, k_cache, logit_softcap):
+            tables, seq_lens, scratch = _kernel_plan(meta, q.shape[1])
+            return cpu_kernels.decode_attention_unchecked(
+                q[:B].contiguous(), k_cache, v_cache, tables, seq_lens, scale, sliding_window, scratch
+            )
         if meta.is_decode:
             rows, allowed = _decode_plan(meta, k_cache.shape[1], sliding_window)
             out = _masked_attention(
@@ -114,6 +123,34 @@ class TorchAttention(AttentionBackend):
             out[start : start + n] = o[0]
             start += n
         return out
+
+
+def _in_place(q: torch.Tensor, k_cache: torch.Tensor, logit_softcap: float | None) -> bool:
+    """Whether a decode step attends through the C kernel: CPU, fp32 or bf16 throughout, no softcap."""
+    return (
+        q.device.type == "cpu"
+        and not logit_softcap
+        and q.dtype in cpu_kernels.ATTENTION_DTYPES
+        and q.dtype == k_cache.dtype
+        and k_cache.is_contiguous()
+        and q.shape[1] % k_cache.shape[2] == 0
+        and not (torch.is_grad_enabled() and q.requires_grad)
+        and cpu_kernels.available()
+    )
+
+
+def _kernel_plan(meta: AttentionMetadata, num_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The block tables and lengths of a decode step's requests (int32, contiguous) and the kernel's
+    fp32 score scratch, made once per step and shared by every layer (``meta.derived``)."""
+    key = f"cpu-kernel-decode-{num_heads}"
+    if key not in meta.derived:
+        B = meta.num_seqs
+        meta.derived[key] = (
+            meta.block_tables[:B].to(torch.int32).contiguous(),
+            meta.seq_lens[:B].to(torch.int32).contiguous(),
+            cpu_kernels.attention_scratch(num_heads, meta.max_seq_len),
+        )
+    return meta.derived[key]
 
 
 def _decode_plan(

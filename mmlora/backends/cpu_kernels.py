@@ -1,0 +1,380 @@
+"""Small C kernels for the CPU decode step, built on first use with the system C compiler; optional.
+
+A CPU decode step of a thin model (SmolLM2: 30 layers, 16 rows) is a few hundred torch calls whose cost
+is the call, not the arithmetic. Where one C loop does what several torch calls do, it is written here:
+
+- :func:`lora_expand`: a LoRA module's expand and add, ``y[t, slice i] += h[t, slot(t)'s slice i rows]
+  @ E[those rows, slice i]``, reading only each row's own slot (the torch path masks the other slots'
+  columns to zero, multiplies every row by every slot's expand rows and adds: three calls).
+
+The source is compiled once per machine (``cc -O3 -march=native``, about a second) into
+``$MMLORA_CACHE_DIR`` (default ``~/.cache/mmlora``) and loaded with ctypes; no torch headers, no
+OpenMP (one thread: each call is a few microseconds of work, and a second OpenMP runtime beside
+torch's would fight it for the cores). Where there is no compiler, the build fails, the CPU is not
+x86-64 / aarch64 Linux-like, or ``MMLORA_CPU_KERNELS=0``, :func:`available` is False and callers keep
+their torch path. Every kernel is tested against a float64 reference (``tests/unit/test_cpu_kernels.py``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+_SOURCE = r"""
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__x86_64__) && defined(__AVX512F__)
+/* glibc's libmvec has vector expf (_ZGV*v_expf); its header announces them only under full fast-math. */
+#pragma omp declare simd notinbranch
+float expf(float);
+#endif
+
+static inline float bf2f(uint16_t v) { uint32_t u = (uint32_t)v << 16; float f; memcpy(&f, &u, 4); return f; }
+static inline uint16_t f2bf(float f) {  /* round to nearest even, as torch rounds fp32 to bf16 */
+    uint32_t u; memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* For each row t with rows[2t] >= 0 (its slot's first column in h / row in E) and rank r = rows[2t+1]:
+   for each slice i: acc = h[t, s + i*r : s + (i+1)*r] @ E[s + i*r : s + (i+1)*r, offs[i]:offs[i+1]],
+   then y[t, offs[i]:offs[i+1]] += acc. fp32: h, y, E fp32. */
+void lora_expand_f32(int64_t T, const float *h, int64_t ldh, float *y, int64_t ldy, const float *E,
+                     int64_t lde, const int32_t *rows, int64_t n_slices, const int64_t *offs) {
+    for (int64_t t = 0; t < T; t++) {
+        int64_t s = rows[2 * t], r = rows[2 * t + 1];
+        if (s < 0 || r <= 0) continue;
+        const float *ht = h + t * ldh;
+        float *yt = y + t * ldy;
+        for (int64_t i = 0; i < n_slices; i++) {
+            int64_t lo = offs[i], w = offs[i + 1] - offs[i];
+            float acc[w];
+            for (int64_t c = 0; c < w; c++) acc[c] = 0.0f;
+            for (int64_t j = 0; j < r; j++) {
+                const float hv = ht[s + i * r + j];
+                const float *e = E + (s + i * r + j) * lde + lo;
+                for (int64_t c = 0; c < w; c++) acc[c] += hv * e[c];
+            }
+            float *yo = yt + lo;
+            for (int64_t c = 0; c < w; c++) yo[c] += acc[c];
+        }
+    }
+}
+
+/* The same in bf16 (h, y, E bf16; the sum in fp32): the delta is rounded to bf16 and then added, as
+   torch's y += (h @ E) rounds. */
+void lora_expand_bf16(int64_t T, const uint16_t *h, int64_t ldh, uint16_t *y, int64_t ldy, const uint16_t *E,
+                      int64_t lde, const int32_t *rows, int64_t n_slices, const int64_t *offs) {
+    for (int64_t t = 0; t < T; t++) {
+        int64_t s = rows[2 * t], r = rows[2 * t + 1];
+        if (s < 0 || r <= 0) continue;
+        const uint16_t *ht = h + t * ldh;
+        uint16_t *yt = y + t * ldy;
+        for (int64_t i = 0; i < n_slices; i++) {
+            int64_t lo = offs[i], w = offs[i + 1] - offs[i];
+            float acc[w];
+            for (int64_t c = 0; c < w; c++) acc[c] = 0.0f;
+            for (int64_t j = 0; j < r; j++) {
+                const float hv = bf2f(ht[s + i * r + j]);
+                const uint16_t *e = E + (s + i * r + j) * lde + lo;
+                for (int64_t c = 0; c < w; c++) acc[c] += hv * bf2f(e[c]);
+            }
+            uint16_t *yo = yt + lo;
+            for (int64_t c = 0; c < w; c++) yo[c] = f2bf(bf2f(yo[c]) + bf2f(f2bf(acc[c])));
+        }
+    }
+}
+
+/* Decode attention over the paged cache, one query token per request, fp32 arithmetic.
+   q, out [B, Hq, D]; kc, vc [blocks * bs, Hkv, D]; tables [B, max_blocks] int32; seq_lens [B] int32.
+   Query head qh reads KV head qh / (Hq / Hkv). Request b attends to keys j in [lo, L), L = seq_lens[b],
+   lo = max(0, L - window) (window 0: no window); key j lives in cache row tables[b, j / bs] * bs + j % bs.
+   out = softmax(scale * q . k_j) @ v_j; zeros where there is no key. One request per thread; each cache row
+   (every KV head of a position) is read once, contiguously. scratch: threads rows of stride >= Hq * max L. */
+#define PREFETCH 8
+#define DECODE_ATTENTION(NAME, T, LOAD, STORE)                                                              \
+static inline __attribute__((always_inline)) void NAME##_body(                                             \
+          int64_t B, int64_t Hq, int64_t Hkv, const int64_t D, const T *q, T *out, const T *kc,            \
+          const T *vc, const int32_t *tables, int64_t max_blocks, int64_t bs, const int32_t *seq_lens,     \
+          int64_t window, float scale, float *scratch, int64_t stride, int threads) {                      \
+    const int64_t G = Hq / Hkv, W = Hkv * D;  /* a cache row: every KV head of one position */             \
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")                                      \
+    for (int64_t b = 0; b < B; b++) {                                                                      \
+        const int64_t L = seq_lens[b], lo = (window > 0 && L > window) ? L - window : 0, n = L - lo;       \
+        const int32_t *table = tables + b * max_blocks;                                                    \
+        float qf[Hq * D], acc[Hq * D], kf[W], inv[Hq];                                                     \
+        float *sc0 = scratch + (int64_t)omp_get_thread_num() * stride;  /* [Hq, n] scores */               \
+        const T *qb = q + b * Hq * D;                                                                      \
+        T *ob = out + b * Hq * D;                                                                          \
+        for (int64_t i = 0; i < Hq * D; i++) { qf[i] = LOAD(qb[i]); acc[i] = 0.0f; }                       \
+        if (n <= 0) { for (int64_t i = 0; i < Hq * D; i++) ob[i] = STORE(0.0f); continue; }                \
+        int64_t rows[n];  /* element offset of each key's cache row */                                     \
+        for (int64_t j = 0, blk = lo / bs, off = lo % bs; j < n; j++) {                                    \
+            rows[j] = ((int64_t)table[blk] * bs + off) * W;                                                \
+            if (++off == bs) { off = 0; blk++; }                                                           \
+        }                                                                                                  \
+        for (int64_t j = 0; j < n; j++) {                                                                  \
+            /* the cache is cold (a step streams every weight between two layers' calls): fetch the K  */  \
+            /* row PREFETCH keys ahead, across pages, and the V row the second pass reads              */  \
+            if (j + PREFETCH < n)                                                                          \
+                for (int64_t i = 0; i < W; i += 64 / (int64_t)sizeof(T))                                   \
+                    __builtin_prefetch(kc + rows[j + PREFETCH] + i);                                       \
+            for (int64_t i = 0; i < W; i += 64 / (int64_t)sizeof(T)) __builtin_prefetch(vc + rows[j] + i); \
+            const T *kp = kc + rows[j];                                                                    \
+            for (int64_t i = 0; i < W; i++) kf[i] = LOAD(kp[i]);                                           \
+            for (int64_t qh = 0; qh < Hq; qh++) {                                                          \
+                const float *qg = qf + qh * D, *kh = kf + (qh / G) * D;                                    \
+                float dot = 0.0f;                                                                          \
+                for (int64_t d = 0; d < D; d++) dot += qg[d] * kh[d];                                      \
+                sc0[qh * n + j] = dot * scale;                                                             \
+            }                                                                                              \
+        }                                                                                                  \
+        for (int64_t qh = 0; qh < Hq; qh++) {                                                              \
+            float *sc = sc0 + qh * n, m = sc[0], sum = 0.0f;                                               \
+            for (int64_t j = 1; j < n; j++) m = sc[j] > m ? sc[j] : m;                                     \
+            for (int64_t j = 0; j < n; j++) sc[j] = expf(sc[j] - m);                                       \
+            for (int64_t j = 0; j < n; j++) sum += sc[j];                                                  \
+            inv[qh] = 1.0f / sum;                                                                          \
+        }                                                                                                  \
+        for (int64_t j = 0; j < n; j++) {                                                                  \
+            const T *vp = vc + rows[j];                                                                    \
+            for (int64_t i = 0; i < W; i++) kf[i] = LOAD(vp[i]);                                           \
+            for (int64_t qh = 0; qh < Hq; qh++) {                                                          \
+                const float p = sc0[qh * n + j], *vh = kf + (qh / G) * D;                                  \
+                float *ag = acc + qh * D;                                                                  \
+                for (int64_t d = 0; d < D; d++) ag[d] += p * vh[d];                                        \
+            }                                                                                              \
+        }                                                                                                  \
+        for (int64_t qh = 0; qh < Hq; qh++)                                                                \
+            for (int64_t d = 0; d < D; d++) ob[qh * D + d] = STORE(acc[qh * D + d] * inv[qh]);             \
+    }                                                                                                      \
+}                                                                                                          \
+void NAME(int64_t B, int64_t Hq, int64_t Hkv, int64_t D, const T *q, T *out, const T *kc, const T *vc,     \
+          const int32_t *tables, int64_t max_blocks, int64_t bs, const int32_t *seq_lens, int64_t window,   \
+          float scale, float *scratch, int64_t stride, int64_t threads) {                                  \
+    /* head dims 64 and 128 compiled with D known */                                                       \
+    if (D == 64)                                                                                           \
+        NAME##_body(B, Hq, Hkv, 64, q, out, kc, vc, tables, max_blocks, bs, seq_lens, window, scale,       \
+                    scratch, stride, (int)threads);                                                        \
+    else if (D == 128)                                                                                     \
+        NAME##_body(B, Hq, Hkv, 128, q, out, kc, vc, tables, max_blocks, bs, seq_lens, window, scale,      \
+                    scratch, stride, (int)threads);                                                        \
+    else                                                                                                   \
+        NAME##_body(B, Hq, Hkv, D, q, out, kc, vc, tables, max_blocks, bs, seq_lens, window, scale,        \
+                    scratch, stride, (int)threads);                                                        \
+}
+
+static inline float id_f(float x) { return x; }
+DECODE_ATTENTION(decode_attention_f32, float, id_f, id_f)
+DECODE_ATTENTION(decode_attention_bf16, uint16_t, bf2f, f2bf)
+"""
+
+# fast-math lets the dot products and sums vectorize (reassociated) and expf go through glibc's vector
+# math (libmvec); NaN and inf keep their meaning (-fno-finite-math-only). It is given when compiling
+# only: linked with -ffast-math, gcc adds crtfastmath.o, which would set flush-to-zero for the whole
+# process when the library loads.
+_FLAGS = ["-O3", "-march=native", "-std=gnu11", "-fPIC", "-ffast-math", "-fno-finite-math-only", "-fopenmp"]
+_LINK = ["-shared", "-fopenmp", "-lmvec", "-lm"]
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+_EXPAND_ARGS = [_I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR]
+_ATTENTION_ARGS = [_I64] * 4 + [_PTR] * 5 + [_I64, _I64, _PTR, _I64, ctypes.c_float, _PTR, _I64, _I64]
+
+#: Set False (or ``MMLORA_CPU_KERNELS=0`` before the first use) to keep every caller on its torch path;
+#: A/B scripts flip it between calls.
+ENABLED = os.environ.get("MMLORA_CPU_KERNELS", "1") != "0"
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("MMLORA_CACHE_DIR") or Path.home() / ".cache" / "mmlora") / "cpu_kernels"
+
+
+def _cpu_id() -> str:
+    """What ``-march=native`` depends on: the CPU's model name and flags (Linux), else the platform."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    keep = [line for line in text.splitlines() if line.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(keep)))
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    """The compiled kernels, built on first use (None where they cannot be: see the module docstring)."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None or platform.machine() not in ("x86_64", "AMD64", "aarch64", "arm64"):
+        return None
+    digest = hashlib.sha256("\0".join([_SOURCE, cc, *_FLAGS, *_LINK, _cpu_id()]).encode()).hexdigest()[:16]
+    path = _cache_dir() / f"mmlora_cpu_{digest}.so"
+    try:
+        if not path.is_file():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+                src, obj, lib = Path(tmp) / "k.c", Path(tmp) / "k.o", Path(tmp) / "k.so"
+                src.write_text(_SOURCE)
+                for cmd in (
+                    [cc, *_FLAGS, "-c", str(src), "-o", str(obj)],
+                    [cc, str(obj), "-o", str(lib), *_LINK],
+                ):
+                    subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+                os.replace(lib, path)  # atomic: a concurrent build of the same source lands the same file
+        dll = ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for name in ("lora_expand_f32", "lora_expand_bf16"):
+        fn = getattr(dll, name)
+        fn.argtypes, fn.restype = _EXPAND_ARGS, None
+    for name in ("decode_attention_f32", "decode_attention_bf16"):
+        fn = getattr(dll, name)
+        fn.argtypes, fn.restype = _ATTENTION_ARGS, None
+    return dll
+
+
+def available() -> bool:
+    """Whether the kernels are on (:data:`ENABLED`) and built for this machine."""
+    return ENABLED and _library() is not None
+
+
+#: The dtypes :func:`lora_expand` takes.
+EXPAND_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def expand_rows(token_slots: list[int], ranks: list[int], n_slices: int) -> torch.Tensor:
+    """[T, 2] int32 for :func:`lora_expand`: each token's first column in the live rank layout of
+    :func:`mmlora.backends.cpu_dense.live_rows` (slot-major: slot s starts at ``n_slices * sum(ranks[:s])``)
+    and its slot's rank; (-1, 0) for base-only tokens."""
+    starts = [0] * len(ranks)
+    for s in range(1, len(ranks)):
+        starts[s] = starts[s - 1] + n_slices * ranks[s - 1]
+    return torch.tensor(
+        [(starts[s], ranks[s]) if s >= 0 else (-1, 0) for s in token_slots], dtype=torch.int32
+    ).reshape(-1, 2)
+
+
+def lora_expand(
+    y: torch.Tensor, h: torch.Tensor, E: torch.Tensor, rows: torch.Tensor, offsets: torch.Tensor
+) -> None:
+    """``y[t, lo_i:hi_i] += h[t, c_t + i r_t : c_t + (i+1) r_t] @ E[same rows, lo_i:hi_i]`` for every
+    token t with ``rows[t] = (c_t, r_t)``, c_t >= 0 (:func:`expand_rows`), slice i of ``offsets``
+    (int64 [n + 1]); base-only tokens untouched.
+
+    y [T, out], h [T, K], E [K, out]: CPU, one dtype of :data:`EXPAND_DTYPES`, unit column stride (rows
+    may be strided: y and h may be views of one [T, out + K] tensor). The delta of a slice is summed in
+    fp32 and (bf16) rounded to bf16 before it is added, as ``y += h @ E`` rounds. Needs :func:`available`.
+    """
+    T = y.shape[0]
+    if h.shape[0] != T or rows.shape != (T, 2) or E.shape[1] != y.shape[1] or h.shape[1] != E.shape[0]:
+        raise ValueError(f"lora_expand: shapes y {tuple(y.shape)}, h {tuple(h.shape)}, E {tuple(E.shape)}")
+    if not (y.dtype == h.dtype == E.dtype) or y.dtype not in EXPAND_DTYPES:
+        raise ValueError(f"lora_expand: dtypes {y.dtype}, {h.dtype}, {E.dtype}")
+    if y.stride(1) != 1 or h.stride(1) != 1 or not E.is_contiguous() or not rows.is_contiguous():
+        raise ValueError("lora_expand: needs unit column strides and contiguous E and rows")
+    if rows.dtype != torch.int32 or offsets.dtype != torch.int64 or int(offsets[-1]) > y.shape[1]:
+        raise ValueError("lora_expand: rows int32, offsets int64 within y's columns")
+    if not available():
+        raise RuntimeError("lora_expand: the CPU kernels are off or could not be built here")
+    lora_expand_unchecked(y, h, E, rows, offsets)
+
+
+def lora_expand_unchecked(
+    y: torch.Tensor, h: torch.Tensor, E: torch.Tensor, rows: torch.Tensor, offsets: torch.Tensor
+) -> None:
+    """:func:`lora_expand` without its checks, for callers whose tensors are right by construction (the
+    fused LoRA path calls it 120 times a SmolLM2 step, where each check is a microsecond)."""
+    lib = _library()
+    fn = lib.lora_expand_f32 if y.dtype == torch.float32 else lib.lora_expand_bf16
+    fn(y.shape[0], h.data_ptr(), h.stride(0), y.data_ptr(), y.stride(0), E.data_ptr(), E.stride(0),
+       rows.data_ptr(), offsets.numel() - 1, offsets.data_ptr())  # fmt: skip
+
+
+#: The dtypes :func:`decode_attention` takes (q, the caches and the output share one).
+ATTENTION_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seq_len: int,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """One decode token per request over the paged cache, read in place (no gather, no upcast copy):
+    ``out[b, qh] = softmax(scale * q[b, qh] . K_b[j]) @ V_b[j]`` over the keys j of request b
+    (``seq_lens[b]`` of them, the last ``sliding_window`` where set), query head qh reading KV head
+    ``qh // (Hq // Hkv)``; zeros for a request without keys. Scores, softmax and sums in fp32.
+
+    q [B, Hq, D] contiguous; k_cache, v_cache [blocks, block_size, Hkv, D] contiguous, q's dtype (one of
+    :data:`ATTENTION_DTYPES`); block_tables [B, max_blocks] int32, seq_lens [B] int32 (CPU), every
+    ``seq_lens[b] <= max_seq_len``. Returns [B, Hq, D] in q's dtype. Needs :func:`available`.
+    """
+    B, Hq, D = q.shape
+    Hkv = k_cache.shape[2]
+    if (
+        q.dtype not in ATTENTION_DTYPES
+        or not q.dtype == k_cache.dtype == v_cache.dtype
+        or k_cache.shape != v_cache.shape
+        or k_cache.shape[3] != D
+        or Hq % Hkv
+        or block_tables.dtype != torch.int32
+        or seq_lens.dtype != torch.int32
+        or block_tables.shape[0] < B
+        or seq_lens.shape[0] < B
+    ):
+        raise ValueError(
+            f"decode_attention: q {tuple(q.shape)} {q.dtype}, cache {tuple(k_cache.shape)} {k_cache.dtype}, "
+            f"tables {block_tables.dtype}, seq_lens {seq_lens.dtype}"
+        )
+    if not (q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("decode_attention: q and the caches must be contiguous")
+    if not available():
+        raise RuntimeError("decode_attention: the CPU kernels are off or could not be built here")
+    tables = block_tables[:B].contiguous()
+    scratch = attention_scratch(Hq, max_seq_len)
+    return decode_attention_unchecked(
+        q, k_cache, v_cache, tables, seq_lens[:B].contiguous(), scale, sliding_window, scratch
+    )
+
+
+def decode_attention_unchecked(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    scratch: torch.Tensor,
+) -> torch.Tensor:
+    """:func:`decode_attention` without its checks; ``tables`` [B, max_blocks] and ``seq_lens`` [B]
+    contiguous, ``scratch`` from :func:`attention_scratch` for at least ``max(seq_lens)`` keys. Runs on
+    ``scratch``'s thread count (torch's when it was made)."""
+    B, Hq, D = q.shape
+    out = torch.empty_like(q)
+    lib = _library()
+    fn = lib.decode_attention_f32 if q.dtype == torch.float32 else lib.decode_attention_bf16
+    fn(B, Hq, k_cache.shape[2], D, q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+       tables.data_ptr(), tables.shape[1], k_cache.shape[1], seq_lens.data_ptr(), sliding_window or 0,
+       scale, scratch.data_ptr(), scratch.shape[1], scratch.shape[0])  # fmt: skip
+    return out
+
+
+def attention_scratch(num_heads: int, max_seq_len: int) -> torch.Tensor:
+    """fp32 [threads, num_heads * max_seq_len]: :func:`decode_attention_unchecked`'s scores (every query
+    head of one request), one row per thread; as many threads as torch uses now (``torch.get_num_threads``)."""
+    return torch.empty(torch.get_num_threads(), num_heads * max(max_seq_len, 1), dtype=torch.float32)

@@ -1,0 +1,155 @@
+"""The C kernels of :mod:`mmlora.backends.cpu_kernels` against float64 references written from their
+docstrings; skipped where they are not built (no C compiler)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mmlora.backends import cpu_kernels
+from mmlora.backends.cpu_dense import live_rows
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="the C kernels are not built here")
+TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2e-2)}
+
+
+def _expand_ref(y, h, E, slots, ranks, offs):  # noqa: ANN001, ANN202
+    """float64: each adapter row adds its own slot's slices of h times the same rows of E."""
+    out = y.double().clone()
+    starts = [len(offs[1:]) * sum(ranks[:s]) for s in range(len(ranks))]
+    for t, s in enumerate(slots):
+        if s < 0:
+            continue
+        r = ranks[s]
+        for i in range(len(offs) - 1):
+            lo, hi, c = offs[i], offs[i + 1], starts[s] + i * r
+            delta = h[t, c : c + r].double() @ E[c : c + r, lo:hi].double()
+            out[t, lo:hi] += delta.to(y.dtype).double() if y.dtype != torch.float32 else delta
+    return out
+
+
+@pytest.mark.parametrize("dtype", cpu_kernels.EXPAND_DTYPES)
+@pytest.mark.parametrize(
+    ("rows", "widths", "ranks"),
+    [(16, (256, 64, 64), [8, 16, 4, 1]), (13, (96, 96), [8, 2, 8]), (1, (80,), [16]), (70, (40,), [3, 0, 5])],
+)
+def test_lora_expand_matches_float64(rows: int, widths: tuple[int, ...], ranks: list[int], dtype) -> None:  # noqa: ANN001
+    """y and h as the fused path passes them: two column ranges of one [T, out + K] tensor (strided rows);
+    base-only rows and rows past the adapters' columns untouched."""
+    g = torch.Generator().manual_seed(rows)
+    offs = [0]
+    for w in widths:
+        offs.append(offs[-1] + w)
+    out, K = offs[-1], len(widths) * sum(ranks)
+    live = [s for s, r in enumerate(ranks) if r]
+    slots = [live[t % len(live)] if t % 4 else -1 for t in range(rows)]
+    yk = torch.randn(rows, out + K, generator=g).to(dtype)
+    E = torch.randn(K, out, generator=g).to(dtype)
+    y, h = yk[:, :out], yk[:, out:]
+    want = _expand_ref(y, h, E, slots, ranks, offs)
+    before = yk.clone()
+    cpu_kernels.lora_expand(y, h, E, cpu_kernels.expand_rows(slots, ranks, len(widths)), torch.tensor(offs))
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(y.double(), want, atol=atol, rtol=rtol)
+    assert torch.equal(yk[:, out:], before[:, out:])  # h is read, never written
+    base = [t for t, s in enumerate(slots) if s < 0]
+    assert torch.equal(yk[base], before[base])
+
+
+def test_expand_rows_follow_the_live_row_layout() -> None:
+    """A token's first column is where :func:`live_rows` puts its slot's first rank row."""
+    ranks, n = [4, 0, 8, 2], 3
+    rows = live_rows(n, 8, ranks).tolist()
+    got = cpu_kernels.expand_rows([2, -1, 0, 3], ranks, n).tolist()
+    assert got == [[rows.index(2 * n * 8), 8], [-1, 0], [0, 4], [rows.index(3 * n * 8), 2]]
+
+
+def test_lora_expand_refuses_mismatched_tensors() -> None:
+    y, h, E = torch.zeros(2, 8), torch.zeros(2, 4), torch.zeros(4, 8)
+    rows, offs = cpu_kernels.expand_rows([0, 0], [4], 1), torch.tensor([0, 8])
+    with pytest.raises(ValueError, match="dtypes"):
+        cpu_kernels.lora_expand(y, h.double(), E, rows, offs)
+    with pytest.raises(ValueError, match="shapes"):
+        cpu_kernels.lora_expand(y, h, E[:3], rows, offs)
+
+
+def test_without_a_compiler_the_kernels_are_off(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """No compiler (or a failing build): no library, and callers keep their torch path."""
+    monkeypatch.setenv("MMLORA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    assert cpu_kernels._library.__wrapped__() is None
+    assert not any(tmp_path.rglob("*.so"))
+
+
+def test_the_fused_path_expands_through_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A mixed decode-sized batch on the fused path calls the C expand (once per module call)."""
+    from mmlora.backends import get_backend
+    from mmlora.forward.lora import LoRABatchInfo, LoRAWeights
+
+    calls = []
+    real = cpu_kernels.lora_expand_unchecked
+    monkeypatch.setattr(cpu_kernels, "lora_expand_unchecked", lambda *a: calls.append(1) or real(*a))
+    g = torch.Generator().manual_seed(0)
+    A, B = torch.randn(2, 8, 32, generator=g), torch.randn(2, 64, 8, generator=g)
+    w = LoRAWeights(A, B, torch.ones(2, 1), (0, 64))
+    info = LoRABatchInfo(8, 2, "cpu", max_lora_rank=8)
+    for s in range(2):
+        info.set_slot_rank(s, 8)
+    info.fill([1, 1, 1], [0, -1, 1])
+    weight, x = torch.randn(64, 32, generator=g), torch.randn(3, 32, generator=g)
+    with torch.no_grad():
+        got = get_backend("torch-gather").fused_linear(x, weight, None, w, info)
+    assert got is not None and calls == [1]
+
+
+def _attention_ref(q, kc, vc, tables, lens, scale, window):  # noqa: ANN001, ANN202
+    """float64, request by request: keys at positions [lo, L) read from their pages, GQA by head index."""
+    B, Hq, D = q.shape
+    bs, Hkv = kc.shape[1], kc.shape[2]
+    out = torch.zeros(B, Hq, D, dtype=torch.float64)
+    for b in range(B):
+        L = int(lens[b])
+        lo = max(0, L - window) if window else 0
+        if L - lo <= 0:
+            continue
+        pos = torch.arange(lo, L)
+        rows = tables[b, pos // bs].long() * bs + pos % bs
+        k = kc.reshape(-1, Hkv, D)[rows].double()
+        v = vc.reshape(-1, Hkv, D)[rows].double()
+        for qh in range(Hq):
+            h = qh // (Hq // Hkv)
+            p = torch.softmax(k[:, h] @ q[b, qh].double() * scale, 0)
+            out[b, qh] = p @ v[:, h]
+    return out
+
+
+@pytest.mark.parametrize("dtype", cpu_kernels.ATTENTION_DTYPES)
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(9, 3, 64), (8, 2, 128), (4, 4, 16), (6, 1, 40)])
+@pytest.mark.parametrize("window", [None, 7])
+def test_decode_attention_matches_float64(dtype, hq: int, hkv: int, d: int, window) -> None:  # noqa: ANN001
+    """Pages in random order, lengths from 0 (no keys: zeros) past several pages, GQA groups 1-6, the
+    head dims compiled with D known (64, 128) and others."""
+    g = torch.Generator().manual_seed(hq * d)
+    bs, lens = 4, torch.tensor([0, 1, 5, 17, 33], dtype=torch.int32)
+    nb = -(-int(lens.max()) // bs) + 1
+    blocks = len(lens) * nb + 2
+    tables = torch.randperm(blocks, generator=g)[: len(lens) * nb].reshape(len(lens), nb).to(torch.int32)
+    kc = torch.randn(blocks, bs, hkv, d, generator=g).to(dtype)
+    vc = torch.randn(blocks, bs, hkv, d, generator=g).to(dtype)
+    q = torch.randn(len(lens), hq, d, generator=g).to(dtype)
+    got = cpu_kernels.decode_attention(q, kc, vc, tables, lens, int(lens.max()), 0.3, window)
+    assert got.dtype == dtype and got.shape == q.shape
+    atol, rtol = (2e-5, 2e-5) if dtype == torch.float32 else (1e-2, 1e-2)
+    torch.testing.assert_close(
+        got.double(), _attention_ref(q, kc, vc, tables, lens, 0.3, window), atol=atol, rtol=rtol
+    )
+    assert got[0].abs().sum() == 0
+
+
+def test_decode_attention_refuses_mismatched_tensors() -> None:
+    q, kc = torch.zeros(2, 4, 8), torch.zeros(3, 4, 2, 8)
+    tables, lens = torch.zeros(2, 2, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="decode_attention"):
+        cpu_kernels.decode_attention(q, kc.bfloat16(), kc, tables, lens, 1, 1.0)
+    with pytest.raises(ValueError, match="decode_attention"):
+        cpu_kernels.decode_attention(q, kc, kc, tables.long(), lens, 1, 1.0)
