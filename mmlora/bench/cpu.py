@@ -12,7 +12,7 @@ it, B random and non-zero) and saved as ordinary PEFT folders that mmlora loads 
 - mmlora, the mixed batch in bf16, where the CPU multiplies bf16 natively (``--bf16``).
 
 Then one more mixed run times every decode step against its roofline (weight + KV bytes over the copy
-bandwidth measured here) and profiles one decode step per op (:mod:`mmlora.bench.cpu_roofline`).
+bandwidth: the best of STREAM-like copies timed right before and after this run) and profiles one decode step per op (:mod:`mmlora.bench.cpu_roofline`).
 Prints output tokens/s of each, every figure issue 21 is done by with a met / missed mark (mmlora >= 2.0x
 HF + PEFT; mixed >= 0.9x base-only; decode >= 35% of the fp32 roofline; bf16 >= 1.6x fp32), the load
 average, and how many greedy rows mmlora and HF + PEFT agree on; ``--out`` writes JSON.
@@ -34,7 +34,6 @@ import torch
 
 from mmlora.bench.cli import check_engine_options, make_parser, progress
 from mmlora.bench.cpu_roofline import cpu_has_fast_bf16, format_profile, measure_decode_roofline
-from mmlora.bench.serving_parts import copy_bandwidth
 from mmlora.engine.cpu_decode import cpu_bf16_flags
 
 ALL_SEVEN = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -223,14 +222,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             systems["mmlora_mixed_bf16"] = lambda: engine_bf16.generate(
                 texts, lora_paths=per_row, sampling_params=sp
             )
-        bandwidth = copy_bandwidth(torch.device("cpu"))
         wall, cpu, results = _timed_rounds(systems, args.repeats)
-        # A second look at the bandwidth after the timed runs: on a shared host one sample can land in
-        # a burst of others' traffic and make the floor look slower than the steps themselves.
-        bandwidth = max(bandwidth, copy_bandwidth(torch.device("cpu")))
+        # The roofline's bandwidth: the best of the copies timed right before and after its decode run.
         roofline = measure_decode_roofline(
-            engine, lambda: engine.generate(texts, lora_paths=per_row, sampling_params=sp), bandwidth
+            engine, lambda: engine.generate(texts, lora_paths=per_row, sampling_params=sp)
         )
+        bandwidth = roofline["bandwidth_gb_s"] * 1e9
         hf_ids = results["hf_peft_mixed"][:, enc["input_ids"].shape[1] :].tolist()
         diverged = _divergences(
             peft_model, enc, adapter_names, args.max_new_tokens, tok, results["mmlora_mixed"], hf_ids

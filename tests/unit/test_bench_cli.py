@@ -168,6 +168,14 @@ def test_cpu_cli_on_a_tiny_checkpoint(tmp_path, capsys):
     roof = result["roofline_fp32_mixed"]
     assert roof["decode_steps"] == 2 and roof["decode_floor_seconds"] > 0 and roof["weight_bytes"] > 0
     assert 0 < result["checks"]["decode_fraction_of_fp32_roofline"]["value"] == roof["fraction_of_roofline"]
+    # the roofline's bandwidth: the best STREAM-like copy timed right beside its decode run, all kept
+    samples = roof["bandwidth_samples_gb_s"]
+    assert len(samples["just_before"]) == len(samples["just_after"]) > 1
+    assert (
+        result["copy_bandwidth_gb_s"]
+        == roof["bandwidth_gb_s"]
+        == max(samples["just_before"] + samples["just_after"])
+    )
     assert "mixed adapters / own base-only" in capsys.readouterr().out
 
 
