@@ -3,16 +3,21 @@
 A CPU decode step of a thin model (SmolLM2: 30 layers, 16 rows) is a few hundred torch calls whose cost
 is the call, not the arithmetic. Where one C loop does what several torch calls do, it is written here:
 
+- :func:`decode_attention`: one decode token per request over the paged KV cache, read in place;
+- :func:`rms_norm` (with the residual add) and :func:`rotary`: the arithmetic of the torch references in
+  :mod:`mmlora.layers.fused_ops` in one pass each;
 - :func:`lora_expand`: a LoRA module's expand and add, ``y[t, slice i] += h[t, slot(t)'s slice i rows]
   @ E[those rows, slice i]``, reading only each row's own slot (the torch path masks the other slots'
   columns to zero, multiplies every row by every slot's expand rows and adds: three calls).
 
-The source is compiled once per machine (``cc -O3 -march=native``, about a second) into
-``$MMLORA_CACHE_DIR`` (default ``~/.cache/mmlora``) and loaded with ctypes; no torch headers, no
-OpenMP (one thread: each call is a few microseconds of work, and a second OpenMP runtime beside
-torch's would fight it for the cores). Where there is no compiler, the build fails, the CPU is not
-x86-64 / aarch64 Linux-like, or ``MMLORA_CPU_KERNELS=0``, :func:`available` is False and callers keep
-their torch path. Every kernel is tested against a float64 reference (``tests/unit/test_cpu_kernels.py``).
+The source is compiled once per machine (``cc -O3 -march=native``, about two seconds) into
+``$MMLORA_CACHE_DIR`` (default ``~/.cache/mmlora``) and loaded with ctypes; no torch headers. Only the
+attention runs on several threads (OpenMP, as many as torch uses): the library links ``libgomp.so.1``,
+which in a torch process resolves to the copy torch loaded, so both share one thread pool; the other
+kernels are a few microseconds of work and run on the calling thread. Where there is no compiler, the
+build fails, the CPU is not x86-64 / aarch64, or ``MMLORA_CPU_KERNELS=0``, :func:`available` is False and
+callers keep their torch path. Every kernel is tested against a float64 reference
+(``tests/unit/test_cpu_kernels.py``); A/B: ``benchmarks/scripts/cpu_kernels_ab.py``.
 """
 
 from __future__ import annotations
@@ -180,6 +185,67 @@ void NAME(int64_t B, int64_t Hq, int64_t Hkv, int64_t D, const T *q, T *out, con
 static inline float id_f(float x) { return x; }
 DECODE_ATTENTION(decode_attention_f32, float, id_f, id_f)
 DECODE_ATTENTION(decode_attention_bf16, uint16_t, bf2f, f2bf)
+
+/* RMSNorm as Llama computes it, with the residual add of the fused decoder layers. Per row of x [rows, N]
+   (row stride ldx): s = x + r (rounded to T; stored to s when r is given, else s is x), then
+   y = w * round_T(s * (1 / sqrt(mean(s^2) + eps))), statistics in fp32. */
+#define RMS_NORM(NAME, T, LOAD, STORE)                                                                     \
+void NAME(int64_t rows, int64_t N, const T *x, int64_t ldx, const T *r, int64_t ldr, const T *w, T *y,      \
+          T *s, float eps) {                                                                               \
+    for (int64_t i = 0; i < rows; i++) {                                                                   \
+        const T *xi = x + i * ldx;                                                                         \
+        T *si = s + i * N, *yi = y + i * N;                                                                \
+        float sumsq = 0.0f;                                                                                \
+        if (r) {                                                                                           \
+            const T *ri = r + i * ldr;                                                                     \
+            for (int64_t c = 0; c < N; c++) {                                                              \
+                const T sv = STORE(LOAD(xi[c]) + LOAD(ri[c]));                                             \
+                const float v = LOAD(sv);                                                                  \
+                si[c] = sv;                                                                                \
+                sumsq += v * v;                                                                            \
+            }                                                                                              \
+            xi = si;                                                                                       \
+        } else {                                                                                           \
+            for (int64_t c = 0; c < N; c++) { const float v = LOAD(xi[c]); sumsq += v * v; }               \
+        }                                                                                                  \
+        const float inv = 1.0f / sqrtf(sumsq / (float)N + eps);                                            \
+        for (int64_t c = 0; c < N; c++) yi[c] = STORE(LOAD(w[c]) * LOAD(STORE(LOAD(xi[c]) * inv)));        \
+    }                                                                                                      \
+}
+RMS_NORM(rms_norm_f32, float, id_f, id_f)
+RMS_NORM(rms_norm_bf16, uint16_t, bf2f, f2bf)
+
+/* Neox rotary of q [T, Hq, D] (row stride ldq, heads contiguous) and k [T, Hk, D] (ldk) by cos, sin [T, D]
+   into qo [T, Hq, D], ko [T, Hk, D] (contiguous): o = round(x * cos) + round(rot(x) * sin), rounded, with
+   rot(x) = [-x2 | x1]; the products are not fused into the sum, so fp32 matches torch bit for bit. */
+#define ROTARY(NAME, T, LOAD, STORE)                                                                       \
+__attribute__((optimize("fp-contract=off"))) /* each product rounded, as torch's: bit for bit in fp32 */    \
+static void NAME##_rows(int64_t Tn, int64_t H, int64_t D, const T *x, int64_t ldx, const T *cs,      \
+                               const T *sn, T *o) {                                                        \
+    const int64_t half = D / 2;                                                                            \
+    for (int64_t t = 0; t < Tn; t++)                                                                       \
+        for (int64_t h = 0; h < H; h++) {                                                                  \
+            const T *xh = x + t * ldx + h * D, *c = cs + t * D, *sv = sn + t * D;                          \
+            T *oh = o + (t * H + h) * D;                                                                   \
+            for (int64_t d = 0; d < half; d++) {                                                           \
+                const float a = LOAD(STORE(LOAD(xh[d]) * LOAD(c[d])));                                     \
+                const float b = LOAD(STORE(-LOAD(xh[d + half]) * LOAD(sv[d])));                            \
+                oh[d] = STORE(a + b);                                                                      \
+            }                                                                                              \
+            for (int64_t d = half; d < D; d++) {                                                           \
+                const float a = LOAD(STORE(LOAD(xh[d]) * LOAD(c[d])));                                     \
+                const float b = LOAD(STORE(LOAD(xh[d - half]) * LOAD(sv[d])));                             \
+                oh[d] = STORE(a + b);                                                                      \
+            }                                                                                              \
+        }                                                                                                  \
+}                                                                                                          \
+void NAME(int64_t Tn, int64_t Hq, int64_t Hk, int64_t D, const T *q, int64_t ldq, const T *k, int64_t ldk,  \
+          const T *cs, const T *sn, T *qo, T *ko) {                                                        \
+    NAME##_rows(Tn, Hq, D, q, ldq, cs, sn, qo);                                                            \
+    NAME##_rows(Tn, Hk, D, k, ldk, cs, sn, ko);                                                            \
+}
+ROTARY(rotary_f32, float, id_f, id_f)
+ROTARY(rotary_bf16, uint16_t, bf2f, f2bf)
 """
 
 # fast-math lets the dot products and sums vectorize (reassociated) and expf go through glibc's vector
@@ -240,6 +306,12 @@ def _library() -> ctypes.CDLL | None:
     for name in ("decode_attention_f32", "decode_attention_bf16"):
         fn = getattr(dll, name)
         fn.argtypes, fn.restype = _ATTENTION_ARGS, None
+    for name in ("rms_norm_f32", "rms_norm_bf16"):
+        fn = getattr(dll, name)
+        fn.argtypes, fn.restype = [_I64, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, ctypes.c_float], None
+    for name in ("rotary_f32", "rotary_bf16"):
+        fn = getattr(dll, name)
+        fn.argtypes, fn.restype = [_I64] * 4 + [_PTR, _I64, _PTR, _I64] + [_PTR] * 4, None
     return dll
 
 
@@ -378,3 +450,117 @@ def attention_scratch(num_heads: int, max_seq_len: int) -> torch.Tensor:
     """fp32 [threads, num_heads * max_seq_len]: :func:`decode_attention_unchecked`'s scores (every query
     head of one request), one row per thread; as many threads as torch uses now (``torch.get_num_threads``)."""
     return torch.empty(torch.get_num_threads(), num_heads * max(max_seq_len, 1), dtype=torch.float32)
+
+
+#: The dtypes :func:`rms_norm` and :func:`rotary` take.
+ELEMENTWISE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Llama's RMSNorm (offset 0) with the fused residual add, as
+    :func:`mmlora.layers.fused_ops.rms_norm_ref`: ``s = x + residual`` (rounded to the dtype), ``y = weight
+    * round(s * rsqrt(mean(s^2) + eps))`` with the statistics in fp32. Returns y, or (y, s) with
+    ``residual``.
+
+    x [..., N] with unit column stride and rows that flatten to one stride (a column slice of a wider
+    tensor is fine), residual [..., N] likewise, weight [N]: CPU, one dtype of :data:`ELEMENTWISE_DTYPES`.
+    y and s come back contiguous. Needs :func:`available`."""
+    N = x.shape[-1]
+    if weight.shape != (N,) or x.dtype != weight.dtype or x.dtype not in ELEMENTWISE_DTYPES:
+        raise ValueError(
+            f"rms_norm: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype}"
+        )
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(
+            f"rms_norm: residual {tuple(residual.shape)} {residual.dtype} against x {tuple(x.shape)}"
+        )
+    if not available():
+        raise RuntimeError("rms_norm: the CPU kernels are off or could not be built here")
+    return rms_norm_unchecked(x, weight, eps, residual)
+
+
+def _rows_view(t: torch.Tensor) -> torch.Tensor | None:
+    """``t`` as [rows, N] without a copy where its rows share one stride and its columns are unit stride."""
+    if t.stride(-1) != 1:
+        return None
+    flat = t.reshape(-1, t.shape[-1]) if t.dim() != 2 else t
+    return flat if flat.stride(-1) == 1 and flat.data_ptr() == t.data_ptr() else None
+
+
+def rms_norm_unchecked(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rms_norm` without its checks (shapes and dtypes right by construction)."""
+    N = x.shape[-1]
+    x2 = _rows_view(x)
+    if x2 is None:
+        x2 = x.reshape(-1, N).contiguous()
+    rows = x2.shape[0]
+    y = torch.empty(x.shape, dtype=x.dtype)
+    lib = _library()
+    fn = lib.rms_norm_f32 if x.dtype == torch.float32 else lib.rms_norm_bf16
+    if residual is None:
+        fn(rows, N, x2.data_ptr(), x2.stride(0), None, 0, weight.data_ptr(), y.data_ptr(), y.data_ptr(), eps)
+        return y
+    r2 = _rows_view(residual)
+    if r2 is None:
+        r2 = residual.reshape(-1, N).contiguous()
+    s = torch.empty(x.shape, dtype=x.dtype)
+    fn(rows, N, x2.data_ptr(), x2.stride(0), r2.data_ptr(), r2.stride(0), weight.data_ptr(), y.data_ptr(),
+       s.data_ptr(), eps)  # fmt: skip
+    return y, s
+
+
+def rotary(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox rotary of q [T, Hq, D] and k [T, Hk, D] by cos, sin [T, D], as
+    :func:`mmlora.layers.fused_ops.apply_rotary_ref`: ``x * cos + rotate_half(x) * sin``, each product
+    and the sum rounded to the dtype. q and k: heads contiguous (``stride(1) == D``, unit column stride),
+    any row stride (views of a packed qkv output are fine); cos, sin contiguous; CPU, one dtype of
+    :data:`ELEMENTWISE_DTYPES`. Returns new contiguous (q, k). Needs :func:`available`."""
+    T, Hq, D = q.shape
+    if (
+        k.dim() != 3
+        or k.shape[0] != T
+        or k.shape[2] != D
+        or D % 2
+        or cos.shape != (T, D)
+        or sin.shape != (T, D)
+        or len({q.dtype, k.dtype, cos.dtype, sin.dtype}) != 1
+        or q.dtype not in ELEMENTWISE_DTYPES
+    ):
+        raise ValueError(f"rotary: q {tuple(q.shape)}, k {tuple(k.shape)}, cos {tuple(cos.shape)}, {q.dtype}")
+    if not rotary_layout_ok(q, k, cos, sin):
+        raise ValueError("rotary: heads must be contiguous in q and k, cos and sin contiguous")
+    if not available():
+        raise RuntimeError("rotary: the CPU kernels are off or could not be built here")
+    return rotary_unchecked(q, k, cos, sin)
+
+
+def rotary_layout_ok(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Whether :func:`rotary` takes these tensors as laid out (see there)."""
+    D = q.shape[2]
+    return (
+        q.stride(2) == 1
+        and k.stride(2) == 1
+        and q.stride(1) == D
+        and k.stride(1) == D
+        and cos.is_contiguous()
+        and sin.is_contiguous()
+    )
+
+
+def rotary_unchecked(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rotary` without its checks."""
+    T, Hq, D = q.shape
+    qo, ko = torch.empty(q.shape, dtype=q.dtype), torch.empty(k.shape, dtype=k.dtype)
+    lib = _library()
+    fn = lib.rotary_f32 if q.dtype == torch.float32 else lib.rotary_bf16
+    fn(T, Hq, k.shape[1], D, q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), cos.data_ptr(),
+       sin.data_ptr(), qo.data_ptr(), ko.data_ptr())  # fmt: skip
+    return qo, ko

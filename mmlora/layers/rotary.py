@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from mmlora.backends import cpu_kernels
 from mmlora.layers.fused_ops import apply_rotary, rotate_half
 
 __all__ = ["MRotaryEmbedding", "RopeConfig", "RotaryEmbedding", "rotate_half", "share_rotary"]
@@ -107,8 +108,18 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(q, k) rotated: ``x * cos + rotate_half(x) * sin`` (one fused kernel on CUDA)."""
+        """(q, k) rotated: ``x * cos + rotate_half(x) * sin`` (one fused kernel on CUDA; on CPU in fp32 /
+        bf16 one C call where the CPU kernels are built: :func:`cpu_kernels.rotary`)."""
         cos, sin = self.cos_sin(positions, q.dtype)
+        if (
+            q.device.type == "cpu"
+            and q.dtype == k.dtype
+            and q.dtype in cpu_kernels.ELEMENTWISE_DTYPES
+            and cpu_kernels.rotary_layout_ok(q, k, cos, sin)
+            and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad))
+            and cpu_kernels.available()
+        ):
+            return cpu_kernels.rotary_unchecked(q, k, cos, sin)
         return apply_rotary(q, k, cos, sin)
 
 

@@ -153,3 +153,73 @@ def test_decode_attention_refuses_mismatched_tensors() -> None:
         cpu_kernels.decode_attention(q, kc.bfloat16(), kc, tables, lens, 1, 1.0)
     with pytest.raises(ValueError, match="decode_attention"):
         cpu_kernels.decode_attention(q, kc, kc, tables.long(), lens, 1, 1.0)
+
+
+@pytest.mark.parametrize("dtype", cpu_kernels.ELEMENTWISE_DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_the_torch_reference(dtype, with_residual: bool) -> None:  # noqa: ANN001
+    """As fused_ops.rms_norm_ref (Llama, offset 0): bf16 bit for bit, fp32 to a few ulp (the sum of squares
+    is summed in another order), the residual sum exactly; x a column slice of a wider tensor."""
+    from mmlora.layers.fused_ops import rms_norm_ref
+
+    g = torch.Generator().manual_seed(3)
+    wide = torch.randn(7, 2, 100, generator=g).to(dtype)
+    x = wide[..., 10:90]  # rows of one stride, not contiguous
+    residual = torch.randn(7, 2, 80, generator=g).to(dtype) if with_residual else None
+    w = (torch.rand(80, generator=g) + 0.5).to(dtype)
+    got, want = cpu_kernels.rms_norm(x, w, 1e-5, residual), rms_norm_ref(x, w, 1e-5, 0.0, residual)
+    if with_residual:
+        assert torch.equal(got[1], want[1])
+        got, want = got[0], want[0]
+    assert got.shape == x.shape and got.dtype == dtype
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, want)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-6)
+    xs = (x.double() + residual.double()).to(dtype).double() if with_residual else x.double()
+    f64 = w.double() * (xs * torch.rsqrt(xs.pow(2).mean(-1, keepdim=True) + 1e-5))
+    torch.testing.assert_close(
+        got.double(),
+        f64,
+        **({"atol": 1e-5, "rtol": 2e-6} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}),
+    )
+
+
+@pytest.mark.parametrize("dtype", cpu_kernels.ELEMENTWISE_DTYPES)
+def test_rotary_matches_the_torch_reference(dtype) -> None:  # noqa: ANN001
+    """As fused_ops.apply_rotary_ref on q and k viewed out of one packed qkv row (row stride past D * H):
+    bit for bit in both dtypes (each product rounded before the sum, as torch)."""
+    from mmlora.layers.fused_ops import apply_rotary_ref
+
+    g = torch.Generator().manual_seed(4)
+    qkv = torch.randn(5, 9 * 32 + 2 * 3 * 32, generator=g).to(dtype)
+    q, k = qkv[:, : 9 * 32].view(5, 9, 32), qkv[:, 9 * 32 : 12 * 32].view(5, 3, 32)
+    cos, sin = torch.randn(5, 32, generator=g).to(dtype), torch.randn(5, 32, generator=g).to(dtype)
+    got, want = cpu_kernels.rotary(q, k, cos, sin), apply_rotary_ref(q, k, cos, sin)
+    for a, b in zip(got, want):
+        assert a.is_contiguous() and a.shape == b.shape
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="rotary"):
+        cpu_kernels.rotary(q.transpose(1, 2), k, cos, sin)
+
+
+def test_layers_take_the_kernels_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """RMSNorm and RotaryEmbedding call the C kernels (fp32 / bf16, CPU, no autograd) and agree with their
+    torch path; with the kernels off they keep the torch path."""
+    from mmlora.layers.norms import RMSNorm
+    from mmlora.layers.rotary import RopeConfig, RotaryEmbedding
+
+    calls = []
+    for name in ("rms_norm_unchecked", "rotary_unchecked"):
+        real = getattr(cpu_kernels, name)
+        monkeypatch.setattr(cpu_kernels, name, lambda *a, _real=real, _n=name: calls.append(_n) or _real(*a))
+    norm, rope = RMSNorm(64, 1e-6), RotaryEmbedding(16, 128, RopeConfig())
+    x, r = torch.randn(3, 64), torch.randn(3, 64)
+    q, k, pos = torch.randn(3, 4, 16), torch.randn(3, 2, 16), torch.tensor([5, 0, 77])
+    with torch.no_grad():
+        on = (norm(x), *norm(x, r), *rope(pos, q, k))
+        assert calls == ["rms_norm_unchecked", "rms_norm_unchecked", "rotary_unchecked"]
+        monkeypatch.setattr(cpu_kernels, "ENABLED", False)
+        off = (norm(x), *norm(x, r), *rope(pos, q, k))
+    assert len(calls) == 3
+    for a, b in zip(on, off):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
