@@ -103,8 +103,9 @@ class ShrinkFused:
 
     WA       packed [out + K, in]: the base weight, then the K live rank rows of every slot's A
     bias     [out + K] (the base bias, zeros past it) or None
-    E_rows   [K, out]: the live expand matrix (plain; :meth:`add_expand` reads it, and
-             :meth:`packed_expand` packs it once for the torch path)
+    E, eoff  the live expand matrix [K, out], compact (each row only its slice's columns, a slot's
+             rows one run: :func:`cpu_kernels.compact_expand`) for :meth:`add_expand`;
+             :meth:`packed_expand` unfolds and packs it once for the torch path
     offsets  int64 [n_slices + 1]: the slice offsets
     """
 
@@ -116,15 +117,21 @@ class ShrinkFused:
     live_rows: int
     WA: torch.Tensor
     bias: torch.Tensor | None
-    E_rows: torch.Tensor
+    E: torch.Tensor
+    eoff: torch.Tensor
     offsets: torch.Tensor
+    row_slices: list[int]
     _E_packed: torch.Tensor | None = None
 
     def packed_expand(self) -> torch.Tensor | None:
-        """packed [out, K]: ``E_rows`` transposed for ``packed_matmul`` (None when K is 0), packed on
-        first use (only the torch path, where the C kernels are not built, asks for it)."""
+        """packed [out, K]: the expand matrix transposed for ``packed_matmul`` (None when K is 0), made on
+        first use (only the torch path, where the C kernels are off or not built, asks for it)."""
         if self._E_packed is None and self.live_rows:
-            self._E_packed = pack_weight(self.E_rows.T.contiguous())
+            offs = self.offsets.tolist()
+            W = self.E.new_zeros(self.live_rows, self.out_features)
+            for k, (at, i) in enumerate(zip(self.eoff.tolist(), self.row_slices)):
+                W[k, offs[i] : offs[i + 1]] = self.E[at : at + offs[i + 1] - offs[i]]
+            self._E_packed = pack_weight(W.T.contiguous())
         return self._E_packed
 
     def add_expand(self, yk: torch.Tensor, info: LoRABatchInfo, n_slices: int) -> bool:
@@ -135,7 +142,7 @@ class ShrinkFused:
             return False
         out = self.out_features
         cpu_kernels.lora_expand_unchecked(
-            yk[:, :out], yk[:, out:], self.E_rows, expand_rows(info, n_slices), self.offsets
+            yk[:, :out], yk[:, out:], self.E, self.eoff, expand_rows(info, n_slices), self.offsets
         )
         return True
 
@@ -170,6 +177,11 @@ class ShrinkFused:
         with torch.no_grad():
             WA = pack_weight(torch.cat([weight.detach(), A_live.to(weight.dtype)]))
             stacked_bias = None if bias is None else torch.cat([bias.detach(), bias.new_zeros(K)])
-            E_rows = W_live.to(weight.dtype).contiguous()
+            row_slices = cpu_kernels.live_row_slices(weights.n_slices, ranks)
+            E, eoff = cpu_kernels.compact_expand(
+                W_live.to(weight.dtype), row_slices, list(weights.slice_offsets)
+            )
         offsets = torch.tensor(weights.slice_offsets, dtype=torch.int64)
-        return cls(weights.B, weight, bias, key, out_features, K, WA, stacked_bias, E_rows, offsets)
+        return cls(
+            weights.B, weight, bias, key, out_features, K, WA, stacked_bias, E, eoff, offsets, row_slices
+        )

@@ -3,7 +3,8 @@
 A CPU decode step of a thin model (SmolLM2: 30 layers, 16 rows) is a few hundred torch calls whose cost
 is the call, not the arithmetic. Where one C loop does what several torch calls do, it is written here:
 
-- :func:`decode_attention`: one decode token per request over the paged KV cache, read in place;
+- :func:`decode_attention`: one decode token per request over the paged KV cache, read in place (and
+  :func:`store_kv_unchecked`: the step's K/V rows into their slots, one call for both);
 - :func:`rms_norm` (with the residual add) and :func:`rotary`: the arithmetic of the torch references in
   :mod:`mmlora.layers.fused_ops` in one pass each;
 - :func:`lora_expand`: a LoRA module's expand and add, ``y[t, slice i] += h[t, slot(t)'s slice i rows]
@@ -12,9 +13,9 @@ is the call, not the arithmetic. Where one C loop does what several torch calls 
 
 The source is compiled once per machine (``cc -O3 -march=native``, about two seconds) into
 ``$MMLORA_CACHE_DIR`` (default ``~/.cache/mmlora``) and loaded with ctypes; no torch headers. Only the
-attention runs on several threads (OpenMP, as many as torch uses): the library links ``libgomp.so.1``,
-which in a torch process resolves to the copy torch loaded, so both share one thread pool; the other
-kernels are a few microseconds of work and run on the calling thread. Where there is no compiler, the
+attention and the expand run on several threads (OpenMP, as many as torch uses): the library links
+``libgomp.so.1``, which in a torch process resolves to the copy torch loaded, so both share one thread
+pool; the other kernels are a few microseconds of work and run on the calling thread. Where there is no compiler, the
 build fails, the CPU is not x86-64 / aarch64, or ``MMLORA_CPU_KERNELS=0``, :func:`available` is False and
 callers keep their torch path. Every kernel is tested against a float64 reference
 (``tests/unit/test_cpu_kernels.py``); A/B: ``benchmarks/scripts/cpu_kernels_ab.py``.
@@ -47,6 +48,7 @@ float expf(float);
 #endif
 
 static inline float bf2f(uint16_t v) { uint32_t u = (uint32_t)v << 16; float f; memcpy(&f, &u, 4); return f; }
+static inline float id_f(float x) { return x; }
 static inline uint16_t f2bf(float f) {  /* round to nearest even, as torch rounds fp32 to bf16 */
     uint32_t u; memcpy(&u, &f, 4);
     if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  /* NaN stays NaN */
@@ -56,52 +58,64 @@ static inline uint16_t f2bf(float f) {  /* round to nearest even, as torch round
 
 /* For each row t with rows[2t] >= 0 (its slot's first column in h / row in E) and rank r = rows[2t+1]:
    for each slice i: acc = h[t, s + i*r : s + (i+1)*r] @ E[s + i*r : s + (i+1)*r, offs[i]:offs[i+1]],
-   then y[t, offs[i]:offs[i+1]] += acc. fp32: h, y, E fp32. */
-void lora_expand_f32(int64_t T, const float *h, int64_t ldh, float *y, int64_t ldy, const float *E,
-                     int64_t lde, const int32_t *rows, int64_t n_slices, const int64_t *offs) {
-    for (int64_t t = 0; t < T; t++) {
-        int64_t s = rows[2 * t], r = rows[2 * t + 1];
-        if (s < 0 || r <= 0) continue;
-        const float *ht = h + t * ldh;
-        float *yt = y + t * ldy;
-        for (int64_t i = 0; i < n_slices; i++) {
-            int64_t lo = offs[i], w = offs[i + 1] - offs[i];
-            float acc[w];
-            for (int64_t c = 0; c < w; c++) acc[c] = 0.0f;
-            for (int64_t j = 0; j < r; j++) {
-                const float hv = ht[s + i * r + j];
-                const float *e = E + (s + i * r + j) * lde + lo;
-                for (int64_t c = 0; c < w; c++) acc[c] += hv * e[c];
-            }
-            float *yo = yt + lo;
-            for (int64_t c = 0; c < w; c++) yo[c] += acc[c];
-        }
-    }
+   then y[t, offs[i]:offs[i+1]] += round(acc) (bf16: the delta rounded, then the sum, as torch's
+   y += h @ E). E is compact: row k holds only its slice's columns, at element eoff[k] (a slot's rows
+   are one contiguous run). Up to EXPAND_GROUP rows of one slot go together, so each E row is loaded
+   once for all of them; the sum runs over j for EXPAND_CHUNK columns at a time, held in registers. The
+   (group, slice, half of the columns) items are shared out over `threads` OpenMP threads. */
+#define EXPAND_CHUNK 32
+#define EXPAND_GROUP 4
+#define LORA_EXPAND(NAME, T, LOAD, STORE)                                                                 \
+void NAME(int64_t Tn, const T *h, int64_t ldh, T *y, int64_t ldy, const T *E, const int64_t *eoff,         \
+          const int32_t *rows, int64_t n_slices, const int64_t *offs, int64_t threads) {                   \
+    char done[Tn > 0 ? Tn : 1];                                                                            \
+    int64_t grp[Tn > 0 ? Tn : 1][EXPAND_GROUP], ngrp = 0;                                                  \
+    memset(done, 0, sizeof(done));                                                                         \
+    for (int64_t t0 = 0; t0 < Tn; t0++) {                                                                  \
+        if (done[t0] || rows[2 * t0] < 0 || rows[2 * t0 + 1] <= 0) continue;                               \
+        int64_t ng = 0;                                                                                    \
+        for (int64_t t = t0; t < Tn && ng < EXPAND_GROUP; t++)                                             \
+            if (!done[t] && rows[2 * t] == rows[2 * t0]) { grp[ngrp][ng++] = t; done[t] = 1; }             \
+        for (; ng < EXPAND_GROUP; ng++) grp[ngrp][ng] = -1;  /* padding: h taken as 0, not stored */       \
+        ngrp++;                                                                                            \
+    }                                                                                                      \
+    const int64_t items = ngrp * n_slices * 2;                                                             \
+    _Pragma("omp parallel for schedule(static) num_threads(threads) if(items > 2)")                        \
+    for (int64_t it = 0; it < items; it++) {                                                               \
+        const int64_t *gp = grp[it / (n_slices * 2)], i = (it / 2) % n_slices, half = it % 2;              \
+        const int64_t s = rows[2 * gp[0]], r = rows[2 * gp[0] + 1], col = s + i * r, lo = offs[i];         \
+        const int64_t mid = lo + (offs[i + 1] - lo) / 2 / EXPAND_CHUNK * EXPAND_CHUNK;                     \
+        const int64_t c0 = half ? mid : lo, hi = half ? offs[i + 1] : mid;                                 \
+        float hv[EXPAND_GROUP][r];                                                                         \
+        for (int g = 0; g < EXPAND_GROUP; g++)                                                             \
+            for (int64_t j = 0; j < r; j++) hv[g][j] = gp[g] < 0 ? 0.0f : LOAD(h[gp[g] * ldh + col + j]);  \
+        int64_t c = c0;                                                                                    \
+        for (; c + EXPAND_CHUNK <= hi; c += EXPAND_CHUNK) {                                                \
+            float a[EXPAND_GROUP][EXPAND_CHUNK] = {{0}};                                                   \
+            for (int64_t j = 0; j < r; j++) {                                                              \
+                const T *e = E + eoff[col + j] + (c - lo);                                                 \
+                for (int g = 0; g < EXPAND_GROUP; g++) {                                                   \
+                    const float hg = hv[g][j];                                                             \
+                    for (int cc = 0; cc < EXPAND_CHUNK; cc++) a[g][cc] += hg * LOAD(e[cc]);                \
+                }                                                                                          \
+            }                                                                                              \
+            for (int g = 0; g < EXPAND_GROUP && gp[g] >= 0; g++) {                                         \
+                T *yt = y + gp[g] * ldy + c;                                                               \
+                for (int cc = 0; cc < EXPAND_CHUNK; cc++)                                                  \
+                    yt[cc] = STORE(LOAD(yt[cc]) + LOAD(STORE(a[g][cc])));                                  \
+            }                                                                                              \
+        }                                                                                                  \
+        for (; c < hi; c++)                                                                                \
+            for (int g = 0; g < EXPAND_GROUP && gp[g] >= 0; g++) {                                         \
+                float a = 0.0f;                                                                            \
+                for (int64_t j = 0; j < r; j++) a += hv[g][j] * LOAD(E[eoff[col + j] + (c - lo)]);         \
+                T *yt = y + gp[g] * ldy + c;                                                               \
+                *yt = STORE(LOAD(*yt) + LOAD(STORE(a)));                                                   \
+            }                                                                                              \
+    }                                                                                                      \
 }
-
-/* The same in bf16 (h, y, E bf16; the sum in fp32): the delta is rounded to bf16 and then added, as
-   torch's y += (h @ E) rounds. */
-void lora_expand_bf16(int64_t T, const uint16_t *h, int64_t ldh, uint16_t *y, int64_t ldy, const uint16_t *E,
-                      int64_t lde, const int32_t *rows, int64_t n_slices, const int64_t *offs) {
-    for (int64_t t = 0; t < T; t++) {
-        int64_t s = rows[2 * t], r = rows[2 * t + 1];
-        if (s < 0 || r <= 0) continue;
-        const uint16_t *ht = h + t * ldh;
-        uint16_t *yt = y + t * ldy;
-        for (int64_t i = 0; i < n_slices; i++) {
-            int64_t lo = offs[i], w = offs[i + 1] - offs[i];
-            float acc[w];
-            for (int64_t c = 0; c < w; c++) acc[c] = 0.0f;
-            for (int64_t j = 0; j < r; j++) {
-                const float hv = bf2f(ht[s + i * r + j]);
-                const uint16_t *e = E + (s + i * r + j) * lde + lo;
-                for (int64_t c = 0; c < w; c++) acc[c] += hv * bf2f(e[c]);
-            }
-            uint16_t *yo = yt + lo;
-            for (int64_t c = 0; c < w; c++) yo[c] = f2bf(bf2f(yo[c]) + bf2f(f2bf(acc[c])));
-        }
-    }
-}
+LORA_EXPAND(lora_expand_f32, float, id_f, id_f)
+LORA_EXPAND(lora_expand_bf16, uint16_t, bf2f, f2bf)
 
 /* Decode attention over the paged cache, one query token per request, fp32 arithmetic.
    q, out [B, Hq, D]; kc, vc [blocks * bs, Hkv, D]; tables [B, max_blocks] int32; seq_lens [B] int32.
@@ -182,9 +196,19 @@ void NAME(int64_t B, int64_t Hq, int64_t Hkv, int64_t D, const T *q, T *out, con
                     scratch, stride, (int)threads);                                                        \
 }
 
-static inline float id_f(float x) { return x; }
 DECODE_ATTENTION(decode_attention_f32, float, id_f, id_f)
 DECODE_ATTENTION(decode_attention_bf16, uint16_t, bf2f, f2bf)
+
+/* K/V rows of this step into their cache slots: kc[slots[t]] = k[t], vc[slots[t]] = v[t] (W = Hkv * D
+   elements a row; k and v rows of stride ldk, ldv; slots < 0 skipped). */
+void store_kv_rows(int64_t Tn, int64_t W, int64_t esize, const char *k, int64_t ldk, const char *v,
+                   int64_t ldv, char *kc, char *vc, const int64_t *slots) {
+    for (int64_t t = 0; t < Tn; t++) {
+        if (slots[t] < 0) continue;
+        memcpy(kc + slots[t] * W * esize, k + t * ldk * esize, W * esize);
+        memcpy(vc + slots[t] * W * esize, v + t * ldv * esize, W * esize);
+    }
+}
 
 /* RMSNorm as Llama computes it, with the residual add of the fused decoder layers. Per row of x [rows, N]
    (row stride ldx): s = x + r (rounded to T; stored to s when r is given, else s is x), then
@@ -255,7 +279,7 @@ ROTARY(rotary_bf16, uint16_t, bf2f, f2bf)
 _FLAGS = ["-O3", "-march=native", "-std=gnu11", "-fPIC", "-ffast-math", "-fno-finite-math-only", "-fopenmp"]
 _LINK = ["-shared", "-fopenmp", "-lmvec", "-lm"]
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
-_EXPAND_ARGS = [_I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR]
+_EXPAND_ARGS = [_I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _I64]
 _ATTENTION_ARGS = [_I64] * 4 + [_PTR] * 5 + [_I64, _I64, _PTR, _I64, ctypes.c_float, _PTR, _I64, _I64]
 
 #: Set False (or ``MMLORA_CPU_KERNELS=0`` before the first use) to keep every caller on its torch path;
@@ -306,6 +330,10 @@ def _library() -> ctypes.CDLL | None:
     for name in ("decode_attention_f32", "decode_attention_bf16"):
         fn = getattr(dll, name)
         fn.argtypes, fn.restype = _ATTENTION_ARGS, None
+    dll.store_kv_rows.argtypes, dll.store_kv_rows.restype = (
+        [_I64] * 3 + [_PTR, _I64, _PTR, _I64] + [_PTR] * 3,
+        None,
+    )
     for name in ("rms_norm_f32", "rms_norm_bf16"):
         fn = getattr(dll, name)
         fn.argtypes, fn.restype = [_I64, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, ctypes.c_float], None
@@ -336,40 +364,77 @@ def expand_rows(token_slots: list[int], ranks: list[int], n_slices: int) -> torc
     ).reshape(-1, 2)
 
 
-def lora_expand(
-    y: torch.Tensor, h: torch.Tensor, E: torch.Tensor, rows: torch.Tensor, offsets: torch.Tensor
-) -> None:
-    """``y[t, lo_i:hi_i] += h[t, c_t + i r_t : c_t + (i+1) r_t] @ E[same rows, lo_i:hi_i]`` for every
-    token t with ``rows[t] = (c_t, r_t)``, c_t >= 0 (:func:`expand_rows`), slice i of ``offsets``
-    (int64 [n + 1]); base-only tokens untouched.
+def compact_expand(
+    E: torch.Tensor, row_slices: list[int], offsets: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(E_compact 1-D, eoff int64 [K]) for :func:`lora_expand`: row k of E [K, out] cut to its slice's
+    columns ``offsets[row_slices[k]] : offsets[row_slices[k] + 1]`` (the rest of an expand matrix row is
+    zeros), the rows one after another; eoff[k] is where row k starts."""
+    parts, eoff, at = [], [], 0
+    for k, i in enumerate(row_slices):
+        lo, hi = offsets[i], offsets[i + 1]
+        parts.append(E[k, lo:hi])
+        eoff.append(at)
+        at += hi - lo
+    flat = torch.cat(parts) if parts else E.new_zeros(0)
+    return flat.contiguous(), torch.tensor(eoff, dtype=torch.int64)
 
-    y [T, out], h [T, K], E [K, out]: CPU, one dtype of :data:`EXPAND_DTYPES`, unit column stride (rows
-    may be strided: y and h may be views of one [T, out + K] tensor). The delta of a slice is summed in
-    fp32 and (bf16) rounded to bf16 before it is added, as ``y += h @ E`` rounds. Needs :func:`available`.
+
+def live_row_slices(n_slices: int, ranks: list[int]) -> list[int]:
+    """The slice of each row of the live rank layout (:func:`mmlora.backends.cpu_dense.live_rows`'s
+    order: slot, then slice, then rank row)."""
+    return [i for r in ranks for i in range(n_slices) for _ in range(r)]
+
+
+def lora_expand(
+    y: torch.Tensor,
+    h: torch.Tensor,
+    E: torch.Tensor,
+    eoff: torch.Tensor,
+    rows: torch.Tensor,
+    offsets: torch.Tensor,
+) -> None:
+    """``y[t, lo_i:hi_i] += h[t, c_t + i r_t : c_t + (i+1) r_t] @ W[same rows, lo_i:hi_i]`` for every
+    token t with ``rows[t] = (c_t, r_t)``, c_t >= 0 (:func:`expand_rows`), slice i of ``offsets``
+    (int64 [n + 1]); base-only tokens untouched. W [K, out] is the expand matrix, given compact as
+    (E, eoff) by :func:`compact_expand`.
+
+    y [T, out], h [T, K]: CPU, one dtype of :data:`EXPAND_DTYPES` (E too), unit column stride (rows may be
+    strided: y and h may be views of one [T, out + K] tensor). The delta of a slice is summed in fp32
+    and (bf16) rounded to bf16 before it is added, as ``y += h @ W`` rounds. Needs :func:`available`.
     """
     T = y.shape[0]
-    if h.shape[0] != T or rows.shape != (T, 2) or E.shape[1] != y.shape[1] or h.shape[1] != E.shape[0]:
-        raise ValueError(f"lora_expand: shapes y {tuple(y.shape)}, h {tuple(h.shape)}, E {tuple(E.shape)}")
+    if h.shape[0] != T or rows.shape != (T, 2) or eoff.shape != (h.shape[1],) or E.dim() != 1:
+        raise ValueError(
+            f"lora_expand: shapes y {tuple(y.shape)}, h {tuple(h.shape)}, eoff {tuple(eoff.shape)}"
+        )
     if not (y.dtype == h.dtype == E.dtype) or y.dtype not in EXPAND_DTYPES:
         raise ValueError(f"lora_expand: dtypes {y.dtype}, {h.dtype}, {E.dtype}")
     if y.stride(1) != 1 or h.stride(1) != 1 or not E.is_contiguous() or not rows.is_contiguous():
         raise ValueError("lora_expand: needs unit column strides and contiguous E and rows")
-    if rows.dtype != torch.int32 or offsets.dtype != torch.int64 or int(offsets[-1]) > y.shape[1]:
-        raise ValueError("lora_expand: rows int32, offsets int64 within y's columns")
+    if rows.dtype != torch.int32 or eoff.dtype != torch.int64 or offsets.dtype != torch.int64:
+        raise ValueError("lora_expand: rows int32, eoff and offsets int64")
+    if int(offsets[-1]) > y.shape[1]:
+        raise ValueError("lora_expand: offsets past y's columns")
     if not available():
         raise RuntimeError("lora_expand: the CPU kernels are off or could not be built here")
-    lora_expand_unchecked(y, h, E, rows, offsets)
+    lora_expand_unchecked(y, h, E, eoff, rows, offsets)
 
 
 def lora_expand_unchecked(
-    y: torch.Tensor, h: torch.Tensor, E: torch.Tensor, rows: torch.Tensor, offsets: torch.Tensor
+    y: torch.Tensor,
+    h: torch.Tensor,
+    E: torch.Tensor,
+    eoff: torch.Tensor,
+    rows: torch.Tensor,
+    offsets: torch.Tensor,
 ) -> None:
     """:func:`lora_expand` without its checks, for callers whose tensors are right by construction (the
     fused LoRA path calls it 120 times a SmolLM2 step, where each check is a microsecond)."""
     lib = _library()
     fn = lib.lora_expand_f32 if y.dtype == torch.float32 else lib.lora_expand_bf16
-    fn(y.shape[0], h.data_ptr(), h.stride(0), y.data_ptr(), y.stride(0), E.data_ptr(), E.stride(0),
-       rows.data_ptr(), offsets.numel() - 1, offsets.data_ptr())  # fmt: skip
+    fn(y.shape[0], h.data_ptr(), h.stride(0), y.data_ptr(), y.stride(0), E.data_ptr(), eoff.data_ptr(),
+       rows.data_ptr(), offsets.numel() - 1, offsets.data_ptr(), torch.get_num_threads())  # fmt: skip
 
 
 #: The dtypes :func:`decode_attention` takes (q, the caches and the output share one).
@@ -444,6 +509,36 @@ def decode_attention_unchecked(
        tables.data_ptr(), tables.shape[1], k_cache.shape[1], seq_lens.data_ptr(), sliding_window or 0,
        scale, scratch.data_ptr(), scratch.shape[1], scratch.shape[0])  # fmt: skip
     return out
+
+
+def store_kv_layout_ok(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+) -> bool:
+    """Whether :func:`store_kv_unchecked` takes these: k, v [T, Hkv, D] with heads contiguous (any row
+    stride), the caches contiguous [blocks, block_size, Hkv, D], one dtype."""
+    D = k.shape[-1]
+    return (
+        k.dim() == 3
+        and k.shape == v.shape
+        and k.shape[1:] == k_cache.shape[2:]
+        and k.dtype == v.dtype == k_cache.dtype == v_cache.dtype
+        and k.stride(2) == v.stride(2) == 1
+        and k.stride(1) == v.stride(1) == D
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+    )
+
+
+def store_kv_unchecked(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """As :func:`mmlora.layers.attention.base.store_kv` (row t of k and v to cache slot ``slots[t]``, int64;
+    negative slots skipped) in one call, for tensors :func:`store_kv_layout_ok` takes."""
+    T, H, D = k.shape
+    _library().store_kv_rows(
+        T, H * D, k.element_size(), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+        k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
+    )  # fmt: skip
 
 
 def attention_scratch(num_heads: int, max_seq_len: int) -> torch.Tensor:

@@ -48,7 +48,11 @@ def test_lora_expand_matches_float64(rows: int, widths: tuple[int, ...], ranks: 
     y, h = yk[:, :out], yk[:, out:]
     want = _expand_ref(y, h, E, slots, ranks, offs)
     before = yk.clone()
-    cpu_kernels.lora_expand(y, h, E, cpu_kernels.expand_rows(slots, ranks, len(widths)), torch.tensor(offs))
+    row_slices = cpu_kernels.live_row_slices(len(widths), ranks)
+    Ec, eoff = cpu_kernels.compact_expand(E, row_slices, offs)
+    assert Ec.numel() == sum(offs[i + 1] - offs[i] for i in row_slices)
+    rows = cpu_kernels.expand_rows(slots, ranks, len(widths))
+    cpu_kernels.lora_expand(y, h, Ec, eoff, rows, torch.tensor(offs))
     atol, rtol = TOL[dtype]
     torch.testing.assert_close(y.double(), want, atol=atol, rtol=rtol)
     assert torch.equal(yk[:, out:], before[:, out:])  # h is read, never written
@@ -65,12 +69,13 @@ def test_expand_rows_follow_the_live_row_layout() -> None:
 
 
 def test_lora_expand_refuses_mismatched_tensors() -> None:
-    y, h, E = torch.zeros(2, 8), torch.zeros(2, 4), torch.zeros(4, 8)
+    y, h = torch.zeros(2, 8), torch.zeros(2, 4)
+    E, eoff = cpu_kernels.compact_expand(torch.zeros(4, 8), [0] * 4, [0, 8])
     rows, offs = cpu_kernels.expand_rows([0, 0], [4], 1), torch.tensor([0, 8])
     with pytest.raises(ValueError, match="dtypes"):
-        cpu_kernels.lora_expand(y, h.double(), E, rows, offs)
+        cpu_kernels.lora_expand(y, h.double(), E, eoff, rows, offs)
     with pytest.raises(ValueError, match="shapes"):
-        cpu_kernels.lora_expand(y, h, E[:3], rows, offs)
+        cpu_kernels.lora_expand(y, h, E, eoff[:3], rows, offs)
 
 
 def test_without_a_compiler_the_kernels_are_off(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
@@ -223,3 +228,20 @@ def test_layers_take_the_kernels_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None
     assert len(calls) == 3
     for a, b in zip(on, off):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", cpu_kernels.ATTENTION_DTYPES)
+def test_store_kv_rows_as_store_kv(dtype) -> None:  # noqa: ANN001
+    """K and V rows viewed out of one packed qkv output land where base.store_kv puts them."""
+    from mmlora.layers.attention.base import store_kv
+
+    g = torch.Generator().manual_seed(6)
+    qkv = torch.randn(3, 4 * 8 + 2 * 2 * 8, generator=g).to(dtype)
+    k, v = qkv[:, 32:48].view(3, 2, 8), qkv[:, 48:].view(3, 2, 8)
+    caches = [torch.randn(5, 4, 2, 8, generator=g).to(dtype) for _ in range(2)]
+    want = [c.clone() for c in caches]
+    slots = torch.tensor([7, 0, 19])
+    assert cpu_kernels.store_kv_layout_ok(k, v, *caches)
+    cpu_kernels.store_kv_unchecked(k, v, *caches, slots)
+    store_kv(k, v, *want, slots)
+    assert all(torch.equal(a, b) for a, b in zip(caches, want))

@@ -90,13 +90,22 @@ class TorchAttention(AttentionBackend):
     ) -> torch.Tensor:
         k_cache, v_cache = kv
         scale, sliding_window, logit_softcap = opts
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         B = meta.num_seqs
         if meta.is_decode and _in_place(q, k_cache, logit_softcap):
+            slots = meta.slot_mapping
+            if (
+                cpu_kernels.store_kv_layout_ok(k, v, k_cache, v_cache)
+                and slots.dtype == torch.int64
+                and slots.is_contiguous()
+            ):
+                cpu_kernels.store_kv_unchecked(k, v, k_cache, v_cache, slots)
+            else:
+                store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             tables, seq_lens, scratch = _kernel_plan(meta, q.shape[1])
             return cpu_kernels.decode_attention_unchecked(
                 q[:B].contiguous(), k_cache, v_cache, tables, seq_lens, scale, sliding_window, scratch
             )
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.is_decode:
             rows, allowed = _decode_plan(meta, k_cache.shape[1], sliding_window)
             out = _masked_attention(
