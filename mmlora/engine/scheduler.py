@@ -280,6 +280,9 @@ class Scheduler:
                     failed.append(req)
                     continue
                 if slot is None:  # its slot is loading beside this step: admitted once the copy is done
+                    # Its adapter is claimed: the requests after it must not take that slot back once the
+                    # copy is done (each would start a load evicting the one before: a cascade of loads).
+                    busy.add(req.lora.uid)
                     continue
             if not self._take_cached_prefix(req, pending):
                 continue

@@ -135,10 +135,9 @@ class LoRABatchInfo:
 
     def set_slot_rank(self, slot: int, rank: int) -> None:
         """Record the rank of the adapter now held in ``slot`` (0 when the slot is emptied)."""
-        # An item assignment: a host copy that synchronizes the stream. fill_ would not wait, but with it the
-        # 1000-adapter serving run stalled on an H200 (session 11, call 3; loads then really run beside the
-        # forwards, a path not yet debugged at that scale).
-        self.ranks[slot] = rank
+        # A kernel on the current (upload) stream: an item assignment copies from the host and synchronizes
+        # the stream, so a slot load would wait for the step the overlap scheduler has launched.
+        self.ranks[slot].fill_(rank)
         self.ranks_host[slot] = rank
 
     def fill(self, seq_lens: Sequence[int], seq_slots: Sequence[int]) -> None:
