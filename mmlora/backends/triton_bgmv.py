@@ -39,6 +39,7 @@ from mmlora.backends.triton_common import (
     check_expand_args,
     next_pow2,
     offset_args,
+    pdl_launch,
     shrink_entry,
     slice_bound,
     split_k_plan,
@@ -62,6 +63,7 @@ TUNING = {
     "expand_per_slice": True,
     "max_split_k": 16,
     "waves": 4,
+    "pdl": False,
 }
 
 
@@ -76,7 +78,7 @@ def _bgmv_shrink_kernel(
     x_ptr, a_ptr, p_ptr, token_slots_ptr, ranks_ptr,
     in_features, R, K_PER_SPLIT, stride_xm, stride_as, stride_ar, stride_ps, stride_pm, SPLIT_K, R_TILES,
     N_SLICES: tl.constexpr, NS_P2: tl.constexpr, SKIP_PAD: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Shrink partials: for token t with slot s = ts[t] >= 0 and split k:
     ``P[k, t, :] = x[t, Kk] @ A[s, :, Kk].T`` over the split's columns Kk of in_features.
@@ -86,6 +88,8 @@ def _bgmv_shrink_kernel(
     are written; the caller zero-fills P when it needs the rest. Program (t, k, rt) covers rank tile rt
     (BLOCK_R ranks of every slice); R_TILES tiles cover the batch's rank bound.
     """
+    if PDL:  # the expand (a programmatic dependent) may start now; it waits before reading P
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     rt = pid % R_TILES
     sp = (pid // R_TILES) % SPLIT_K
@@ -127,6 +131,7 @@ def _bgmv_expand_kernel(
     R, N_OUT, stride_ps, stride_pm, stride_bs, stride_bn, stride_om, stride_ss, o0, o1, o2, o3, o4, N_TILES,
     SPLIT_K, SPLIT_P2: tl.constexpr, N_SLICES: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, H_DTYPE: tl.constexpr, PER_SLICE: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """Expand over all slices: for token t with slot s = ts[t] >= 0, slice j, h = sum_k P[k]:
     ``y[t, o[j]:o[j+1]] += h[t, j*R:j*R+r] @ B[s, o[j]:o[j+1], :r].T * sc[s, j]``, r = ranks[s].
@@ -135,7 +140,8 @@ def _bgmv_expand_kernel(
     scalings [S, N_SLICES] fp32, out [T, N_OUT] updated in place. h is rounded to H_DTYPE (x.dtype)
     before use, as PEFT computes it; fp32 accumulation. A program covers BLOCK_N output columns of one
     token, which may straddle slices, and loops over its slot's rank in BLOCK_R tiles. SPLIT_P2 (a power
-    of two >= SPLIT_K, fixed per engine) sizes the partial-plane tile.
+    of two >= SPLIT_K, fixed per engine) sizes the partial-plane tile. PDL: launched as a programmatic
+    dependent of the shrink, it waits for it only before reading P (its B and out loads go first).
     """
     pid = tl.program_id(0)
     nt = pid % N_TILES
@@ -162,6 +168,8 @@ def _bgmv_expand_kernel(
         r_in = rr < R
         bv = tl.load(b_base[:, None] + rr[None, :], mask=n_ok[:, None] & r_in[None, :], other=0.0)
         bv = tl.where(r_ok[None, :], bv.to(tl.float32), 0.0)
+        if PDL:  # launched beside the shrink: its partials are complete and visible after this
+            tl.extra.cuda.gdc_wait()
         hsel = tl.zeros((BLOCK_N, BLOCK_R), dtype=tl.float32)
         for i in tl.static_range(N_SLICES):
             in_i = (offs_n >= slice_bound(i, o0, o1, o2, o3, o4)) & (
@@ -181,6 +189,11 @@ def _bgmv_expand_kernel(
         if not PER_SLICE:
             acc += tl.sum(bv * hsel, axis=1)
     tl.store(o_ptrs, (prev.to(tl.float32) + acc).to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+def _pdl_options(pdl: bool) -> dict:
+    """The expand's PDL constexpr and, when on, the launch option that makes it a dependent launch."""
+    return {"PDL": True, "launch_pdl": True} if pdl else {"PDL": False}
 
 
 def _tl_dtype(dtype: torch.dtype) -> tl.dtype:
@@ -222,11 +235,13 @@ class _ShrinkPlan:
         self.launches: dict[tuple, LaunchPlan] = {}  # per argument layout (strides, skip_pad)
 
 
-def _shrink_partials(job: ShrinkJob, zero: bool = True) -> torch.Tensor:
+def _shrink_partials(job: ShrinkJob, zero: bool = True, pdl: bool = False) -> torch.Tensor:
     """Launch shrink; returns its fp32 split-K partials [SPLIT_K, T, n*R] (zeroed first with ``zero``:
-    rank padding is then 0 rather than unwritten), planes padded to 16 rows."""
+    rank padding is then 0 rather than unwritten), planes padded to 16 rows. ``pdl``: the next launch on
+    the stream is its expand, as a programmatic dependent (:func:`pdl_launch`)."""
     x, A, info, n, R, skip_pad, split_k = job
     T, bound = info.num_tokens, job.top_rank
+    pdl = pdl_launch(x.device, pdl)
     key = ("bgmv_plan", x.shape[1], n, R, bound, split_k)  # once per forward and module shape
     plan = info.host_derived.get(key)
     if plan is None:
@@ -237,7 +252,7 @@ def _shrink_partials(job: ShrinkJob, zero: bool = True) -> torch.Tensor:
     shape = (plan.split_k, -(-T // 16) * 16, A.shape[1])
     p = alloc(shape, dtype=torch.float32, device=x.device)
     # The launch itself, planned once per forward and argument layout: the layers share it.
-    layout = (x.stride(0), A.stride(0), A.stride(1), A.shape[1], skip_pad)
+    layout = (x.stride(0), A.stride(0), A.stride(1), A.shape[1], skip_pad, pdl)
     launch = plan.launches.get(layout)
     if launch is None:
         launch = plan.launches[layout] = fast(_bgmv_shrink_kernel).plan(
@@ -249,7 +264,7 @@ def _shrink_partials(job: ShrinkJob, zero: bool = True) -> torch.Tensor:
             ),
             dict(
                 N_SLICES=n, NS_P2=plan.ns_p2, SKIP_PAD=skip_pad, BLOCK_R=plan.block_r, BLOCK_K=plan.block_k,
-                EVEN_K=plan.even_k, num_warps=TUNING["shrink_warps"],
+                EVEN_K=plan.even_k, PDL=pdl, num_warps=TUNING["shrink_warps"],
             ),
             (0, 1, 2),
         )  # fmt: skip
@@ -264,12 +279,16 @@ def _expand(
     out: torch.Tensor,
     R: int,
     h_dtype: torch.dtype,
+    pdl: bool = False,
 ) -> None:
+    """``pdl``: launched right after the shrink that wrote ``p`` (:func:`_shrink_partials` with ``pdl``),
+    as its programmatic dependent; ``out`` must then be complete before that shrink started."""
     B, scalings, slice_offsets = weights.B, weights.scalings, weights.slice_offsets
+    pdl = pdl_launch(out.device, pdl)
     # The launch, planned once per forward and argument layout (the layers share it).
     key = (
         "bgmv_expand", R, B.shape, B.stride(), out.stride(0), scalings.stride(0), slice_offsets, p.shape[0],
-        p.stride(0), p.stride(1), h_dtype,
+        p.stride(0), p.stride(1), h_dtype, pdl,
     )  # fmt: skip
     launch = info.host_derived.get(key)
     if launch is None:
@@ -288,7 +307,7 @@ def _expand(
             dict(
                 SPLIT_P2=max(_split_p2(), next_pow2(p.shape[0])), N_SLICES=n, BLOCK_N=block_n,
                 BLOCK_R=block_r, H_DTYPE=_tl_dtype(h_dtype), PER_SLICE=TUNING["expand_per_slice"],
-                num_warps=TUNING["expand_warps"],
+                num_warps=TUNING["expand_warps"], **_pdl_options(pdl),
             ),
             (0, 1, 2, 3),
         )  # fmt: skip
@@ -321,8 +340,11 @@ class TritonBGMVBackend(FusedTritonBackend):
     def _fused(
         self, out: torch.Tensor, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo, R: int
     ) -> None:
-        """Partials unzeroed: shrink skips rank padding per slice and expand masks it out."""
-        self._expand_phase(out, self._shrink_phase(x, weights, info, R), weights, info, R, x.dtype)
+        """Partials unzeroed: shrink skips rank padding per slice and expand masks it out. The expand
+        follows its shrink on the stream: a programmatic dependent where TUNING["pdl"] asks."""
+        job = ShrinkJob(x, weights.A, info, weights.n_slices, R, True, self.split_k)
+        partials = _shrink_partials(job, zero=False, pdl=TUNING["pdl"])
+        _expand(partials, weights, info, out, R, x.dtype, pdl=TUNING["pdl"])
 
     def _shrink_phase(
         self, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo, R: int

@@ -54,6 +54,26 @@ def dot_upcast(dtype: torch.dtype) -> bool:
 
 
 @functools.lru_cache(maxsize=16)
+def _capability_major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def pdl_launch(device: torch.device, wanted: bool) -> bool:
+    """Whether an expand is launched as a programmatic dependent of its shrink (PDL, ``launch_pdl``): on
+    Hopper and newer, outside the interpreter, where the backend's TUNING asks for it. The expand then
+    starts while the shrink runs: it loads its B tiles and the output rows, and waits
+    (``gdc_wait``) only before it reads the shrink's partials; the shrink lets it start at once
+    (``gdc_launch_dependents``). Kernels launched without the attribute behave as before (the wait
+    returns at once)."""
+    return (
+        wanted
+        and device.type == "cuda"
+        and not KERNELS_INTERPRETED
+        and _capability_major(device.index if device.index is not None else torch.cuda.current_device()) >= 9
+    )
+
+
+@functools.lru_cache(maxsize=16)
 def _sm_count(device_type: str, index: int | None) -> int:
     if device_type == "cuda":
         return torch.cuda.get_device_properties(index or 0).multi_processor_count

@@ -30,6 +30,7 @@ from mmlora.backends.triton_common import (
     dot_upcast,
     next_pow2,
     offset_args,
+    pdl_launch,
     select_bound,
     shrink_entry,
     split_k_plan,
@@ -54,6 +55,7 @@ TUNING = {
     "run_expand_warps": 2,
     "max_split_k": 16,
     "waves": 2,
+    "pdl": False,
 }
 
 
@@ -87,7 +89,7 @@ def _sgmv_shrink_kernel(
     M_TILES, R_TILES, SPLIT_K,
     N_SLICES: tl.constexpr, NS_P2: tl.constexpr, SKIP_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, PREC: tl.constexpr, TILED: tl.constexpr,
+    UPCAST: tl.constexpr, PREC: tl.constexpr, TILED: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Shrink, split over in_features: for segment i with slot w[i] >= 0 and split k:
     ``h[k, s[i]:s[i+1]] = x[s[i]:s[i+1], Kk] @ A[w[i], :, Kk].T`` (sum over k gives the shrink).
@@ -98,6 +100,8 @@ def _sgmv_shrink_kernel(
     past the adapter's rank as zeros. fp32 accumulation. TILED: token tiles come from the tile table
     (tile i: segment tile_seg[i], first token tile_m0[i]) instead of M_TILES per segment.
     """
+    if PDL:  # the expand (a programmatic dependent) may start now; it waits before reading h
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     pid_r = pid % R_TILES
     sp = (pid // R_TILES) % SPLIT_K
@@ -148,7 +152,7 @@ def _sgmv_expand_kernel(
     R, SPLIT_K, stride_hs, stride_hm, stride_bs, stride_bn, stride_om, stride_ss, o0, o1, o2, o3, o4,
     M_TILES, N_TILES,
     N_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, PREC: tl.constexpr, TILED: tl.constexpr,
+    UPCAST: tl.constexpr, PREC: tl.constexpr, TILED: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Expand, all slices in one launch: for segment i with slot w[i] >= 0 and slice j:
     ``y[s[i]:s[i+1], o[j]:o[j+1]] += h[s[i]:s[i+1], j*R:j*R+r] @ B[w[i], o[j]:o[j+1], :r].T * sc[w[i], j]``.
@@ -157,7 +161,8 @@ def _sgmv_expand_kernel(
     as PEFT keeps h), B [S, out, R], scalings [S, N_SLICES] fp32, out [T, out] (any float dtype, updated
     in place), r = ranks[w[i]]. A program covers BLOCK_M tokens x BLOCK_N columns of one slice and
     loops over the rank only up to r; fp32 accumulation. TILED: token tiles from the tile table, as in
-    shrink.
+    shrink. PDL: launched as a programmatic dependent of the shrink, it loads its B tile first and waits
+    for the shrink only before it reads h.
     """
     pid = tl.program_id(0)
     pid_n = pid % (N_SLICES * N_TILES)
@@ -182,13 +187,15 @@ def _sgmv_expand_kernel(
     for k0 in range(0, rank, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
         k_ok = kk < rank
+        bt = tl.load(b_base[None, :] + kk[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
         h_ptrs = h_ptr + offs_m[:, None] * stride_hm + (s * R + kk)[None, :]
         h_mask = m_ok[:, None] & k_ok[None, :]
         hsum = tl.load(h_ptrs, mask=h_mask, other=0.0).to(tl.float32)
         for sp in range(1, SPLIT_K):
             hsum += tl.load(h_ptrs + sp * stride_hs, mask=h_mask, other=0.0).to(tl.float32)
         ht = hsum.to(b_ptr.dtype.element_ty)  # exact when SPLIT_K == 1 (h is already in x.dtype)
-        bt = tl.load(b_base[None, :] + kk[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
         if UPCAST:
             ht = ht.to(tl.float32)
             bt = bt.to(tl.float32)
@@ -245,7 +252,7 @@ class _Tiles:
 
 
 def _shrink_launch(
-    job: ShrinkJob, fp32_planes: bool
+    job: ShrinkJob, fp32_planes: bool, pdl: bool = False
 ) -> tuple[tuple[int], tuple, dict, tuple[int, int, int], torch.dtype]:
     """(grid, positional args with None for h, keyword args, h's padded shape, h's dtype) of shrink's
     launch. Launch constants follow the pool rank R, not this batch's ranks, so batches of any rank mix
@@ -274,7 +281,7 @@ def _shrink_launch(
     kwargs = dict(
         N_SLICES=n, NS_P2=ns_p2, SKIP_PAD=skip_pad, BLOCK_M=tiles.block_m, BLOCK_R=block_r, BLOCK_K=block_k,
         UPCAST=dot_upcast(x.dtype), PREC="ieee" if x.dtype == torch.float32 else "tf32", TILED=tiles.tiled,
-        num_warps=TUNING["shrink_warps"],
+        PDL=pdl, num_warps=TUNING["shrink_warps"],
     )  # fmt: skip
     return (tiles.count * split * r_tiles,), args, kwargs, shape, dtype
 
@@ -289,10 +296,16 @@ def _shrink_planes(job: ShrinkJob, fp32_planes: bool = False) -> torch.Tensor:
 
 
 def _expand_launch(
-    h_strides: tuple[int, int, int], weights: LoRAWeights, info: LoRABatchInfo, out: torch.Tensor, R: int
+    h_strides: tuple[int, int, int],
+    weights: LoRAWeights,
+    info: LoRABatchInfo,
+    out: torch.Tensor,
+    R: int,
+    pdl: bool = False,
 ) -> tuple[tuple[int], tuple, dict]:
     """(grid, positional args with None for h, keyword args) of expand's launch over h's planes given as
-    (planes, plane stride, row stride)."""
+    (planes, plane stride, row stride). ``pdl``: launched right after the shrink that writes h (with
+    ``pdl``), as its programmatic dependent (:func:`pdl_launch`)."""
     B, scalings, slice_offsets = weights.B, weights.scalings, weights.slice_offsets
     n = weights.n_slices
     widths = [b - a for a, b in zip(slice_offsets, slice_offsets[1:])]
@@ -310,8 +323,10 @@ def _expand_launch(
     )  # fmt: skip
     kwargs = dict(
         N_SLICES=n, BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=dot_upcast(B.dtype),
-        PREC="ieee" if B.dtype == torch.float32 else "tf32", TILED=tiles.tiled, num_warps=warps,
+        PREC="ieee" if B.dtype == torch.float32 else "tf32", TILED=tiles.tiled, num_warps=warps, PDL=pdl,
     )  # fmt: skip
+    if pdl:
+        kwargs["launch_pdl"] = True
     return (tiles.count * n * n_tiles,), args, kwargs
 
 
@@ -331,10 +346,12 @@ class _ModulePlan:
     __slots__ = ("shrink", "expand", "h_shape", "h_dtype")
 
     def __init__(self, job: ShrinkJob, weights: LoRAWeights, out: torch.Tensor) -> None:
-        grid, args, kwargs, self.h_shape, self.h_dtype = _shrink_launch(job, fp32_planes=True)
+        # The expand follows its shrink on the stream: a programmatic dependent where TUNING asks.
+        pdl = pdl_launch(out.device, TUNING["pdl"])
+        grid, args, kwargs, self.h_shape, self.h_dtype = _shrink_launch(job, fp32_planes=True, pdl=pdl)
         self.shrink = fast(_sgmv_shrink_kernel).plan(grid, args, kwargs, (0, 1, 2))
         splits, rows, cols = self.h_shape
-        grid, args, kwargs = _expand_launch((splits, rows * cols, cols), weights, job.info, out, job.R)
+        grid, args, kwargs = _expand_launch((splits, rows * cols, cols), weights, job.info, out, job.R, pdl)
         self.expand = fast(_sgmv_expand_kernel).plan(grid, args, kwargs, (0, 1, 2, 3))
 
 
@@ -373,7 +390,7 @@ class TritonSGMVBackend(FusedTritonBackend):
         # Everything the launch arithmetic reads of this call, but the batch (the plan is per forward).
         key = (
             "sgmv_module", x.shape[1], x.stride(0), x.dtype, A.shape, A.stride(), B.shape, B.stride(),
-            scalings.stride(0), weights.slice_offsets, out.stride(0), R, self.split_k,
+            scalings.stride(0), weights.slice_offsets, out.stride(0), R, self.split_k, TUNING["pdl"],
         )  # fmt: skip
         plan = info.host_derived.get(key)
         if plan is None:
