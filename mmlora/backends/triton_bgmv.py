@@ -63,7 +63,10 @@ TUNING = {
     "expand_per_slice": True,
     "max_split_k": 16,
     "waves": 4,
-    "pdl": False,
+    # The expand as a programmatic dependent launch of its shrink (Hopper+). H200, decode graphs on 32
+    # rank-16 adapters (benchmarks/scripts/lora_pdl_ab.py, 2026-12-03, two rounds): B=64 and 128 (SGMV
+    # runs) 0.95-0.97x the replay time, B=32 (BGMV, side-stream split: unchanged) 0.99-1.0x; same tokens.
+    "pdl": True,
 }
 
 

@@ -161,7 +161,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--hf-batch", type=int, default=32, help="HF + PEFT subset: requests (0 skips it)")
     p.add_argument("--hf-tokens", type=int, default=64)
     p.add_argument("--hf-adapters", type=int, default=8)
-    p.add_argument("--micro-batch", type=int, nargs="*", default=[32, 128], help="decode-step microbench B")
+    p.add_argument(
+        "--micro-batch",
+        type=int,
+        nargs="*",
+        default=[32, 128],
+        help="decode-step microbench batch sizes (the bare flag: none, skip it)",
+    )
     p.add_argument("--micro-context", type=int, default=768)
     p.add_argument("--micro-rank", type=int, default=16)
     p.add_argument(
