@@ -91,7 +91,9 @@ class TorchAttention(AttentionBackend):
         k_cache, v_cache = kv
         scale, sliding_window, logit_softcap = opts
         B = meta.num_seqs
-        if meta.is_decode and _in_place(q, k_cache, logit_softcap):
+        # The kernel keeps each request's key offsets on its thread's stack: bounded, far above SmolLM2's
+        # 8k context; longer contexts take the torch path.
+        if meta.is_decode and meta.max_seq_len <= IN_PLACE_MAX_KEYS and _in_place(q, k_cache, logit_softcap):
             slots = meta.slot_mapping
             if (
                 cpu_kernels.store_kv_layout_ok(k, v, k_cache, v_cache)
@@ -132,6 +134,10 @@ class TorchAttention(AttentionBackend):
             out[start : start + n] = o[0]
             start += n
         return out
+
+
+#: The longest context the in-place decode kernel attends over (8 bytes of stack per key).
+IN_PLACE_MAX_KEYS = 1 << 16
 
 
 def _in_place(q: torch.Tensor, k_cache: torch.Tensor, logit_softcap: float | None) -> bool:
