@@ -70,6 +70,22 @@ def measure(engine: mmlora.Engine, steps: int = 20) -> dict:
     }
 
 
+def engine_with_adapters(model: str, max_bs: int, n_adapters: int) -> tuple:
+    """(engine, its side stream, adapters loaded into it): bf16, ``n_adapters`` random rank-16 adapters."""
+    engine = mmlora.Engine(
+        model=model, dtype="bfloat16", max_running_requests=max_bs, max_loras_per_batch=n_adapters,
+        max_lora_rank=16, max_model_len=2048,
+    )  # fmt: skip
+    side = engine.lora._ctx.side_stream
+    assert side is not None, "the engine has no side stream (disable_lora_overlap?)"
+    adapters = write_random_adapters(
+        engine.hf_config, tempfile.mkdtemp(), n_adapters, [16], dtype=torch.bfloat16
+    )
+    for a in adapters:
+        engine.load_lora(a["name"], a["path"])
+    return engine, side, adapters
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="dummy:mistral-7b-v0.3")
@@ -78,22 +94,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--out", required=True)
     args = p.parse_args()
-    max_bs = max(args.batch)
-    engine = mmlora.Engine(
-        model=args.model,
-        dtype="bfloat16",
-        max_running_requests=max_bs,
-        max_loras_per_batch=args.adapters,
-        max_lora_rank=16,
-        max_model_len=2048,
-    )
-    side = engine.lora._ctx.side_stream
-    assert side is not None, "the engine has no side stream (disable_lora_overlap?)"
-    adapters = write_random_adapters(
-        engine.hf_config, tempfile.mkdtemp(), args.adapters, [16], dtype=torch.bfloat16
-    )
-    for a in adapters:
-        engine.load_lora(a["name"], a["path"])
+    engine, side, adapters = engine_with_adapters(args.model, max(args.batch), args.adapters)
     rng = np.random.default_rng(0)
     rows = []
     for bsz in args.batch:

@@ -15,15 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import tempfile
 
 import numpy as np
 import torch
-from lora_overlap_ab import measure, recapture
+from lora_overlap_ab import engine_with_adapters, measure, recapture
 
 import mmlora
 from mmlora.backends import triton_bgmv, triton_sgmv
-from mmlora.bench.adapters import write_random_adapters
 from mmlora.bench.serving_parts import abort_all, start_decode_batch
 
 MODES = ("side", "side+pdl", "pdl", "plain")  # side: the shrink on the side stream (today's default)
@@ -43,18 +41,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--out", required=True)
     args = p.parse_args()
-    max_bs = max(args.batch)
-    engine = mmlora.Engine(
-        model=args.model, dtype="bfloat16", max_running_requests=max_bs, max_loras_per_batch=args.adapters,
-        max_lora_rank=16, max_model_len=2048,
-    )  # fmt: skip
-    side = engine.lora._ctx.side_stream
-    assert side is not None, "the engine has no side stream (disable_lora_overlap?)"
-    adapters = write_random_adapters(
-        engine.hf_config, tempfile.mkdtemp(), args.adapters, [16], dtype=torch.bfloat16
-    )
-    for a in adapters:
-        engine.load_lora(a["name"], a["path"])
+    engine, side, adapters = engine_with_adapters(args.model, max(args.batch), args.adapters)
     rng = np.random.default_rng(0)
     rows = []
     for bsz in args.batch:
