@@ -125,8 +125,11 @@ def test_killing_a_replica_loses_no_unanswered_request(cluster):
     assert victim_id in homes.values()
     loras = [ADAPTERS[i % 4] for i in range(12)]
     with concurrent.futures.ThreadPoolExecutor(12) as pool:
-        futures = [pool.submit(generate, cluster, lora, "Count to ten:", 200) for lora in loras]
-        time.sleep(1.0)  # 200 tokens each, 6 requests per replica on a shared CPU: still generating
+        futures = [pool.submit(generate, cluster, lora, "Count to ten:", 480) for lora in loras]
+        # 480 tokens each (the tiny model has 512 positions), 6 requests per replica on a shared CPU: still
+        # generating after 0.5 s (200 tokens and 1 s were not always enough once the CPU decode step got
+        # faster: nothing was in flight on the victim when it was killed)
+        time.sleep(0.5)
         ray.kill(victim, no_restart=False)
         answers = [f.result() for f in futures]
     # Non-streaming answers are sent whole, so every request that died with the replica had sent nothing
