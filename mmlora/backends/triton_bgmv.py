@@ -40,6 +40,7 @@ from mmlora.backends.triton_common import (
     next_pow2,
     offset_args,
     pdl_launch,
+    pdl_options,
     shrink_entry,
     slice_bound,
     split_k_plan,
@@ -194,11 +195,6 @@ def _bgmv_expand_kernel(
     tl.store(o_ptrs, (prev.to(tl.float32) + acc).to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
-def _pdl_options(pdl: bool) -> dict:
-    """The expand's PDL constexpr and, when on, the launch option that makes it a dependent launch."""
-    return {"PDL": True, "launch_pdl": True} if pdl else {"PDL": False}
-
-
 def _tl_dtype(dtype: torch.dtype) -> tl.dtype:
     return {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}[dtype]
 
@@ -244,7 +240,6 @@ def _shrink_partials(job: ShrinkJob, zero: bool = True, pdl: bool = False) -> to
     the stream is its expand, as a programmatic dependent (:func:`pdl_launch`)."""
     x, A, info, n, R, skip_pad, split_k = job
     T, bound = info.num_tokens, job.top_rank
-    pdl = pdl_launch(x.device, pdl)
     key = ("bgmv_plan", x.shape[1], n, R, bound, split_k)  # once per forward and module shape
     plan = info.host_derived.get(key)
     if plan is None:
@@ -267,7 +262,7 @@ def _shrink_partials(job: ShrinkJob, zero: bool = True, pdl: bool = False) -> to
             ),
             dict(
                 N_SLICES=n, NS_P2=plan.ns_p2, SKIP_PAD=skip_pad, BLOCK_R=plan.block_r, BLOCK_K=plan.block_k,
-                EVEN_K=plan.even_k, PDL=pdl, num_warps=TUNING["shrink_warps"],
+                EVEN_K=plan.even_k, PDL=pdl_launch(x.device, pdl), num_warps=TUNING["shrink_warps"],
             ),
             (0, 1, 2),
         )  # fmt: skip
@@ -287,7 +282,6 @@ def _expand(
     """``pdl``: launched right after the shrink that wrote ``p`` (:func:`_shrink_partials` with ``pdl``),
     as its programmatic dependent; ``out`` must then be complete before that shrink started."""
     B, scalings, slice_offsets = weights.B, weights.scalings, weights.slice_offsets
-    pdl = pdl_launch(out.device, pdl)
     # The launch, planned once per forward and argument layout (the layers share it).
     key = (
         "bgmv_expand", R, B.shape, B.stride(), out.stride(0), scalings.stride(0), slice_offsets, p.shape[0],
@@ -310,7 +304,7 @@ def _expand(
             dict(
                 SPLIT_P2=max(_split_p2(), next_pow2(p.shape[0])), N_SLICES=n, BLOCK_N=block_n,
                 BLOCK_R=block_r, H_DTYPE=_tl_dtype(h_dtype), PER_SLICE=TUNING["expand_per_slice"],
-                num_warps=TUNING["expand_warps"], **_pdl_options(pdl),
+                num_warps=TUNING["expand_warps"], **pdl_options(pdl_launch(out.device, pdl)),
             ),
             (0, 1, 2, 3),
         )  # fmt: skip
@@ -345,15 +339,14 @@ class TritonBGMVBackend(FusedTritonBackend):
     ) -> None:
         """Partials unzeroed: shrink skips rank padding per slice and expand masks it out. The expand
         follows its shrink on the stream: a programmatic dependent where TUNING["pdl"] asks."""
-        job = ShrinkJob(x, weights.A, info, weights.n_slices, R, True, self.split_k)
-        partials = _shrink_partials(job, zero=False, pdl=TUNING["pdl"])
-        _expand(partials, weights, info, out, R, x.dtype, pdl=TUNING["pdl"])
+        pdl = TUNING["pdl"]
+        self._expand_phase(out, self._shrink_phase(x, weights, info, R, pdl), weights, info, R, x.dtype, pdl)
 
     def _shrink_phase(
-        self, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo, R: int
+        self, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo, R: int, pdl: bool = False
     ) -> torch.Tensor:
         job = ShrinkJob(x, weights.A, info, weights.n_slices, R, True, self.split_k)
-        return _shrink_partials(job, zero=False)
+        return _shrink_partials(job, zero=False, pdl=pdl)
 
     def _expand_phase(
         self,
@@ -363,5 +356,6 @@ class TritonBGMVBackend(FusedTritonBackend):
         info: LoRABatchInfo,
         R: int,
         dtype: torch.dtype,
+        pdl: bool = False,
     ) -> None:
-        _expand(partials, weights, info, out, R, dtype)
+        _expand(partials, weights, info, out, R, dtype, pdl)

@@ -73,6 +73,11 @@ def pdl_launch(device: torch.device, wanted: bool) -> bool:
     )
 
 
+def pdl_options(pdl: bool) -> dict:
+    """An expand's PDL constexpr and, when on, the launch option that makes it a dependent launch."""
+    return {"PDL": True, "launch_pdl": True} if pdl else {"PDL": False}
+
+
 @functools.lru_cache(maxsize=16)
 def _sm_count(device_type: str, index: int | None) -> int:
     if device_type == "cuda":

@@ -31,6 +31,7 @@ from mmlora.backends.triton_common import (
     next_pow2,
     offset_args,
     pdl_launch,
+    pdl_options,
     select_bound,
     shrink_entry,
     split_k_plan,
@@ -326,10 +327,9 @@ def _expand_launch(
     )  # fmt: skip
     kwargs = dict(
         N_SLICES=n, BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=dot_upcast(B.dtype),
-        PREC="ieee" if B.dtype == torch.float32 else "tf32", TILED=tiles.tiled, num_warps=warps, PDL=pdl,
+        PREC="ieee" if B.dtype == torch.float32 else "tf32", TILED=tiles.tiled, num_warps=warps,
+        **pdl_options(pdl),
     )  # fmt: skip
-    if pdl:
-        kwargs["launch_pdl"] = True
     return (tiles.count * n * n_tiles,), args, kwargs
 
 
