@@ -102,6 +102,13 @@ class LoRAConfig:
         "On CUDA, run each LoRA module's shrink on the main stream after the base GEMM instead of on a "
         "second stream alongside it (both read the module's input).",
     )
+    lora_side_max_tokens: int = _f(
+        256,
+        "On CUDA with the second stream on: in batches of at most this many tokens (decode steps), each "
+        "module's whole LoRA (shrink, then expand into a zeroed buffer) runs on the second stream beside the "
+        "base GEMM, and the main stream adds the buffer to the base output: one small add on the critical "
+        "path instead of the expand. Larger batches run only the shrink there. 0: never.",
+    )
     disable_async_uploads: bool = _f(
         False,
         "On CUDA, load adapters into slots on the main stream, the step waiting for the copies, instead "
@@ -185,6 +192,7 @@ class EngineConfig:
             "max_loaded_loras",
             f"must be >= max_loras_per_batch ({lora.max_loras_per_batch})",
         )
+        _check(lora.lora_side_max_tokens >= 0, "lora_side_max_tokens", "must be >= 0")
         _check(cache.block_size >= 1, "block_size", "must be >= 1")
         mml = self.model.max_model_len
         _check(mml is None or mml >= 2, "max_model_len", "must be >= 2 (a prompt token and one to generate)")

@@ -152,6 +152,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         help="run each LoRA shrink after its base GEMM on one stream (default: beside it, on a second stream)",
     )
     p.add_argument(
+        "--lora-side-max-tokens",
+        type=int,
+        default=None,
+        help="batches of at most this many tokens run each module's whole LoRA beside its base GEMM "
+        "(default: the engine's lora_side_max_tokens; 0: only the shrink)",
+    )
+    p.add_argument(
         "--tp-size",
         "--tensor-parallel-size",
         type=int,
@@ -284,12 +291,23 @@ def _engine(args: argparse.Namespace, slots: int, rank: int) -> Any:
         max_model_len=args.max_model_len,
         disable_cuda_graph=args.disable_cuda_graph,
         disable_lora_overlap=getattr(args, "disable_lora_overlap", False),
+        **side_max_tokens(args),
         overlap_schedule=getattr(args, "overlap_schedule", "auto"),
         disable_async_uploads=getattr(args, "disable_async_uploads", False),
         tp_size=args.tp_size,
         seed=args.seed,
         schedule_policy=getattr(args, "schedule_policy", "fcfs"),
     )
+
+
+def side_max_tokens(args: argparse.Namespace) -> dict[str, int]:
+    """``lora_side_max_tokens`` where the command line sets it (else the engine's default)."""
+    value = getattr(args, "lora_side_max_tokens", None)
+    if value is None:
+        return {}
+    if value < 0:
+        raise ValueError("--lora-side-max-tokens: must be >= 0")
+    return {"lora_side_max_tokens": value}
 
 
 def _register(engine: Any, adapters: list[dict[str, Any]], names: set[str]) -> float:

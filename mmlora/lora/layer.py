@@ -23,6 +23,9 @@ class LoRAContext:
     info: LoRABatchInfo | None = None
     #: On CUDA (unless disabled): the stream each module's shrink runs on while its base GEMM runs.
     side_stream: torch.cuda.Stream | None = None
+    #: Batches of at most this many tokens run the whole LoRA on the side stream, into a buffer the main
+    #: stream adds to the base output (``lora_side_max_tokens``); 0: only the shrink goes there.
+    side_max_tokens: int = 0
     #: ``cpu_fused_lora``: let the backend run the base GEMM and the LoRA work together
     #: (``LoRABackend.fused_linear``), for base-only batches too.
     fuse_base: bool = False
@@ -69,6 +72,20 @@ class LoRALinear(nn.Module):
             self._base_packed = hasattr(self.base, "release")
         flat_x = x.reshape(-1, x.shape[-1]) if lora else None
         finish = None
+        if lora and side is not None and x.is_cuda and flat_x.shape[0] <= self.ctx.side_max_tokens:
+            # Small batches (decode): the LoRA kernels are latency-bound, so all of them run beside the
+            # base GEMM, into a zeroed buffer; the critical path gains one elementwise add, not the expand.
+            # The buffer is the main stream's (allocated before the fork, read after the join).
+            main = torch.cuda.current_stream(x.device)
+            delta = flat_x.new_empty(flat_x.shape[0], self.out_features)
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                delta.zero_()
+                backend.add_lora(delta, flat_x, self.weights, info)
+            out = self.base.partial(x) if row_parallel else self.base(x)
+            main.wait_stream(side)
+            out.view(-1, out.shape[-1]).add_(delta)
+            return self.base.reduce(out) if row_parallel else out
         if lora and side is not None and x.is_cuda and backend.splits_work(info):
             # The shrink reads only x: it runs on the side stream while the base GEMM runs, and the
             # expand adds to the base output once both are done. Its partials are freed before the next

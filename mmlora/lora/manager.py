@@ -109,6 +109,7 @@ class LoRAManager:
         )
         if device.type == "cuda" and not config.disable_lora_overlap:
             self._ctx.side_stream = torch.cuda.Stream(device)
+            self._ctx.side_max_tokens = config.lora_side_max_tokens
         self._registry = AdapterRegistry()
         self.dtype = dtype
         self._wrap(model)

@@ -1,0 +1,137 @@
+"""``lora_side_max_tokens``: in small batches each LoRA module's whole delta (shrink and expand into a
+zeroed buffer) runs on the second CUDA stream beside the base GEMM, and the main stream adds it.
+
+On a GPU: a chain of LoRA layers (the next layer reads the previous output) gives, eager and in a CUDA
+graph replayed with new inputs, the float64 reference and, within one bf16 rounding, what the shrink-only
+split gives; rows without an adapter are the base output bit for bit; the backend really ran on the side
+stream for batches up to the limit and not past it. On CPU the option is accepted and changes nothing."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # must precede the first triton import of the session
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+from torch import nn  # noqa: E402
+
+from mmlora.backends import get_backend  # noqa: E402
+from mmlora.forward import LoRABatchInfo, LoRAWeights  # noqa: E402
+from mmlora.lora.layer import LoRAContext, LoRALinear  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+
+
+def test_the_option_is_validated() -> None:
+    from mmlora.config import EngineConfig
+
+    with pytest.raises(ValueError, match="lora_side_max_tokens"):
+        EngineConfig.from_kwargs(lora_side_max_tokens=-1)
+    assert EngineConfig.from_kwargs(lora_side_max_tokens=64).lora.lora_side_max_tokens == 64
+
+
+def _reference(base: torch.Tensor, x: torch.Tensor, w: LoRAWeights, info: LoRABatchInfo) -> torch.Tensor:
+    """float64 ``base + lora(x)``, rank and slice by slice (h rounded to x.dtype, as PEFT keeps it)."""
+    ref = base.double().clone()
+    R = w.B.shape[2]
+    for t, slot in enumerate(info.token_slots.tolist()):
+        if slot < 0:
+            continue
+        r = int(info.ranks[slot])
+        for j, (lo, hi) in enumerate(zip(w.slice_offsets, w.slice_offsets[1:])):
+            h = (x[t].double() @ w.A[slot, j * R : j * R + r].double().T).to(x.dtype).double()
+            ref[t, lo:hi] += h @ w.B[slot, lo:hi, :r].double().T * float(w.scalings[slot, j])
+    return ref
+
+
+class _StreamSpy:
+    """The backend, recording which stream each ``add_lora`` was launched on."""
+
+    def __init__(self, backend) -> None:  # noqa: ANN001
+        self.backend, self.streams = backend, []
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        return getattr(self.backend, name)
+
+    def add_lora(self, out, x, weights, info) -> None:  # noqa: ANN001
+        self.streams.append(torch.cuda.current_stream(out.device))
+        self.backend.add_lora(out, x, weights, info)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize(
+    "name,lens,slots",
+    [
+        ("triton-auto", [1] * 24, [i % 5 - 1 for i in range(24)]),  # decode rows (BGMV), some base rows
+        ("triton-auto", [3, 2, 4, 1, 6], [0, 1, 3, -1, 2]),  # decode runs (SGMV)
+        ("triton-bgmv", [1] * 7, [2, -1, 0, 0, 3, -1, 1]),
+    ],
+)
+def test_side_delta_chain_matches_the_reference_eager_and_replayed(name, lens, slots) -> None:  # noqa: ANN001
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+    S, R, hidden, offs = 4, 16, 512, (0, 512, 640, 768)
+    info = LoRABatchInfo(sum(lens), S, dev)
+    for s, r in enumerate((16, 8, 16, 4)):
+        info.set_slot_rank(s, r)
+    info.fill(lens, slots)
+    T = info.num_tokens
+    side = torch.cuda.Stream(dev)
+    ctx = LoRAContext(backend=_StreamSpy(get_backend(name)), info=info, side_stream=side, side_max_tokens=T)
+    layers = []
+    for _ in range(5):
+        base = nn.Linear(hidden, offs[-1], bias=False, device=dev, dtype=dt)
+        with torch.no_grad():
+            base.weight.copy_(torch.randn(offs[-1], hidden, device=dev, generator=g) / 24)
+        A = (torch.randn(S, 3 * R, hidden, device=dev, generator=g) / 16).to(dt)
+        B = (torch.randn(S, offs[-1], R, device=dev, generator=g) / 4).to(dt)
+        w = LoRAWeights(A, B, torch.full((S, 3), 0.5, device=dev), offs)
+        layers.append(LoRALinear(base, w, ctx))
+
+    @torch.inference_mode()
+    def chain(x: torch.Tensor) -> list[torch.Tensor]:
+        outs = []
+        for layer in layers:
+            out = layer(x)
+            outs.append(out)
+            x = out[:, :hidden].contiguous()
+        return outs
+
+    x0 = torch.randn(T, hidden, device=dev, generator=g).to(dt)
+    ctx.backend.streams.clear()
+    delta = chain(x0)
+    assert ctx.backend.streams == [side] * len(layers), "the LoRA did not run on the side stream"
+    ctx.side_max_tokens = T - 1  # past the limit: only the shrink runs beside the GEMM
+    ctx.backend.streams.clear()
+    split = chain(x0)
+    assert side not in ctx.backend.streams
+    ctx.side_max_tokens = T
+    base_rows = torch.tensor([s < 0 for s in info.token_slots.tolist()], device=dev)
+    x = x0
+    with torch.inference_mode():
+        for layer, out, other in zip(layers, delta, split):
+            base = layer.base(x)
+            torch.testing.assert_close(
+                out.double(), _reference(base, x, layer.weights, info), rtol=2e-2, atol=2e-2
+            )
+            # One bf16 rounding apart at most: the delta is rounded before the add.
+            torch.testing.assert_close(out, other, rtol=1e-2, atol=1e-2)
+            assert torch.equal(out[base_rows], base[base_rows])
+            x = out[:, :hidden].contiguous()
+
+    # Captured and replayed with new inputs: the eager bits.
+    static = x0.clone()
+    chain(static)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = chain(static)
+    for _ in range(3):
+        static.copy_(torch.randn(T, hidden, device=dev, generator=g).to(dt))
+        graph.replay()
+        want = chain(static)
+        for a, b in zip(captured, want):
+            assert torch.equal(a, b)
