@@ -104,22 +104,23 @@ def test_side_delta_chain_matches_the_reference_eager_and_replayed(name, lens, s
     ctx.backend.streams.clear()
     delta = chain(x0)
     assert ctx.backend.streams == [side] * len(layers), "the LoRA did not run on the side stream"
-    ctx.side_max_tokens = T - 1  # past the limit: only the shrink runs beside the GEMM
-    ctx.backend.streams.clear()
-    split = chain(x0)
-    assert side not in ctx.backend.streams
-    ctx.side_max_tokens = T
     base_rows = torch.tensor([s < 0 for s in info.token_slots.tolist()], device=dev)
     x = x0
     with torch.inference_mode():
-        for layer, out, other in zip(layers, delta, split):
+        for layer, out in zip(layers, delta):
             base = layer.base(x)
             torch.testing.assert_close(
                 out.double(), _reference(base, x, layer.weights, info), rtol=2e-2, atol=2e-2
             )
-            # One bf16 rounding apart at most: the delta is rounded before the add.
-            torch.testing.assert_close(out, other, rtol=1e-2, atol=1e-2)
             assert torch.equal(out[base_rows], base[base_rows])
+            # Past the limit only the shrink runs beside the GEMM; from the same input the two differ by
+            # one bf16 rounding at most (the side delta is rounded before the add).
+            ctx.side_max_tokens = T - 1
+            ctx.backend.streams.clear()
+            split = layer(x)
+            assert ctx.backend.streams == []
+            ctx.side_max_tokens = T
+            torch.testing.assert_close(out, split, rtol=1e-2, atol=1.6e-2)
             x = out[:, :hidden].contiguous()
 
     # Captured and replayed with new inputs: the eager bits.
