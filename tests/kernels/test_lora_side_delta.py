@@ -118,7 +118,7 @@ def test_side_delta_chain_matches_the_reference_eager_and_replayed(name, lens, s
             ctx.side_max_tokens = T - 1
             ctx.backend.streams.clear()
             split = layer(x)
-            assert ctx.backend.streams == []
+            assert side not in ctx.backend.streams
             ctx.side_max_tokens = T
             torch.testing.assert_close(out, split, rtol=1e-2, atol=1.6e-2)
             x = out[:, :hidden].contiguous()
