@@ -10,6 +10,9 @@ base GEMM: the default before this) and ``plain`` (one stream). Each capture is 
 ``side``: same tokens, and the largest logprob difference (``delta`` rounds the delta to bf16 before adding
 it, so bits may differ).
 
+Session 13 ran it at e2e45a0, where any batch up to the limit took the delta; since then only batches of
+one row per segment do (B >= 64 here are SGMV runs, so its "delta" mode now equals "side" there).
+
     PYTHONPATH=. python benchmarks/scripts/lora_side_ab.py --out FILE.json
 """
 

@@ -72,9 +72,16 @@ class LoRALinear(nn.Module):
             self._base_packed = hasattr(self.base, "release")
         flat_x = x.reshape(-1, x.shape[-1]) if lora else None
         finish = None
-        if lora and side is not None and x.is_cuda and flat_x.shape[0] <= self.ctx.side_max_tokens:
-            # Small batches (decode): the LoRA kernels are latency-bound, so all of them run beside the
-            # base GEMM, into a zeroed buffer; the critical path gains one elementwise add, not the expand.
+        if (
+            lora
+            and side is not None
+            and x.is_cuda
+            and flat_x.shape[0] <= self.ctx.side_max_tokens
+            and info.num_segments >= flat_x.shape[0]
+        ):
+            # Small decode batches of one row per segment: the per-row kernels are latency-bound and
+            # small, so they all run beside the base GEMM, into a zeroed buffer; the critical path gains
+            # one elementwise add instead of the expand. (Segment kernels beside the GEMM slow it down.)
             # The buffer is the main stream's (allocated before the fork, read after the join).
             main = torch.cuda.current_stream(x.device)
             delta = flat_x.new_empty(flat_x.shape[0], self.out_features)

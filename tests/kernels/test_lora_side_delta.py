@@ -1,5 +1,6 @@
 """``lora_side_max_tokens``: in small batches each LoRA module's whole delta (shrink and expand into a
-zeroed buffer) runs on the second CUDA stream beside the base GEMM, and the main stream adds it.
+zeroed buffer) runs on the second CUDA stream beside the base GEMM, and the main stream adds it, in
+decode batches of one row per segment.
 
 On a GPU: a chain of LoRA layers (the next layer reads the previous output) gives, eager and in a CUDA
 graph replayed with new inputs, the float64 reference and, within one bf16 rounding, what the shrink-only
@@ -66,8 +67,8 @@ class _StreamSpy:
     "name,lens,slots",
     [
         ("triton-auto", [1] * 24, [i % 5 - 1 for i in range(24)]),  # decode rows (BGMV), some base rows
-        ("triton-auto", [3, 2, 4, 1, 6], [0, 1, 3, -1, 2]),  # decode runs (SGMV)
         ("triton-bgmv", [1] * 7, [2, -1, 0, 0, 3, -1, 1]),
+        ("triton-sgmv", [1] * 9, [3, 3, -1, 0, 1, 2, 2, -1, 0]),
     ],
 )
 def test_side_delta_chain_matches_the_reference_eager_and_replayed(name, lens, slots) -> None:  # noqa: ANN001
@@ -122,6 +123,16 @@ def test_side_delta_chain_matches_the_reference_eager_and_replayed(name, lens, s
             ctx.side_max_tokens = T
             torch.testing.assert_close(out, split, rtol=1e-2, atol=1.6e-2)
             x = out[:, :hidden].contiguous()
+
+    # A batch of segments (decode runs) never takes the side delta, whatever the limit.
+    runs = LoRABatchInfo(8, S, dev)
+    for s, r in enumerate((16, 8, 16, 4)):
+        runs.set_slot_rank(s, r)
+    runs.fill([3, 2, 3], [0, -1, 2])
+    ctx.info, ctx.backend.streams = runs, []
+    layers[0](torch.randn(8, hidden, device=dev, generator=g).to(dt))
+    assert side not in ctx.backend.streams
+    ctx.info = info
 
     # Captured and replayed with new inputs: the eager bits.
     static = x0.clone()
