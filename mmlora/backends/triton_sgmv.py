@@ -56,6 +56,9 @@ TUNING = {
     "run_expand_warps": 2,
     "max_split_k": 16,
     "waves": 2,
+    # Batches of at least this many tokens run the shrink on the side stream beside the base GEMM
+    # (``splits_work``); unmeasured until session 13's A/B (benchmarks/scripts/lora_prefill_side_ab.py).
+    "side_min_tokens": 512,
     # The expand as a programmatic dependent launch of its shrink (Hopper+). H200, decode graphs on 32
     # rank-16 adapters (benchmarks/scripts/lora_pdl_ab.py, 2026-12-03, two rounds): B=64 and 128 (SGMV
     # runs) 0.95-0.97x the replay time, B=32 (BGMV, side-stream split: unchanged) 0.99-1.0x; same tokens.
@@ -348,14 +351,37 @@ class _ModulePlan:
 
     __slots__ = ("shrink", "expand", "h_shape", "h_dtype")
 
-    def __init__(self, job: ShrinkJob, weights: LoRAWeights, out: torch.Tensor) -> None:
-        # The expand follows its shrink on the stream: a programmatic dependent where TUNING asks.
-        pdl = pdl_launch(out.device, TUNING["pdl"])
+    def __init__(self, job: ShrinkJob, weights: LoRAWeights, out: torch.Tensor, pdl: bool) -> None:
+        # ``pdl``: the expand follows its shrink on the stream, as a programmatic dependent.
+        pdl = pdl_launch(out.device, pdl)
         grid, args, kwargs, self.h_shape, self.h_dtype = _shrink_launch(job, fp32_planes=True, pdl=pdl)
         self.shrink = fast(_sgmv_shrink_kernel).plan(grid, args, kwargs, (0, 1, 2))
         splits, rows, cols = self.h_shape
         grid, args, kwargs = _expand_launch((splits, rows * cols, cols), weights, job.info, out, job.R, pdl)
         self.expand = fast(_sgmv_expand_kernel).plan(grid, args, kwargs, (0, 1, 2, 3))
+
+    @staticmethod
+    def of(
+        x: torch.Tensor,
+        weights: LoRAWeights,
+        info: LoRABatchInfo,
+        R: int,
+        out: torch.Tensor,
+        split_k,
+        pdl: bool,
+    ) -> _ModulePlan:  # noqa: ANN001
+        """The plan for this module shape in this forward (made once, shared by the layers)."""
+        A, B, scalings = weights.A, weights.B, weights.scalings
+        # Everything the launch arithmetic reads of this call, but the batch (the plan is per forward).
+        key = (
+            "sgmv_module", x.shape[1], x.stride(0), x.dtype, A.shape, A.stride(), B.shape, B.stride(),
+            scalings.stride(0), weights.slice_offsets, out.stride(0), R, split_k, pdl,
+        )  # fmt: skip
+        plan = info.host_derived.get(key)
+        if plan is None:
+            job = ShrinkJob(x, A, info, weights.n_slices, R, True, split_k)
+            plan = info.host_derived[key] = _ModulePlan(job, weights, out, pdl)
+        return plan
 
 
 def sgmv_shrink(
@@ -389,16 +415,42 @@ class TritonSGMVBackend(FusedTritonBackend):
     ) -> None:
         """Shrink knows the slice count, so it skips rank padding per slice; its planes are always fp32
         (expand rounds h to x.dtype), so the kernels' signatures do not depend on the batch."""
-        A, B, scalings = weights.A, weights.B, weights.scalings
-        # Everything the launch arithmetic reads of this call, but the batch (the plan is per forward).
-        key = (
-            "sgmv_module", x.shape[1], x.stride(0), x.dtype, A.shape, A.stride(), B.shape, B.stride(),
-            scalings.stride(0), weights.slice_offsets, out.stride(0), R, self.split_k, TUNING["pdl"],
-        )  # fmt: skip
-        plan = info.host_derived.get(key)
-        if plan is None:
-            job = ShrinkJob(x, A, info, weights.n_slices, R, True, self.split_k)
-            plan = info.host_derived[key] = _ModulePlan(job, weights, out)
+        plan = _ModulePlan.of(x, weights, info, R, out, self.split_k, TUNING["pdl"])
         h = torch.empty(plan.h_shape, dtype=plan.h_dtype, device=x.device)
-        fast(_sgmv_shrink_kernel).launch_plan(plan.shrink, (x, A, h))
-        fast(_sgmv_expand_kernel).launch_plan(plan.expand, (h, B, out, scalings))
+        fast(_sgmv_shrink_kernel).launch_plan(plan.shrink, (x, weights.A, h))
+        fast(_sgmv_expand_kernel).launch_plan(plan.expand, (h, weights.B, out, weights.scalings))
+
+    def splits_work(self, info: LoRABatchInfo) -> bool:
+        """Prefill-sized batches only (``TUNING["side_min_tokens"]``): their base GEMMs are compute-bound,
+        so the shrink (memory-bound) can share the GPU with them; beside the memory-bound GEMMs of decode
+        steps, segment kernels slow the step down."""
+        return info.num_tokens >= TUNING["side_min_tokens"]
+
+    def _shrink_phase(
+        self, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo, R: int
+    ) -> tuple[torch.Tensor, _ModulePlan]:
+        """start_lora's first phase: the shrink alone (plain launches: the expand will follow the base
+        GEMM, not this shrink). The plan assumes a contiguous ``out`` [T, out_features], as the base
+        layer returns; :meth:`_expand_phase` plans again for any other."""
+        out_like = weights.B.new_empty((0, weights.B.shape[1]))  # the stride of a contiguous out
+        plan = _ModulePlan.of(x, weights, info, R, out_like, self.split_k, False)
+        h = torch.empty(plan.h_shape, dtype=plan.h_dtype, device=x.device)
+        fast(_sgmv_shrink_kernel).launch_plan(plan.shrink, (x, weights.A, h))
+        return h, plan
+
+    def _expand_phase(
+        self,
+        out: torch.Tensor,
+        partials: tuple[torch.Tensor, _ModulePlan],
+        weights: LoRAWeights,
+        info: LoRABatchInfo,
+        R: int,
+        dtype: torch.dtype,
+    ) -> None:
+        h, plan = partials
+        if out.stride(0) != weights.B.shape[1]:
+            splits, rows, cols = plan.h_shape
+            grid, args, kwargs = _expand_launch((splits, rows * cols, cols), weights, info, out, R)
+            fast(_sgmv_expand_kernel)[grid](h, *args[1:], **kwargs)
+            return
+        fast(_sgmv_expand_kernel).launch_plan(plan.expand, (h, weights.B, out, weights.scalings))

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace  # noqa: E402
 
 import pytest  # noqa: E402
 
-from mmlora.backends import get_backend  # noqa: E402
+from mmlora.backends import get_backend, triton_sgmv  # noqa: E402
 from mmlora.backends.torch_gather import gather_expand, gather_shrink  # noqa: E402
 from mmlora.backends.triton_bgmv import bgmv_expand, bgmv_shrink  # noqa: E402
 from mmlora.backends.triton_sgmv import sgmv_expand, sgmv_shrink  # noqa: E402
@@ -300,10 +300,16 @@ def test_auto_picks_bgmv_for_decode_and_sgmv_otherwise(name: str, picked: str) -
     [("decode-basemix-qkv", torch.float32), ("mixed-ranks-1-to-128", torch.float32),
      ("prefill-basemix-gateup", torch.float32), ("decode-distinct-qkv", torch.bfloat16)],
 )  # fmt: skip
-def test_start_lora_then_finish_matches_the_reference(backend: str, name: str, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("sgmv_side_min_tokens", [None, 1])
+def test_start_lora_then_finish_matches_the_reference(
+    backend: str, name: str, dtype: torch.dtype, sgmv_side_min_tokens: int | None, monkeypatch
+) -> None:  # noqa: ANN001
     """The two phases the LoRA layer runs on two CUDA streams (the shrink beside the base GEMM, the
     expand after it): ``start_lora(x)(out)`` adds the same delta as ``add_lora``, with ``x`` overwritten
-    between the phases (the finish must not read x again: on the GPU the main stream may reuse it)."""
+    between the phases (the finish must not read x again: on the GPU the main stream may reuse it).
+    BGMV always splits; SGMV from ``TUNING["side_min_tokens"]`` tokens on (forced down to 1 here)."""
+    if sgmv_side_min_tokens is not None:
+        monkeypatch.setitem(triton_sgmv.TUNING, "side_min_tokens", sgmv_side_min_tokens)
     c = make_case(*CPU_CASES[name], dtype=dtype, seed=13, spare_rows=2)
     _, want = reference(c)
     out0 = c.out.clone()
@@ -314,8 +320,10 @@ def test_start_lora_then_finish_matches_the_reference(backend: str, name: str, d
         x.fill_(float("nan"))
     finish(c.out)
     assert_out(c, c.out, want, out0)
+    kernel = be.pick(c.info).name if backend == "triton-auto" else backend
+    sgmv_splits = c.info.num_tokens >= triton_sgmv.TUNING["side_min_tokens"]
     assert be.splits_work(c.info) == (
-        backend == "triton-bgmv" or (backend == "triton-auto" and be.pick(c.info).name == "triton-bgmv")
+        kernel == "triton-bgmv" or (kernel in ("triton-sgmv", "triton-fused") and sgmv_splits)
     )
 
 

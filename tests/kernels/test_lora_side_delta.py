@@ -147,3 +147,66 @@ def test_side_delta_chain_matches_the_reference_eager_and_replayed(name, lens, s
         want = chain(static)
         for a, b in zip(captured, want):
             assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_sgmv_prefill_shrink_beside_the_gemm_gives_the_bits_of_one_stream(monkeypatch) -> None:  # noqa: ANN001
+    """SGMV's split (``TUNING["side_min_tokens"]``, forced to 1): the shrink of prefill segments on the
+    side stream, the expand after the GEMM; the same kernels as one stream, so the same bits, eager and
+    replayed, and the float64 reference."""
+    from mmlora.backends import triton_sgmv
+
+    monkeypatch.setitem(triton_sgmv.TUNING, "side_min_tokens", 1)
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(1)
+    S, R, hidden, offs = 4, 16, 512, (0, 512, 640, 768)
+    info = LoRABatchInfo(125, S, dev)
+    for s, r in enumerate((16, 8, 16, 4)):
+        info.set_slot_rank(s, r)
+    info.fill([70, 5, 50], [2, -1, 0])
+    side = torch.cuda.Stream(dev)
+    ctx = LoRAContext(backend=get_backend("triton-sgmv"), info=info, side_stream=side, side_max_tokens=0)
+    layers = []
+    for _ in range(4):
+        base = nn.Linear(hidden, offs[-1], bias=False, device=dev, dtype=dt)
+        with torch.no_grad():
+            base.weight.copy_(torch.randn(offs[-1], hidden, device=dev, generator=g) / 24)
+        A = (torch.randn(S, 3 * R, hidden, device=dev, generator=g) / 16).to(dt)
+        B = (torch.randn(S, offs[-1], R, device=dev, generator=g) / 4).to(dt)
+        layers.append(LoRALinear(base, LoRAWeights(A, B, torch.full((S, 3), 0.5, device=dev), offs), ctx))
+
+    @torch.inference_mode()
+    def chain(x: torch.Tensor) -> list[torch.Tensor]:
+        outs = []
+        for layer in layers:
+            outs.append(layer(x))
+            x = outs[-1][:, :hidden].contiguous()
+        return outs
+
+    assert ctx.backend.splits_work(info)
+    x0 = torch.randn(125, hidden, device=dev, generator=g).to(dt)
+    beside = chain(x0)
+    ctx.side_stream = None
+    one_stream = chain(x0)
+    ctx.side_stream = side
+    x = x0
+    with torch.inference_mode():
+        for layer, a, b in zip(layers, beside, one_stream):
+            assert torch.equal(a, b)
+            ref = _reference(layer.base(x), x, layer.weights, info)
+            torch.testing.assert_close(a.double(), ref, rtol=2e-2, atol=2e-2)
+            x = a[:, :hidden].contiguous()
+    static = x0.clone()
+    chain(static)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = chain(static)
+    for _ in range(2):
+        static.copy_(torch.randn(125, hidden, device=dev, generator=g).to(dt))
+        graph.replay()
+        ctx.side_stream = None
+        want = chain(static)
+        ctx.side_stream = side
+        for a, b in zip(captured, want):
+            assert torch.equal(a, b)
