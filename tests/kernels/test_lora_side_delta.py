@@ -67,8 +67,8 @@ class _StreamSpy:
     "name,lens,slots",
     [
         ("triton-auto", [1] * 24, [i % 5 - 1 for i in range(24)]),  # decode rows (BGMV), some base rows
-        ("triton-bgmv", [1] * 7, [2, -1, 0, 0, 3, -1, 1]),
-        ("triton-sgmv", [1] * 9, [3, 3, -1, 0, 1, 2, 2, -1, 0]),
+        ("triton-bgmv", [1] * 7, [2, -1, 0, 3, 0, -1, 1]),  # no two neighbours share a slot
+        ("triton-sgmv", [1] * 9, [3, 1, -1, 0, 1, 2, 3, -1, 0]),
     ],
 )
 def test_side_delta_chain_matches_the_reference_eager_and_replayed(name, lens, slots) -> None:  # noqa: ANN001
