@@ -72,7 +72,8 @@ def main() -> None:
     args = p.parse_args()
     engine, _side, adapters = engine_with_adapters(args.model, 64, args.adapters)
     rng = np.random.default_rng(0)
-    default = triton_sgmv.TUNING["side_min_tokens"]
+    original = triton_sgmv.TUNING["side_min_tokens"]
+    default = original or 512  # the threshold under test (off by default since this A/B)
     rows = []
     for config in args.configs:
         n, length = (int(v) for v in config.split("x"))
@@ -87,7 +88,7 @@ def main() -> None:
                 engine.flush_cache()
                 gpu_ms, host_ms, outputs[mode] = timed_prefill(engine, prompts, names)
                 got[mode].append({"gpu_ms": gpu_ms, "host_ms": host_ms})
-        triton_sgmv.TUNING["side_min_tokens"] = default
+        triton_sgmv.TUNING["side_min_tokens"] = original
         row = {
             "config": config,
             "tokens": n * length,

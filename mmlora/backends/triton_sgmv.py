@@ -36,6 +36,7 @@ from mmlora.backends.triton_common import (
     shrink_entry,
     split_k_plan,
 )
+from mmlora.forward.host_copy import to_device
 from mmlora.forward.lora import RANK_TILE, LoRABatchInfo, LoRAWeights
 from mmlora.triton_launch import fast
 
@@ -57,8 +58,10 @@ TUNING = {
     "max_split_k": 16,
     "waves": 2,
     # Batches of at least this many tokens run the shrink on the side stream beside the base GEMM
-    # (``splits_work``); unmeasured until session 13's A/B (benchmarks/scripts/lora_prefill_side_ab.py).
-    "side_min_tokens": 512,
+    # (``splits_work``); None: never. H200, prefill forwards of 1024-2048 tokens over 32 rank-16 adapters
+    # (benchmarks/scripts/lora_prefill_side_ab.py, 2026-12-03, three rounds): 1.00-1.03x the GPU time of
+    # one stream at 512, same bits; so off.
+    "side_min_tokens": None,
     # The expand as a programmatic dependent launch of its shrink (Hopper+). H200, decode graphs on 32
     # rank-16 adapters (benchmarks/scripts/lora_pdl_ab.py, 2026-12-03, two rounds): B=64 and 128 (SGMV
     # runs) 0.95-0.97x the replay time, B=32 (BGMV, side-stream split: unchanged) 0.99-1.0x; same tokens.
@@ -243,8 +246,7 @@ class _Tiles:
             # Rows padded to 16 entries: the second row's pointer stays 64-byte aligned, so its alignment
             # (which Triton compiles for) does not change with the tile count.
             pad = [0] * (-len(seg_ids) % 16)
-            table = torch.tensor([seg_ids + pad, starts + pad], dtype=torch.int32)
-            table = table.to(info.seg_indptr.device, non_blocking=True)
+            table = to_device([seg_ids + pad, starts + pad], torch.int32, info.seg_indptr.device)
             self.seg, self.m0 = table[0], table[1]
             self.count = len(seg_ids)
         else:
@@ -421,10 +423,11 @@ class TritonSGMVBackend(FusedTritonBackend):
         fast(_sgmv_expand_kernel).launch_plan(plan.expand, (h, weights.B, out, weights.scalings))
 
     def splits_work(self, info: LoRABatchInfo) -> bool:
-        """Prefill-sized batches only (``TUNING["side_min_tokens"]``): their base GEMMs are compute-bound,
-        so the shrink (memory-bound) can share the GPU with them; beside the memory-bound GEMMs of decode
-        steps, segment kernels slow the step down."""
-        return info.num_tokens >= TUNING["side_min_tokens"]
+        """Prefill-sized batches only, where ``TUNING["side_min_tokens"]`` asks (off by default: measured
+        no faster): their base GEMMs are compute-bound, so the memory-bound shrink could share the GPU
+        with them; beside the memory-bound GEMMs of decode steps, segment kernels slow the step down."""
+        least = TUNING["side_min_tokens"]
+        return least is not None and info.num_tokens >= least
 
     def _shrink_phase(
         self, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo, R: int
