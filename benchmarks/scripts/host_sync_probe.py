@@ -1,13 +1,15 @@
-"""Issue 13: does the host wait for the GPU while it launches a step? With pinned staging of the step's
-inputs (``mmlora.forward.host_copy.PINNED``) against pageable copies, in one process.
+"""Issue 13: does the host wait for the GPU while it launches a step?
+
+Session 13 ran it at fae276b (call 3), with a switch that staged the step's inputs through pinned memory;
+pageable and pinned gave the same stage times, so the staging was taken out again and this script now
+times the engine as it is.
 
 1. Small host-to-GPU copies (64 B to 1 MB), pageable and pinned, each queued behind a GPU sleep of
    ~100 ms: how long the host is held by the copy call.
 2. One engine (dummy Mistral-7B, bf16, 32 rank-16 adapters): a prefill forward (32 prompts x 32 tokens,
    adapters cycled) and a decode step (32 rows, CUDA graph), each queued behind a GPU sleep of ~200 ms,
-   with the host time of its stages (input build, first layer, last layer, the whole forward or step)
-   measured from the call's start; three rounds per mode, modes alternating. A stage that takes about the
-   sleep's length waited for the GPU.
+   with the host time of its stages (input build, first layer, last layer, the whole call) measured from
+   the call's start, three rounds. A stage that takes about the sleep's length waited for the GPU.
 
     PYTHONPATH=. python benchmarks/scripts/host_sync_probe.py --out FILE.json
 """
@@ -23,7 +25,6 @@ import torch
 from lora_overlap_ab import engine_with_adapters
 
 from mmlora.bench.serving_parts import abort_all, start_decode_batch
-from mmlora.forward import host_copy
 
 SLEEP_100MS = 200_000_000  # cycles; ~0.1 s at the H200's clock
 
@@ -105,23 +106,13 @@ def main() -> None:
         # One new token: the call's first forward is the prefill the stage marks time.
         engine.generate(input_ids=prompts, lora_paths=names, sampling_params=sp)
 
-    for r in range(args.rounds):
-        for pinned in (r % 2 == 0, r % 2 == 1):
-            host_copy.PINNED = pinned
-            engine.flush_cache()
-            result["prefill"].append(
-                {"pinned": pinned, **stage_probe(engine, prefill_forward, f"prefill pinned={pinned}")}
-            )
-    host_copy.PINNED = True
+    for _ in range(args.rounds):
+        engine.flush_cache()
+        result["prefill"].append(stage_probe(engine, prefill_forward, "prefill"))
     rids = start_decode_batch(engine, names, 512, rng)
     engine.step()
-    for r in range(args.rounds):
-        for pinned in (r % 2 == 0, r % 2 == 1):
-            host_copy.PINNED = pinned
-            result["decode"].append(
-                {"pinned": pinned, **stage_probe(engine, engine.step, f"decode step pinned={pinned}")}
-            )
-    host_copy.PINNED = True
+    for _ in range(args.rounds):
+        result["decode"].append(stage_probe(engine, engine.step, "decode step"))
     abort_all(engine, rids)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

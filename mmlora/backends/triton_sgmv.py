@@ -36,7 +36,6 @@ from mmlora.backends.triton_common import (
     shrink_entry,
     split_k_plan,
 )
-from mmlora.forward.host_copy import to_device
 from mmlora.forward.lora import RANK_TILE, LoRABatchInfo, LoRAWeights
 from mmlora.triton_launch import fast
 
@@ -246,7 +245,8 @@ class _Tiles:
             # Rows padded to 16 entries: the second row's pointer stays 64-byte aligned, so its alignment
             # (which Triton compiles for) does not change with the tile count.
             pad = [0] * (-len(seg_ids) % 16)
-            table = to_device([seg_ids + pad, starts + pad], torch.int32, info.seg_indptr.device)
+            table = torch.tensor([seg_ids + pad, starts + pad], dtype=torch.int32)
+            table = table.to(info.seg_indptr.device, non_blocking=True)
             self.seg, self.m0 = table[0], table[1]
             self.count = len(seg_ids)
         else:

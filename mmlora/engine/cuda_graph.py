@@ -54,7 +54,6 @@ from mmlora.distributed.step import send_capture_graphs, send_replay
 from mmlora.engine.overlap import resolve_placeholders
 from mmlora.engine.scheduler import ScheduledBatch
 from mmlora.forward import AttentionMetadata, ForwardBatch
-from mmlora.forward.host_copy import copy_to_device
 from mmlora.multimodal.mrope import decode_position
 
 logger = logging.getLogger(__name__)
@@ -325,9 +324,9 @@ class CudaGraphRunner:
     def _load(self, bs: int, i64: torch.Tensor, seq_lens: torch.Tensor, tables: torch.Tensor) -> None:
         """Copy a step's inputs into the static buffers: ``i64`` [3, bs] (token ids, positions, KV slots),
         ``seq_lens`` [bs] and the first ``tables.shape[1]`` block-table columns."""
-        copy_to_device(self.i64[:, :bs], i64)
-        copy_to_device(self.seq_lens[:bs], seq_lens)
-        copy_to_device(self.block_tables[:bs, : tables.shape[1]], tables)
+        self.i64[:, :bs].copy_(i64, non_blocking=True)
+        self.seq_lens[:bs].copy_(seq_lens, non_blocking=True)
+        self.block_tables[:bs, : tables.shape[1]].copy_(tables, non_blocking=True)
 
     def _replay(self, bs: int, bound: int, layout: str) -> torch.Tensor:
         """Logits [bs, V] of graph (``bs``, ``bound``, ``layout``) over the static buffers' inputs."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 from mmlora.engine.request import Request
-from mmlora.forward.host_copy import to_device
 
 
 class BadSamplingRows(ValueError):
@@ -64,7 +63,7 @@ def _mask_stop_tokens(logits: torch.Tensor, requests: list[Request], eos_ids: fr
             rows += [i] * len(ids)
             cols += ids
     if rows:  # one indexed write for the batch, not one per request
-        index = to_device([rows, cols], torch.long, logits.device)
+        index = torch.tensor([rows, cols], dtype=torch.long).to(logits.device, non_blocking=True)
         logits[index[0], index[1]] = float("-inf")
     return logits
 

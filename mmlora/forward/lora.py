@@ -13,8 +13,6 @@ from dataclasses import dataclass
 
 import torch
 
-from mmlora.forward.host_copy import copy_to_device
-
 #: The Triton LoRA kernels walk a slot's rank in tiles of this many (a slot of rank 8 reads one tile),
 #: so ranks up to it cost the same and the smallest rank bucket is this.
 RANK_TILE = 16
@@ -171,13 +169,13 @@ class LoRABatchInfo:
             indptr.append(indptr[-1] + n)
         nseg = len(seg_lens)
         cpu = dict(dtype=torch.int32)
-        copy_to_device(self.seg_indptr[: nseg + 1], torch.tensor(indptr, **cpu))
+        self.seg_indptr[: nseg + 1].copy_(torch.tensor(indptr, **cpu), non_blocking=True)
         self.seg_indptr[nseg + 1 :].fill_(total)
-        copy_to_device(self.seg_lens[:nseg], torch.tensor(seg_lens, **cpu))
+        self.seg_lens[:nseg].copy_(torch.tensor(seg_lens, **cpu), non_blocking=True)
         self.seg_lens[nseg:].zero_()
-        copy_to_device(self.weight_indices[:nseg], torch.tensor(seg_slots, **cpu))
+        self.weight_indices[:nseg].copy_(torch.tensor(seg_slots, **cpu), non_blocking=True)
         self.weight_indices[nseg:].fill_(-1)
-        copy_to_device(self.token_slots[:total], torch.tensor(token_slots, **cpu))
+        self.token_slots[:total].copy_(torch.tensor(token_slots, **cpu), non_blocking=True)
         self.token_slots[total:].fill_(-1)
         self.num_tokens = total
         self.num_segments = nseg
@@ -218,12 +216,12 @@ class LoRABatchInfo:
         n = len(slots)
         if n > self.max_tokens:
             raise ValueError(f"fill_rows: {n} rows exceed the preallocated {self.max_tokens}")
-        host_slots = torch.tensor(slots, dtype=torch.int32)
-        copy_to_device(self.token_slots[:n], host_slots)
+        device_slots = torch.tensor(slots, dtype=torch.int32)
+        self.token_slots[:n].copy_(device_slots, non_blocking=True)
         num_segments = n
         if layout == "rows":
-            copy_to_device(self.weight_indices[:n], host_slots)
-            copy_to_device(self.seg_indptr[: n + 1], torch.arange(n + 1, dtype=torch.int32))
+            self.weight_indices[:n].copy_(device_slots, non_blocking=True)
+            self.seg_indptr[: n + 1].copy_(torch.arange(n + 1, dtype=torch.int32), non_blocking=True)
             self.seg_lens[:n].fill_(1)
             self.seg_lens_host = [1] * n
             self.seg_slots_host = list(slots)
@@ -243,9 +241,9 @@ class LoRABatchInfo:
             for length in lens:
                 indptr.append(indptr[-1] + length)
             packed = torch.tensor([indptr, [*lens, 0], [*seg_slots, -1]], dtype=torch.int32)
-            copy_to_device(self.seg_indptr[: num_segments + 1], packed[0])
-            copy_to_device(self.seg_lens[:num_segments], packed[1, :num_segments])
-            copy_to_device(self.weight_indices[:num_segments], packed[2, :num_segments])
+            self.seg_indptr[: num_segments + 1].copy_(packed[0], non_blocking=True)
+            self.seg_lens[:num_segments].copy_(packed[1, :num_segments], non_blocking=True)
+            self.weight_indices[:num_segments].copy_(packed[2, :num_segments], non_blocking=True)
             self.seg_lens_host = lens
             self.seg_slots_host = seg_slots
             self.max_seg_len = RUN_TILE if n else 0
