@@ -122,6 +122,7 @@ class ShrinkFused:
     offsets: torch.Tensor
     row_slices: list[int]
     _E_packed: torch.Tensor | None = None
+    _expand_call: cpu_kernels.ExpandCall | None = None
 
     def packed_expand(self) -> torch.Tensor | None:
         """packed [out, K]: the expand matrix transposed for ``packed_matmul`` (None when K is 0), made on
@@ -140,10 +141,9 @@ class ShrinkFused:
         where the C kernels are off or not built (the caller then masks and multiplies)."""
         if not self.live_rows or not cpu_kernels.available() or yk.dtype not in cpu_kernels.EXPAND_DTYPES:
             return False
-        out = self.out_features
-        cpu_kernels.lora_expand_unchecked(
-            yk[:, :out], yk[:, out:], self.E, self.eoff, expand_rows(info, n_slices), self.offsets
-        )
+        if self._expand_call is None:
+            self._expand_call = cpu_kernels.ExpandCall(self.E, self.eoff, self.offsets, self.out_features)
+        self._expand_call(yk, expand_rows(info, n_slices))
         return True
 
     @staticmethod

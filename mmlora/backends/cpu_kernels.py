@@ -437,6 +437,29 @@ def lora_expand_unchecked(
        rows.data_ptr(), offsets.numel() - 1, offsets.data_ptr(), torch.get_num_threads())  # fmt: skip
 
 
+class ExpandCall:
+    """:func:`lora_expand_unchecked` for one module's fixed expand matrix, its pointers taken once (a
+    SmolLM2 step makes 120 of these calls, where two column views and their pointers cost as much as
+    the C work): ``call(yk, rows)`` adds the expand of ``yk[:, out:]`` to ``yk[:, :out]`` in place, for yk
+    [T, out + K] with unit column stride (the stacked GEMM's output) and ``rows`` from :func:`expand_rows`.
+    Holds E, eoff and offsets (whose pointers it keeps)."""
+
+    __slots__ = ("_fn", "_keep", "_E", "_eoff", "_offs", "_n", "_h_offset")
+
+    def __init__(self, E: torch.Tensor, eoff: torch.Tensor, offsets: torch.Tensor, out_features: int) -> None:
+        lib = _library()
+        self._fn = lib.lora_expand_f32 if E.dtype == torch.float32 else lib.lora_expand_bf16
+        self._keep = (E, eoff, offsets)
+        self._E, self._eoff, self._offs = E.data_ptr(), eoff.data_ptr(), offsets.data_ptr()
+        self._n = offsets.numel() - 1
+        self._h_offset = out_features * E.element_size()
+
+    def __call__(self, yk: torch.Tensor, rows: torch.Tensor) -> None:
+        y, ld = yk.data_ptr(), yk.stride(0)
+        self._fn(yk.shape[0], y + self._h_offset, ld, y, ld, self._E, self._eoff, rows.data_ptr(), self._n,
+                 self._offs, torch.get_num_threads())  # fmt: skip
+
+
 #: The dtypes :func:`decode_attention` takes (q, the caches and the output share one).
 ATTENTION_DTYPES = (torch.float32, torch.bfloat16)
 

@@ -142,8 +142,11 @@ def make_peft_adapters(hf: Any, folder: Path, n: int, rank: int, seed: int) -> t
     return peft_model.eval(), paths
 
 
-def _timed_rounds(systems: dict[str, Any], repeats: int) -> tuple[dict[str, float], dict[str, float], dict]:
-    """Run the systems in turn for ``repeats`` rounds; the best wall and process-CPU seconds of each.
+def _timed_rounds(
+    systems: dict[str, tuple[Any, Any]], repeats: int
+) -> tuple[dict[str, float], dict[str, float], dict]:
+    """Run the systems, each ``(prepare, run)``, in turn for ``repeats`` rounds (``prepare`` untimed before
+    each run); the best wall and process-CPU seconds of each.
 
     Process CPU time (``time.process_time``: all threads of this process) is what a system costs; on a
     shared, oversubscribed host it is far steadier than wall time, which also counts waiting for others.
@@ -151,8 +154,9 @@ def _timed_rounds(systems: dict[str, Any], repeats: int) -> tuple[dict[str, floa
     wall = {k: float("inf") for k in systems}
     cpu = {k: float("inf") for k in systems}
     results: dict[str, Any] = {}
-    rounds = ((name, fn) for _ in range(repeats) for name, fn in systems.items())
-    for name, fn in progress(rounds, "timed runs", total=repeats * len(systems)):
+    rounds = ((name, fns) for _ in range(repeats) for name, fns in systems.items())
+    for name, (prepare, fn) in progress(rounds, "timed runs", total=repeats * len(systems)):
+        prepare()
         w0, c0 = time.perf_counter(), time.process_time()
         results[name] = fn()
         wall[name] = min(wall[name], time.perf_counter() - w0)
@@ -190,10 +194,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # (ignore_eos would let EOS be chosen and run on, and part from HF's tokens there).
         n_new = args.max_new_tokens
         sp = {"max_new_tokens": n_new, "min_new_tokens": n_new, "temperature": 0.0}
-        # The warm-up runs the timed batch itself for a few tokens: every adapter loaded into its slot (and
-        # its stacked weights packed) and oneDNN's primitives built for the batch's row count, one-time
-        # costs that would otherwise land in the first timed round of the mixed runs only.
-        warm = {**sp, "max_new_tokens": 4, "min_new_tokens": 4}
+        # The warm-up is one whole untimed run of the timed batch: every adapter loaded into its slot (and
+        # its stacked weights packed), oneDNN's primitives built for the batch's row count, and as many KV
+        # pages touched as a run uses: one-time costs that would otherwise land in the first timed round.
+        warm = sp
         engine.generate(texts, lora_paths=per_row, sampling_params=warm)
 
         tok.padding_side = "left"
@@ -221,19 +225,30 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 do_sample=False,
                 pad_token_id=tok.pad_token_id,
             )
+        # Each mmlora run starts from an empty prefix cache: the same work every round (no prompt pages
+        # reused from the previous round), and its pages come off the free list, which hands out the
+        # last freed first: memory touched before, not pages faulted in for the first time mid-run.
         systems = {
-            "mmlora_mixed": lambda: engine.generate(texts, lora_paths=per_row, sampling_params=sp),
-            "mmlora_base": lambda: engine.generate(texts, lora_paths=None, sampling_params=sp),
-            "hf_peft_mixed": hf_generate,
+            "mmlora_mixed": (
+                engine.flush_cache,
+                lambda: engine.generate(texts, lora_paths=per_row, sampling_params=sp),
+            ),
+            "mmlora_base": (
+                engine.flush_cache,
+                lambda: engine.generate(texts, lora_paths=None, sampling_params=sp),
+            ),
+            "hf_peft_mixed": (lambda: None, hf_generate),
         }
         with_bf16 = args.bf16 == "on" or (args.bf16 == "auto" and cpu_has_fast_bf16())
         if with_bf16:
             engine_bf16 = make_engine("bfloat16")
             engine_bf16.generate(texts, lora_paths=per_row, sampling_params=warm)
-            systems["mmlora_mixed_bf16"] = lambda: engine_bf16.generate(
-                texts, lora_paths=per_row, sampling_params=sp
+            systems["mmlora_mixed_bf16"] = (
+                engine_bf16.flush_cache,
+                lambda: engine_bf16.generate(texts, lora_paths=per_row, sampling_params=sp),
             )
         wall, cpu, results = _timed_rounds(systems, args.repeats)
+        engine.flush_cache()
         # The roofline's bandwidth: the best of the copies timed right before and after its decode run.
         roofline = measure_decode_roofline(
             engine, lambda: engine.generate(texts, lora_paths=per_row, sampling_params=sp)

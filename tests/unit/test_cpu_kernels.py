@@ -92,8 +92,8 @@ def test_the_fused_path_expands_through_the_kernel(monkeypatch: pytest.MonkeyPat
     from mmlora.forward.lora import LoRABatchInfo, LoRAWeights
 
     calls = []
-    real = cpu_kernels.lora_expand_unchecked
-    monkeypatch.setattr(cpu_kernels, "lora_expand_unchecked", lambda *a: calls.append(1) or real(*a))
+    real = cpu_kernels.ExpandCall.__call__
+    monkeypatch.setattr(cpu_kernels.ExpandCall, "__call__", lambda *a: calls.append(1) or real(*a))
     g = torch.Generator().manual_seed(0)
     A, B = torch.randn(2, 8, 32, generator=g), torch.randn(2, 64, 8, generator=g)
     w = LoRAWeights(A, B, torch.ones(2, 1), (0, 64))
