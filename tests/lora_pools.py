@@ -22,3 +22,18 @@ def nan_padded_pool(
             B[s, offs[i] : offs[i + 1], :r] = torch.randn(widths[i], r, generator=g) / r**0.5
     scalings = torch.rand(S, n, generator=g) + 0.5
     return A, B, scalings, offs
+
+
+def lora_reference_f64(base: torch.Tensor, x: torch.Tensor, w, info) -> torch.Tensor:  # noqa: ANN001
+    """float64 ``base + lora(x)`` for a backend's batch (``w`` LoRAWeights, ``info`` LoRABatchInfo), rank
+    and slice by slice, h rounded to x.dtype as PEFT keeps it; rows with slot -1 are ``base``."""
+    ref = base.double().clone()
+    R = w.B.shape[2]
+    for t, slot in enumerate(info.token_slots.tolist()):
+        if slot < 0:
+            continue
+        r = int(info.ranks[slot])
+        for j, (lo, hi) in enumerate(zip(w.slice_offsets, w.slice_offsets[1:])):
+            h = (x[t].double() @ w.A[slot, j * R : j * R + r].double().T).to(x.dtype).double()
+            ref[t, lo:hi] += h @ w.B[slot, lo:hi, :r].double().T * float(w.scalings[slot, j])
+    return ref

@@ -15,6 +15,7 @@ if not torch.cuda.is_available():  # must precede the first triton import of the
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+from lora_pools import lora_reference_f64  # noqa: E402
 
 from mmlora.backends import get_backend, triton_bgmv, triton_sgmv  # noqa: E402
 from mmlora.backends.triton_common import pdl_launch  # noqa: E402
@@ -29,21 +30,6 @@ def test_pdl_is_off_on_cpu_and_when_not_asked() -> None:
     if torch.cuda.is_available():
         assert not pdl_launch(torch.device("cuda"), False)
         assert pdl_launch(torch.device("cuda"), True) == HOPPER
-
-
-def _reference(out: torch.Tensor, x: torch.Tensor, w: LoRAWeights, info: LoRABatchInfo) -> torch.Tensor:
-    """float64 ``out + lora(x)``, rank and slice by slice."""
-    ref = out.double().clone()
-    R = w.B.shape[2]
-    for t, slot in enumerate(info.token_slots.tolist()):
-        if slot < 0:
-            continue
-        r = int(info.ranks[slot])
-        for j, (lo, hi) in enumerate(zip(w.slice_offsets, w.slice_offsets[1:])):
-            h = x[t].double() @ w.A[slot, j * R : j * R + r].double().T
-            h = h.to(x.dtype).double()  # h rounded to x.dtype, as PEFT keeps it
-            ref[t, lo:hi] += h @ w.B[slot, lo:hi, :r].double().T * float(w.scalings[slot, j])
-    return ref
 
 
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper (sm90+) GPU")
@@ -94,7 +80,7 @@ def test_pdl_chain_equals_plain_launches_and_the_reference(name, module, lens, s
     x = x0
     for (W, w), out in zip(stacks, with_pdl):  # each layer against float64 from the same input
         base = x @ W.T
-        torch.testing.assert_close(out.double(), _reference(base, x, w, info), rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(out.double(), lora_reference_f64(base, x, w, info), rtol=2e-2, atol=2e-2)
         x = out[:, :hidden].contiguous()
     expands = fast(module._bgmv_expand_kernel if module is triton_bgmv else module._sgmv_expand_kernel)
     assert any(k.metadata.launch_pdl for k in expands._compiled.values()), "no expand compiled for PDL"

@@ -17,6 +17,7 @@ if not torch.cuda.is_available():  # must precede the first triton import of the
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+from lora_pools import lora_reference_f64  # noqa: E402
 from torch import nn  # noqa: E402
 
 from mmlora.backends import get_backend  # noqa: E402
@@ -34,18 +35,38 @@ def test_the_option_is_validated() -> None:
     assert EngineConfig.from_kwargs(lora_side_max_tokens=64).lora.lora_side_max_tokens == 64
 
 
-def _reference(base: torch.Tensor, x: torch.Tensor, w: LoRAWeights, info: LoRABatchInfo) -> torch.Tensor:
-    """float64 ``base + lora(x)``, rank and slice by slice (h rounded to x.dtype, as PEFT keeps it)."""
-    ref = base.double().clone()
-    R = w.B.shape[2]
-    for t, slot in enumerate(info.token_slots.tolist()):
-        if slot < 0:
-            continue
-        r = int(info.ranks[slot])
-        for j, (lo, hi) in enumerate(zip(w.slice_offsets, w.slice_offsets[1:])):
-            h = (x[t].double() @ w.A[slot, j * R : j * R + r].double().T).to(x.dtype).double()
-            ref[t, lo:hi] += h @ w.B[slot, lo:hi, :r].double().T * float(w.scalings[slot, j])
-    return ref
+S, R, HIDDEN, OFFS = 4, 16, 512, (0, 512, 640, 768)  # slots, pool rank, in_features, q/k/v-like slices
+
+
+def _info(lens: list[int], slots: list[int], dev: torch.device) -> LoRABatchInfo:
+    info = LoRABatchInfo(sum(lens), S, dev)
+    for s, r in enumerate((16, 8, 16, 4)):
+        info.set_slot_rank(s, r)
+    info.fill(lens, slots)
+    return info
+
+
+def _chain_of_layers(n: int, ctx: LoRAContext, g: torch.Generator):  # noqa: ANN202
+    """``n`` bf16 LoRA layers on ``ctx``, and the chain running them (each reads the previous output)."""
+    dev, dt = g.device, torch.bfloat16
+    layers = []
+    for _ in range(n):
+        base = nn.Linear(HIDDEN, OFFS[-1], bias=False, device=dev, dtype=dt)
+        with torch.no_grad():
+            base.weight.copy_(torch.randn(OFFS[-1], HIDDEN, device=dev, generator=g) / 24)
+        A = (torch.randn(S, 3 * R, HIDDEN, device=dev, generator=g) / 16).to(dt)
+        B = (torch.randn(S, OFFS[-1], R, device=dev, generator=g) / 4).to(dt)
+        layers.append(LoRALinear(base, LoRAWeights(A, B, torch.full((S, 3), 0.5, device=dev), OFFS), ctx))
+
+    @torch.inference_mode()
+    def chain(x: torch.Tensor) -> list[torch.Tensor]:
+        outs = []
+        for layer in layers:
+            outs.append(layer(x))
+            x = outs[-1][:, :HIDDEN].contiguous()
+        return outs
+
+    return layers, chain
 
 
 class _StreamSpy:
@@ -74,34 +95,13 @@ class _StreamSpy:
 def test_side_delta_chain_matches_the_reference_eager_and_replayed(name, lens, slots) -> None:  # noqa: ANN001
     dev, dt = torch.device("cuda"), torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
-    S, R, hidden, offs = 4, 16, 512, (0, 512, 640, 768)
-    info = LoRABatchInfo(sum(lens), S, dev)
-    for s, r in enumerate((16, 8, 16, 4)):
-        info.set_slot_rank(s, r)
-    info.fill(lens, slots)
+    info = _info(lens, slots, dev)
     T = info.num_tokens
     side = torch.cuda.Stream(dev)
     ctx = LoRAContext(backend=_StreamSpy(get_backend(name)), info=info, side_stream=side, side_max_tokens=T)
-    layers = []
-    for _ in range(5):
-        base = nn.Linear(hidden, offs[-1], bias=False, device=dev, dtype=dt)
-        with torch.no_grad():
-            base.weight.copy_(torch.randn(offs[-1], hidden, device=dev, generator=g) / 24)
-        A = (torch.randn(S, 3 * R, hidden, device=dev, generator=g) / 16).to(dt)
-        B = (torch.randn(S, offs[-1], R, device=dev, generator=g) / 4).to(dt)
-        w = LoRAWeights(A, B, torch.full((S, 3), 0.5, device=dev), offs)
-        layers.append(LoRALinear(base, w, ctx))
+    layers, chain = _chain_of_layers(5, ctx, g)
 
-    @torch.inference_mode()
-    def chain(x: torch.Tensor) -> list[torch.Tensor]:
-        outs = []
-        for layer in layers:
-            out = layer(x)
-            outs.append(out)
-            x = out[:, :hidden].contiguous()
-        return outs
-
-    x0 = torch.randn(T, hidden, device=dev, generator=g).to(dt)
+    x0 = torch.randn(T, HIDDEN, device=dev, generator=g).to(dt)
     ctx.backend.streams.clear()
     delta = chain(x0)
     assert ctx.backend.streams == [side] * len(layers), "the LoRA did not run on the side stream"
@@ -111,7 +111,7 @@ def test_side_delta_chain_matches_the_reference_eager_and_replayed(name, lens, s
         for layer, out in zip(layers, delta):
             base = layer.base(x)
             torch.testing.assert_close(
-                out.double(), _reference(base, x, layer.weights, info), rtol=2e-2, atol=2e-2
+                out.double(), lora_reference_f64(base, x, layer.weights, info), rtol=2e-2, atol=2e-2
             )
             assert torch.equal(out[base_rows], base[base_rows])
             # Past the limit only the shrink runs beside the GEMM; from the same input the two differ by
@@ -122,15 +122,11 @@ def test_side_delta_chain_matches_the_reference_eager_and_replayed(name, lens, s
             assert side not in ctx.backend.streams
             ctx.side_max_tokens = T
             torch.testing.assert_close(out, split, rtol=1e-2, atol=1.6e-2)
-            x = out[:, :hidden].contiguous()
+            x = out[:, :HIDDEN].contiguous()
 
     # A batch of segments (decode runs) never takes the side delta, whatever the limit.
-    runs = LoRABatchInfo(8, S, dev)
-    for s, r in enumerate((16, 8, 16, 4)):
-        runs.set_slot_rank(s, r)
-    runs.fill([3, 2, 3], [0, -1, 2])
-    ctx.info, ctx.backend.streams = runs, []
-    layers[0](torch.randn(8, hidden, device=dev, generator=g).to(dt))
+    ctx.info, ctx.backend.streams = _info([3, 2, 3], [0, -1, 2], dev), []
+    layers[0](torch.randn(8, HIDDEN, device=dev, generator=g).to(dt))
     assert side not in ctx.backend.streams
     ctx.info = info
 
@@ -142,7 +138,7 @@ def test_side_delta_chain_matches_the_reference_eager_and_replayed(name, lens, s
     with torch.cuda.graph(graph):
         captured = chain(static)
     for _ in range(3):
-        static.copy_(torch.randn(T, hidden, device=dev, generator=g).to(dt))
+        static.copy_(torch.randn(T, HIDDEN, device=dev, generator=g).to(dt))
         graph.replay()
         want = chain(static)
         for a, b in zip(captured, want):
@@ -159,32 +155,13 @@ def test_sgmv_prefill_shrink_beside_the_gemm_gives_the_bits_of_one_stream(monkey
     monkeypatch.setitem(triton_sgmv.TUNING, "side_min_tokens", 1)
     dev, dt = torch.device("cuda"), torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(1)
-    S, R, hidden, offs = 4, 16, 512, (0, 512, 640, 768)
-    info = LoRABatchInfo(125, S, dev)
-    for s, r in enumerate((16, 8, 16, 4)):
-        info.set_slot_rank(s, r)
-    info.fill([70, 5, 50], [2, -1, 0])
+    info = _info([70, 5, 50], [2, -1, 0], dev)
     side = torch.cuda.Stream(dev)
     ctx = LoRAContext(backend=get_backend("triton-sgmv"), info=info, side_stream=side, side_max_tokens=0)
-    layers = []
-    for _ in range(4):
-        base = nn.Linear(hidden, offs[-1], bias=False, device=dev, dtype=dt)
-        with torch.no_grad():
-            base.weight.copy_(torch.randn(offs[-1], hidden, device=dev, generator=g) / 24)
-        A = (torch.randn(S, 3 * R, hidden, device=dev, generator=g) / 16).to(dt)
-        B = (torch.randn(S, offs[-1], R, device=dev, generator=g) / 4).to(dt)
-        layers.append(LoRALinear(base, LoRAWeights(A, B, torch.full((S, 3), 0.5, device=dev), offs), ctx))
-
-    @torch.inference_mode()
-    def chain(x: torch.Tensor) -> list[torch.Tensor]:
-        outs = []
-        for layer in layers:
-            outs.append(layer(x))
-            x = outs[-1][:, :hidden].contiguous()
-        return outs
+    layers, chain = _chain_of_layers(4, ctx, g)
 
     assert ctx.backend.splits_work(info)
-    x0 = torch.randn(125, hidden, device=dev, generator=g).to(dt)
+    x0 = torch.randn(125, HIDDEN, device=dev, generator=g).to(dt)
     beside = chain(x0)
     ctx.side_stream = None
     one_stream = chain(x0)
@@ -193,9 +170,9 @@ def test_sgmv_prefill_shrink_beside_the_gemm_gives_the_bits_of_one_stream(monkey
     with torch.inference_mode():
         for layer, a, b in zip(layers, beside, one_stream):
             assert torch.equal(a, b)
-            ref = _reference(layer.base(x), x, layer.weights, info)
+            ref = lora_reference_f64(layer.base(x), x, layer.weights, info)
             torch.testing.assert_close(a.double(), ref, rtol=2e-2, atol=2e-2)
-            x = a[:, :hidden].contiguous()
+            x = a[:, :HIDDEN].contiguous()
     static = x0.clone()
     chain(static)
     torch.cuda.synchronize()
@@ -203,7 +180,7 @@ def test_sgmv_prefill_shrink_beside_the_gemm_gives_the_bits_of_one_stream(monkey
     with torch.cuda.graph(graph):
         captured = chain(static)
     for _ in range(2):
-        static.copy_(torch.randn(125, hidden, device=dev, generator=g).to(dt))
+        static.copy_(torch.randn(125, HIDDEN, device=dev, generator=g).to(dt))
         graph.replay()
         ctx.side_stream = None
         want = chain(static)
