@@ -48,10 +48,13 @@ def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Ten
     return logits
 
 
-def _mask_stop_tokens(logits: torch.Tensor, requests: list[Request], eos_ids: frozenset[int]) -> torch.Tensor:
+def _mask_stop_tokens(
+    logits: torch.Tensor, requests: list[Request], eos_ids: frozenset[int]
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """-inf, in place, on the tokens that would end a request before its ``min_new_tokens``: its
     ``stop_token_ids``, and the model's EOS ids unless it ignores EOS (vLLM's ``min_tokens`` and
-    SGLang's ``min_new_tokens``: such a token cannot be chosen, rather than chosen and not obeyed)."""
+    SGLang's ``min_new_tokens``: such a token cannot be chosen, rather than chosen and not obeyed).
+    Returns the logits and the (rows, columns) index [2, n] it masked (None when nothing)."""
     rows: list[int] = []
     cols: list[int] = []
     V = logits.shape[1]
@@ -62,10 +65,12 @@ def _mask_stop_tokens(logits: torch.Tensor, requests: list[Request], eos_ids: fr
             ids = [t for t in stops if 0 <= t < V]
             rows += [i] * len(ids)
             cols += ids
-    if rows:  # one indexed write for the batch, not one per request
-        index = torch.tensor([rows, cols], dtype=torch.long).to(logits.device, non_blocking=True)
-        logits[index[0], index[1]] = float("-inf")
-    return logits
+    if not rows:
+        return logits, None
+    # One indexed write for the batch, not one per request.
+    index = torch.tensor([rows, cols], dtype=torch.long).to(logits.device, non_blocking=True)
+    logits[index[0], index[1]] = float("-inf")
+    return logits, index
 
 
 def _filter(probs_logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
@@ -111,15 +116,22 @@ def sample(
     logits = raw.clone() if penalised or held else raw  # penalties and stop masks write in place
     if penalised:
         logits = _apply_penalties(logits, requests)
+    masked = None
     if held:
-        logits = _mask_stop_tokens(logits, requests, eos_ids)
+        logits, masked = _mask_stop_tokens(logits, requests, eos_ids)
     greedy = [r.sampling.greedy for r in requests]
     tokens = logits.argmax(dim=-1)
-    if all(greedy) and not penalised and not held:
+    if all(greedy) and not penalised:
         # argmax picks a NaN (or else a +Inf) wherever a row has one, so the logit it chose tells whether
         # the row is bad: one gather and one transfer to the host, not three passes over [B, V] and two.
+        # Stop tokens masked to -inf above hide their raw values from argmax: those are gathered too.
         top = raw.gather(1, tokens.unsqueeze(1)).squeeze(1)
-        chosen = torch.where(torch.isnan(top) | torch.isposinf(top), -1, tokens).tolist()
+        bad_top = torch.isnan(top) | torch.isposinf(top)
+        if masked is not None:
+            stop = raw[masked[0], masked[1]]
+            hits = (torch.isnan(stop) | torch.isposinf(stop)).to(torch.int32)
+            bad_top |= torch.zeros_like(tokens, dtype=torch.int32).index_add_(0, masked[0], hits) > 0
+        chosen = torch.where(bad_top, -1, tokens).tolist()
         bad = {i for i, t in enumerate(chosen) if t < 0}
         if bad:
             raise BadSamplingRows(dict.fromkeys(bad, "the model produced NaN or Inf logits"), bad)
@@ -161,7 +173,7 @@ def sample_on_device(
     want_logprobs = any(r.return_logprob or r.top_logprobs_num for r in requests)
     logprobs = torch.log_softmax(raw, dim=-1) if want_logprobs else raw.new_empty(len(requests), 0)
     held = any(r.num_generated < r.sampling.min_new_tokens for r in requests)
-    logits = _mask_stop_tokens(raw.clone(), requests, eos_ids) if held else raw
+    logits = _mask_stop_tokens(raw.clone(), requests, eos_ids)[0] if held else raw
     greedy = [r.sampling.greedy for r in requests]
     tokens = logits.argmax(dim=-1)
     bad_logits = (torch.isnan(raw) | torch.isposinf(raw)).any(dim=-1)

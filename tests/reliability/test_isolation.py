@@ -164,3 +164,31 @@ def test_greedy_rows_with_nan_or_posinf_logits_are_named_and_masked_rows_are_not
     with pytest.raises(BadSamplingRows) as e:
         sample(bad, reqs(4), g)
     assert set(e.value.rows) == e.value.model_rows == {0, 3}
+
+
+def test_greedy_rows_held_short_of_min_new_tokens_still_name_nan_logits_behind_the_stop_mask():
+    """Greedy rows short of ``min_new_tokens`` take the same one-gather check: their stop tokens are masked
+    to -inf before the argmax, so a NaN or +Inf there is read from the raw logits apart; the token is the
+    argmax with the stop tokens masked."""
+    import torch
+
+    from mmlora.engine.request import Request
+    from mmlora.engine.sampler import BadSamplingRows, sample
+    from mmlora.engine.sampling_params import SamplingParams
+
+    eos = 7
+    reqs = [Request(f"r{i}", [1], SamplingParams(temperature=0.0, min_new_tokens=4), None) for i in range(4)]
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 16, generator=g)
+    logits[:, eos] = 50.0  # the best token everywhere, but held back
+    tokens, _ = sample(logits, reqs, g, eos_ids=frozenset({eos}))
+    masked = logits.clone()
+    masked[:, eos] = float("-inf")
+    assert tokens == masked.argmax(dim=-1).tolist() and eos not in tokens
+    bad = logits.clone()
+    bad[1, eos] = float("nan")  # only behind the mask
+    bad[2, eos] = float("inf")
+    bad[3, 2] = float("nan")
+    with pytest.raises(BadSamplingRows) as e:
+        sample(bad, reqs, g, eos_ids=frozenset({eos}))
+    assert set(e.value.rows) == e.value.model_rows == {1, 2, 3}
