@@ -303,11 +303,7 @@ def _engine(args: argparse.Namespace, slots: int, rank: int) -> Any:
 def side_max_tokens(args: argparse.Namespace) -> dict[str, int]:
     """``lora_side_max_tokens`` where the command line sets it (else the engine's default)."""
     value = getattr(args, "lora_side_max_tokens", None)
-    if value is None:
-        return {}
-    if value < 0:
-        raise ValueError("--lora-side-max-tokens: must be >= 0")
-    return {"lora_side_max_tokens": value}
+    return {} if value is None else {"lora_side_max_tokens": value}  # EngineConfig checks the value
 
 
 def _register(engine: Any, adapters: list[dict[str, Any]], names: set[str]) -> float:

@@ -72,35 +72,27 @@ class LoRALinear(nn.Module):
             self._base_packed = hasattr(self.base, "release")
         flat_x = x.reshape(-1, x.shape[-1]) if lora else None
         finish = None
-        if (
-            lora
-            and side is not None
-            and x.is_cuda
-            and flat_x.shape[0] <= self.ctx.side_max_tokens
-            and info.num_segments >= flat_x.shape[0]
-        ):
-            # Small decode batches of one row per segment: the per-row kernels are latency-bound and
-            # small, so they all run beside the base GEMM, into a zeroed buffer; the critical path gains
-            # one elementwise add instead of the expand. (Segment kernels beside the GEMM slow it down.)
-            # The buffer is the main stream's (allocated before the fork, read after the join).
-            main = torch.cuda.current_stream(x.device)
-            delta = flat_x.new_empty(flat_x.shape[0], self.out_features)
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
-                delta.zero_()
-                backend.add_lora(delta, flat_x, self.weights, info)
-            out = self.base.partial(x) if row_parallel else self.base(x)
-            main.wait_stream(side)
-            out.view(-1, out.shape[-1]).add_(delta)
-            return self.base.reduce(out) if row_parallel else out
-        if lora and side is not None and x.is_cuda and backend.splits_work(info):
-            # The shrink reads only x: it runs on the side stream while the base GEMM runs, and the
-            # expand adds to the base output once both are done. Its partials are freed before the next
-            # module forks again (and the fork waits for this module's expand), so no stream reuses them early.
-            main = torch.cuda.current_stream(x.device)
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
-                finish = backend.start_lora(flat_x, self.weights, info)
+        if lora and side is not None and x.is_cuda:
+            rows = flat_x.shape[0]
+            # Small decode batches of one row per segment: the per-row kernels are latency-bound and small,
+            # so all of them run beside the base GEMM, into a zeroed buffer, and the critical path gains one
+            # elementwise add instead of the expand (segment kernels beside the GEMM slow it down). Else
+            # only the shrink, which reads just x, runs there, and the expand adds to the base output.
+            whole = rows <= self.ctx.side_max_tokens and info.num_segments >= rows
+            if whole or backend.splits_work(info):
+                main = torch.cuda.current_stream(x.device)
+                # The main stream's buffer (allocated before the fork, read after the join). Partials made
+                # on the side are freed before the next module forks again (and that fork waits for this
+                # module's join), so no stream reuses them early.
+                delta = flat_x.new_empty(rows, self.out_features) if whole else None
+                side.wait_stream(main)
+                with torch.cuda.stream(side):
+                    if whole:
+                        delta.zero_()
+                        backend.add_lora(delta, flat_x, self.weights, info)
+                        finish = lambda out2d: out2d.add_(delta)  # noqa: E731
+                    else:
+                        finish = backend.start_lora(flat_x, self.weights, info)
         out = self.base.partial(x) if row_parallel else self.base(x)
         if finish is not None:
             main.wait_stream(side)
