@@ -430,11 +430,16 @@ def lora_expand_unchecked(
     offsets: torch.Tensor,
 ) -> None:
     """:func:`lora_expand` without its checks, for callers whose tensors are right by construction (the
-    fused LoRA path calls it 120 times a SmolLM2 step, where each check is a microsecond)."""
-    lib = _library()
-    fn = lib.lora_expand_f32 if y.dtype == torch.float32 else lib.lora_expand_bf16
+    fused LoRA path goes through :class:`ExpandCall`, which also keeps the pointers)."""
+    fn = _expand_fn(y.dtype)
     fn(y.shape[0], h.data_ptr(), h.stride(0), y.data_ptr(), y.stride(0), E.data_ptr(), eoff.data_ptr(),
        rows.data_ptr(), offsets.numel() - 1, offsets.data_ptr(), torch.get_num_threads())  # fmt: skip
+
+
+def _expand_fn(dtype: torch.dtype):  # noqa: ANN202
+    """The compiled expand for ``dtype`` (one of :data:`EXPAND_DTYPES`)."""
+    lib = _library()
+    return lib.lora_expand_f32 if dtype == torch.float32 else lib.lora_expand_bf16
 
 
 class ExpandCall:
@@ -447,8 +452,7 @@ class ExpandCall:
     __slots__ = ("_fn", "_keep", "_E", "_eoff", "_offs", "_n", "_h_offset")
 
     def __init__(self, E: torch.Tensor, eoff: torch.Tensor, offsets: torch.Tensor, out_features: int) -> None:
-        lib = _library()
-        self._fn = lib.lora_expand_f32 if E.dtype == torch.float32 else lib.lora_expand_bf16
+        self._fn = _expand_fn(E.dtype)
         self._keep = (E, eoff, offsets)
         self._E, self._eoff, self._offs = E.data_ptr(), eoff.data_ptr(), offsets.data_ptr()
         self._n = offsets.numel() - 1

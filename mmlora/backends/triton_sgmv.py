@@ -308,12 +308,12 @@ def _expand_launch(
     h_strides: tuple[int, int, int],
     weights: LoRAWeights,
     info: LoRABatchInfo,
-    out: torch.Tensor,
+    out_stride: int,
     R: int,
     pdl: bool = False,
 ) -> tuple[tuple[int], tuple, dict]:
-    """(grid, positional args with None for h, keyword args) of expand's launch over h's planes given as
-    (planes, plane stride, row stride). ``pdl``: launched right after the shrink that writes h (with
+    """(grid, positional args with None for h and out, keyword args) of expand's launch over h's planes
+    given as (planes, plane stride, row stride), into an out of row stride ``out_stride``. ``pdl``: launched right after the shrink that writes h (with
     ``pdl``), as its programmatic dependent (:func:`pdl_launch`)."""
     B, scalings, slice_offsets = weights.B, weights.scalings, weights.slice_offsets
     n = weights.n_slices
@@ -326,8 +326,8 @@ def _expand_launch(
     n_tiles = cdiv(max(widths), block_n)
     warps = TUNING["run_expand_warps"] if tiles.block_m <= 16 else TUNING["expand_warps"]
     args = (
-        None, B, out, scalings, info.seg_indptr, info.weight_indices, info.ranks, tiles.seg, tiles.m0,
-        R, *h_strides, B.stride(0), B.stride(1), out.stride(0),
+        None, B, None, scalings, info.seg_indptr, info.weight_indices, info.ranks, tiles.seg, tiles.m0,
+        R, *h_strides, B.stride(0), B.stride(1), out_stride,
         scalings.stride(0), *offset_args(slice_offsets), tiles.m_tiles, n_tiles,
     )  # fmt: skip
     kwargs = dict(
@@ -342,8 +342,10 @@ def _expand_planes(
     h: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo, out: torch.Tensor, R: int
 ) -> None:
     """Launch expand over h's planes [SPLIT_K, >= T, n*R] (rows padded or not: its strides are read)."""
-    grid, args, kwargs = _expand_launch((h.shape[0], h.stride(0), h.stride(1)), weights, info, out, R)
-    fast(_sgmv_expand_kernel)[grid](h, *args[1:], **kwargs)
+    grid, args, kwargs = _expand_launch(
+        (h.shape[0], h.stride(0), h.stride(1)), weights, info, out.stride(0), R
+    )
+    fast(_sgmv_expand_kernel)[grid](h, args[1], out, *args[3:], **kwargs)
 
 
 class _ModulePlan:
@@ -353,13 +355,15 @@ class _ModulePlan:
 
     __slots__ = ("shrink", "expand", "h_shape", "h_dtype")
 
-    def __init__(self, job: ShrinkJob, weights: LoRAWeights, out: torch.Tensor, pdl: bool) -> None:
+    def __init__(self, job: ShrinkJob, weights: LoRAWeights, out_stride: int, pdl: bool) -> None:
         # ``pdl``: the expand follows its shrink on the stream, as a programmatic dependent.
-        pdl = pdl_launch(out.device, pdl)
+        pdl = pdl_launch(job.x.device, pdl)
         grid, args, kwargs, self.h_shape, self.h_dtype = _shrink_launch(job, fp32_planes=True, pdl=pdl)
         self.shrink = fast(_sgmv_shrink_kernel).plan(grid, args, kwargs, (0, 1, 2))
         splits, rows, cols = self.h_shape
-        grid, args, kwargs = _expand_launch((splits, rows * cols, cols), weights, job.info, out, job.R, pdl)
+        grid, args, kwargs = _expand_launch(
+            (splits, rows * cols, cols), weights, job.info, out_stride, job.R, pdl
+        )
         self.expand = fast(_sgmv_expand_kernel).plan(grid, args, kwargs, (0, 1, 2, 3))
 
     @staticmethod
@@ -368,21 +372,22 @@ class _ModulePlan:
         weights: LoRAWeights,
         info: LoRABatchInfo,
         R: int,
-        out: torch.Tensor,
-        split_k,
+        out_stride: int,
+        split_k: int | None,
         pdl: bool,
-    ) -> _ModulePlan:  # noqa: ANN001
-        """The plan for this module shape in this forward (made once, shared by the layers)."""
+    ) -> _ModulePlan:
+        """The plan for this module shape and an out of row stride ``out_stride`` in this forward (made
+        once, shared by the layers)."""
         A, B, scalings = weights.A, weights.B, weights.scalings
         # Everything the launch arithmetic reads of this call, but the batch (the plan is per forward).
         key = (
             "sgmv_module", x.shape[1], x.stride(0), x.dtype, A.shape, A.stride(), B.shape, B.stride(),
-            scalings.stride(0), weights.slice_offsets, out.stride(0), R, split_k, pdl,
+            scalings.stride(0), weights.slice_offsets, out_stride, R, split_k, pdl,
         )  # fmt: skip
         plan = info.host_derived.get(key)
         if plan is None:
             job = ShrinkJob(x, A, info, weights.n_slices, R, True, split_k)
-            plan = info.host_derived[key] = _ModulePlan(job, weights, out, pdl)
+            plan = info.host_derived[key] = _ModulePlan(job, weights, out_stride, pdl)
         return plan
 
 
@@ -417,7 +422,7 @@ class TritonSGMVBackend(FusedTritonBackend):
     ) -> None:
         """Shrink knows the slice count, so it skips rank padding per slice; its planes are always fp32
         (expand rounds h to x.dtype), so the kernels' signatures do not depend on the batch."""
-        plan = _ModulePlan.of(x, weights, info, R, out, self.split_k, TUNING["pdl"])
+        plan = _ModulePlan.of(x, weights, info, R, out.stride(0), self.split_k, TUNING["pdl"])
         h = torch.empty(plan.h_shape, dtype=plan.h_dtype, device=x.device)
         fast(_sgmv_shrink_kernel).launch_plan(plan.shrink, (x, weights.A, h))
         fast(_sgmv_expand_kernel).launch_plan(plan.expand, (h, weights.B, out, weights.scalings))
@@ -435,8 +440,7 @@ class TritonSGMVBackend(FusedTritonBackend):
         """start_lora's first phase: the shrink alone (plain launches: the expand will follow the base
         GEMM, not this shrink). The plan assumes a contiguous ``out`` [T, out_features], as the base
         layer returns; :meth:`_expand_phase` plans again for any other."""
-        out_like = weights.B.new_empty((0, weights.B.shape[1]))  # the stride of a contiguous out
-        plan = _ModulePlan.of(x, weights, info, R, out_like, self.split_k, False)
+        plan = _ModulePlan.of(x, weights, info, R, weights.B.shape[1], self.split_k, False)
         h = torch.empty(plan.h_shape, dtype=plan.h_dtype, device=x.device)
         fast(_sgmv_shrink_kernel).launch_plan(plan.shrink, (x, weights.A, h))
         return h, plan
@@ -452,8 +456,6 @@ class TritonSGMVBackend(FusedTritonBackend):
     ) -> None:
         h, plan = partials
         if out.stride(0) != weights.B.shape[1]:
-            splits, rows, cols = plan.h_shape
-            grid, args, kwargs = _expand_launch((splits, rows * cols, cols), weights, info, out, R)
-            fast(_sgmv_expand_kernel)[grid](h, *args[1:], **kwargs)
+            _expand_planes(h, weights, info, out, R)
             return
         fast(_sgmv_expand_kernel).launch_plan(plan.expand, (h, weights.B, out, weights.scalings))
