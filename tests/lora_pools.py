@@ -37,3 +37,20 @@ def lora_reference_f64(base: torch.Tensor, x: torch.Tensor, w, info) -> torch.Te
             h = (x[t].double() @ w.A[slot, j * R : j * R + r].double().T).to(x.dtype).double()
             ref[t, lo:hi] += h @ w.B[slot, lo:hi, :r].double().T * float(w.scalings[slot, j])
     return ref
+
+
+def assert_replays_match(chain, x0: torch.Tensor, new_input, reference, replays: int) -> None:  # noqa: ANN001
+    """Capture ``chain(static)`` (a list of outputs) in a CUDA graph on a copy of ``x0``, then ``replays``
+    times: new inputs (``new_input()``) into the static copy, a replay, and the captured outputs equal
+    ``reference(static)`` bit for bit."""
+    static = x0.clone()
+    chain(static)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = chain(static)
+    for _ in range(replays):
+        static.copy_(new_input())
+        graph.replay()
+        for a, b in zip(captured, reference(static)):
+            assert torch.equal(a, b)

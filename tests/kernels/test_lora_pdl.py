@@ -15,7 +15,7 @@ if not torch.cuda.is_available():  # must precede the first triton import of the
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
-from lora_pools import lora_reference_f64  # noqa: E402
+from lora_pools import assert_replays_match, lora_reference_f64  # noqa: E402
 
 from mmlora.backends import get_backend, triton_bgmv, triton_sgmv  # noqa: E402
 from mmlora.backends.triton_common import pdl_launch  # noqa: E402
@@ -86,19 +86,12 @@ def test_pdl_chain_equals_plain_launches_and_the_reference(name, module, lens, s
     assert any(k.metadata.launch_pdl for k in expands._compiled.values()), "no expand compiled for PDL"
 
     # Captured with PDL and replayed with new inputs: the plain launches' bits.
-    static = x0.clone()
-    chain(static)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = chain(static)
-    for _ in range(3):
-        static.copy_(torch.randn(T, hidden, device=dev, generator=g).to(dt))
-        graph.replay()
+    def plain(static: torch.Tensor) -> list[torch.Tensor]:
         monkeypatch.setitem(module.TUNING, "pdl", False)
         info.host_derived.clear()
         want = chain(static)
         monkeypatch.setitem(module.TUNING, "pdl", True)
         info.host_derived.clear()
-        for a, b in zip(captured, want):
-            assert torch.equal(a, b)
+        return want
+
+    assert_replays_match(chain, x0, lambda: torch.randn(T, hidden, device=dev, generator=g).to(dt), plain, 3)

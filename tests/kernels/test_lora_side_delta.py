@@ -17,7 +17,7 @@ if not torch.cuda.is_available():  # must precede the first triton import of the
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
-from lora_pools import lora_reference_f64  # noqa: E402
+from lora_pools import assert_replays_match, lora_reference_f64  # noqa: E402
 from torch import nn  # noqa: E402
 
 from mmlora.backends import get_backend  # noqa: E402
@@ -131,18 +131,7 @@ def test_side_delta_chain_matches_the_reference_eager_and_replayed(name, lens, s
     ctx.info = info
 
     # Captured and replayed with new inputs: the eager bits.
-    static = x0.clone()
-    chain(static)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = chain(static)
-    for _ in range(3):
-        static.copy_(torch.randn(T, HIDDEN, device=dev, generator=g).to(dt))
-        graph.replay()
-        want = chain(static)
-        for a, b in zip(captured, want):
-            assert torch.equal(a, b)
+    assert_replays_match(chain, x0, lambda: torch.randn(T, HIDDEN, device=dev, generator=g).to(dt), chain, 3)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
@@ -173,17 +162,13 @@ def test_sgmv_prefill_shrink_beside_the_gemm_gives_the_bits_of_one_stream(monkey
             ref = lora_reference_f64(layer.base(x), x, layer.weights, info)
             torch.testing.assert_close(a.double(), ref, rtol=2e-2, atol=2e-2)
             x = a[:, :HIDDEN].contiguous()
-    static = x0.clone()
-    chain(static)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = chain(static)
-    for _ in range(2):
-        static.copy_(torch.randn(125, HIDDEN, device=dev, generator=g).to(dt))
-        graph.replay()
+
+    def one_stream(static: torch.Tensor) -> list[torch.Tensor]:
         ctx.side_stream = None
         want = chain(static)
         ctx.side_stream = side
-        for a, b in zip(captured, want):
-            assert torch.equal(a, b)
+        return want
+
+    assert_replays_match(
+        chain, x0, lambda: torch.randn(125, HIDDEN, device=dev, generator=g).to(dt), one_stream, 2
+    )
