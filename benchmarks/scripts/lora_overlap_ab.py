@@ -43,6 +43,10 @@ def recapture(engine: mmlora.Engine, bucket: int, overlap: bool, side: torch.cud
         cuda_graph.batch_buckets = buckets
 
 
+def _set_overlap(engine: mmlora.Engine, bucket: int, mode: str, side: torch.cuda.Stream) -> None:
+    recapture(engine, bucket, mode == "overlap", side)
+
+
 def measure(engine: mmlora.Engine, steps: int = 20) -> dict:
     engine.step()
     graphs = engine.runner.cuda_graphs
@@ -86,6 +90,58 @@ def engine_with_adapters(model: str, max_bs: int, n_adapters: int) -> tuple:
     return engine, side, adapters
 
 
+def mode_rounds(
+    engine: mmlora.Engine,
+    side: torch.cuda.Stream,
+    names: list[str],
+    modes: tuple[str, ...],
+    set_mode,  # noqa: ANN001
+    rounds: int,
+    rng: np.random.Generator,
+) -> tuple[dict, dict]:
+    """One decode batch of ``len(names)`` rows (``names[i]``: row i's adapter) at context ~512, timed in each
+    of ``modes`` (``set_mode(engine, bucket, mode, side)`` recaptures the bucket's graph) for ``rounds``
+    rounds, the order rotating by one each round, after a base-only batch (graphs as ``modes[0]``).
+    Then each mode's greedy tokens and logprobs of a short generation. Returns (row, outputs per mode)."""
+    bsz = len(names)
+    rids = start_decode_batch(engine, [None] * bsz, 512, rng)
+    set_mode(engine, bsz, modes[0], side)
+    base = measure(engine)
+    abort_all(engine, rids)
+    rids = start_decode_batch(engine, names, 512, rng)
+    row = {"batch": bsz, "base_replay_ms": base["replay_ms"], "base_step_ms": base["step_ms"], "rounds": []}
+    for r in range(rounds):
+        got = {}
+        order = modes[r % len(modes) :] + modes[: r % len(modes)]
+        for mode in order:
+            set_mode(engine, bsz, mode, side)
+            got[mode] = measure(engine)
+        row["rounds"].append({"order": order, **got})
+        print(
+            f"B={bsz} round {r + 1} ({', '.join(order)}): replay "
+            + ", ".join(f"{m} {got[m]['replay_ms']:.3f}" for m in modes)
+            + f" ms (base-only {base['replay_ms']:.3f}); step "
+            + ", ".join(f"{m} {got[m]['step_ms']:.2f}" for m in modes)
+            + f" ms; key {got[modes[0]]['key']}",
+            flush=True,
+        )
+    abort_all(engine, rids)
+    prompts = [rng.integers(0, engine.model.arch.vocab_size, 64).tolist() for _ in range(bsz)]
+    sp = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+    outs = {}
+    for mode in modes:
+        set_mode(engine, bsz, mode, side)
+        engine.flush_cache()
+        outs[mode] = engine.generate(
+            input_ids=prompts, lora_paths=names, sampling_params=sp, return_logprob=True
+        )
+    return row, outs
+
+
+def same_tokens_and_logprobs(a: list, b: list) -> bool:
+    return all(x.output_ids == y.output_ids and x.logprobs == y.logprobs for x, y in zip(a, b))
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="dummy:mistral-7b-v0.3")
@@ -99,44 +155,9 @@ def main() -> None:
     rows = []
     for bsz in args.batch:
         names = [adapters[i % args.adapters]["name"] for i in range(bsz)]
-        rids = start_decode_batch(engine, [None] * bsz, 512, rng)
-        recapture(engine, bsz, True, side)
-        base = measure(engine)
-        abort_all(engine, rids)
-        rids = start_decode_batch(engine, names, 512, rng)
-        row = {
-            "batch": bsz,
-            "distinct_adapters": len(set(names)),
-            "base_replay_ms": base["replay_ms"],
-            "base_step_ms": base["step_ms"],
-            "rounds": [],
-        }
-        for r in range(args.rounds):
-            got = {}
-            for mode in ("overlap", "serial") if r % 2 == 0 else ("serial", "overlap"):
-                recapture(engine, bsz, mode == "overlap", side)
-                got[mode] = measure(engine)
-            row["rounds"].append(got)
-            print(
-                f"B={bsz} round {r + 1}: replay overlap {got['overlap']['replay_ms']:.3f} ms, serial "
-                f"{got['serial']['replay_ms']:.3f} ms (base-only {base['replay_ms']:.3f}); step overlap "
-                f"{got['overlap']['step_ms']:.2f}, serial {got['serial']['step_ms']:.2f} ms; key {got['overlap']['key']}",
-                flush=True,
-            )
-        abort_all(engine, rids)
-        prompts = [rng.integers(0, engine.model.arch.vocab_size, 64).tolist() for _ in range(bsz)]
-        sp = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
-        outs = {}
-        for mode in ("overlap", "serial"):
-            recapture(engine, bsz, mode == "overlap", side)
-            engine.flush_cache()
-            outs[mode] = engine.generate(
-                input_ids=prompts, lora_paths=names, sampling_params=sp, return_logprob=True
-            )
-        row["same_tokens_and_logprobs"] = all(
-            a.output_ids == b.output_ids and a.logprobs == b.logprobs
-            for a, b in zip(outs["overlap"], outs["serial"])
-        )
+        row, outs = mode_rounds(engine, side, names, ("overlap", "serial"), _set_overlap, args.rounds, rng)
+        row["distinct_adapters"] = len(set(names))
+        row["same_tokens_and_logprobs"] = same_tokens_and_logprobs(outs["overlap"], outs["serial"])
         print(
             f"B={bsz}: overlap and serial give the same tokens and logprobs: {row['same_tokens_and_logprobs']}"
         )

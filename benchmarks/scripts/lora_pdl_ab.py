@@ -18,11 +18,10 @@ import json
 
 import numpy as np
 import torch
-from lora_overlap_ab import engine_with_adapters, measure, recapture
+from lora_overlap_ab import engine_with_adapters, mode_rounds, recapture, same_tokens_and_logprobs
 
 import mmlora
 from mmlora.backends import triton_bgmv, triton_sgmv
-from mmlora.bench.serving_parts import abort_all, start_decode_batch
 
 MODES = ("side", "side+pdl", "pdl", "plain")  # side: the shrink on the side stream (today's default)
 
@@ -46,48 +45,8 @@ def main() -> None:
     rows = []
     for bsz in args.batch:
         names = [adapters[i % args.adapters]["name"] for i in range(bsz)]
-        rids = start_decode_batch(engine, [None] * bsz, 512, rng)
-        set_mode(engine, bsz, "side", side)
-        base = measure(engine)
-        abort_all(engine, rids)
-        rids = start_decode_batch(engine, names, 512, rng)
-        row = {
-            "batch": bsz,
-            "base_replay_ms": base["replay_ms"],
-            "base_step_ms": base["step_ms"],
-            "rounds": [],
-        }
-        for r in range(args.rounds):
-            got = {}
-            for mode in MODES[r % 4 :] + MODES[: r % 4]:
-                set_mode(engine, bsz, mode, side)
-                got[mode] = measure(engine)
-            row["rounds"].append(got)
-            print(
-                f"B={bsz} round {r + 1}: replay "
-                + ", ".join(f"{m} {got[m]['replay_ms']:.3f}" for m in MODES)
-                + f" ms (base-only {base['replay_ms']:.3f}); step "
-                + ", ".join(f"{m} {got[m]['step_ms']:.2f}" for m in MODES)
-                + f" ms; key {got['side']['key']}",
-                flush=True,
-            )
-        abort_all(engine, rids)
-        prompts = [rng.integers(0, engine.model.arch.vocab_size, 64).tolist() for _ in range(bsz)]
-        sp = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
-        outs = {}
-        for mode in MODES:
-            set_mode(engine, bsz, mode, side)
-            engine.flush_cache()
-            outs[mode] = engine.generate(
-                input_ids=prompts, lora_paths=names, sampling_params=sp, return_logprob=True
-            )
-        row["same_tokens_and_logprobs"] = {
-            m: all(
-                a.output_ids == b.output_ids and a.logprobs == b.logprobs
-                for a, b in zip(outs[m], outs["side"])
-            )
-            for m in MODES
-        }
+        row, outs = mode_rounds(engine, side, names, MODES, set_mode, args.rounds, rng)
+        row["same_tokens_and_logprobs"] = {m: same_tokens_and_logprobs(outs[m], outs["side"]) for m in MODES}
         print(f"B={bsz}: same tokens and logprobs as 'side': {row['same_tokens_and_logprobs']}", flush=True)
         rows.append(row)
     with open(args.out, "w") as f:

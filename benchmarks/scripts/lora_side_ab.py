@@ -23,10 +23,9 @@ import json
 
 import numpy as np
 import torch
-from lora_overlap_ab import engine_with_adapters, measure, recapture
+from lora_overlap_ab import engine_with_adapters, mode_rounds, recapture
 
 import mmlora
-from mmlora.bench.serving_parts import abort_all, start_decode_batch
 
 MODES = ("delta", "side", "plain")
 
@@ -49,42 +48,7 @@ def main() -> None:
     rows = []
     for bsz in args.batch:
         names = [adapters[i % args.adapters]["name"] for i in range(bsz)]
-        rids = start_decode_batch(engine, [None] * bsz, 512, rng)
-        set_mode(engine, bsz, "side", side)
-        base = measure(engine)
-        abort_all(engine, rids)
-        rids = start_decode_batch(engine, names, 512, rng)
-        row = {
-            "batch": bsz,
-            "base_replay_ms": base["replay_ms"],
-            "base_step_ms": base["step_ms"],
-            "rounds": [],
-        }
-        for r in range(args.rounds):
-            got = {}
-            order = MODES[r % len(MODES) :] + MODES[: r % len(MODES)]
-            for mode in order:
-                set_mode(engine, bsz, mode, side)
-                got[mode] = measure(engine)
-            row["rounds"].append({"order": order, **got})
-            print(
-                f"B={bsz} round {r + 1} ({', '.join(order)}): replay "
-                + ", ".join(f"{m} {got[m]['replay_ms']:.3f}" for m in MODES)
-                + f" ms (base-only {base['replay_ms']:.3f}); step "
-                + ", ".join(f"{m} {got[m]['step_ms']:.2f}" for m in MODES)
-                + f" ms; key {got['side']['key']}",
-                flush=True,
-            )
-        abort_all(engine, rids)
-        prompts = [rng.integers(0, engine.model.arch.vocab_size, 64).tolist() for _ in range(bsz)]
-        sp = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
-        outs = {}
-        for mode in MODES:
-            set_mode(engine, bsz, mode, side)
-            engine.flush_cache()
-            outs[mode] = engine.generate(
-                input_ids=prompts, lora_paths=names, sampling_params=sp, return_logprob=True
-            )
+        row, outs = mode_rounds(engine, side, names, MODES, set_mode, args.rounds, rng)
         row["same_tokens_as_side"] = {
             m: all(a.output_ids == b.output_ids for a, b in zip(outs[m], outs["side"])) for m in MODES
         }
