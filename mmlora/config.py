@@ -319,7 +319,9 @@ def add_cli_args(parser: argparse.ArgumentParser, *classes: type) -> None:
             tp, _ = _unwrap_optional(hints[f.name])
             flags = [f"--{f.name.replace('_', '-')}", *f.metadata.get("aliases", [])]
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            kwargs: dict[str, Any] = {"dest": f.name, "help": f.metadata.get("help", ""), "default": default}
+            # argparse %-formats help strings: a documented "6-12%" must reach it as "%%".
+            help_text = f.metadata.get("help", "").replace("%", "%%")
+            kwargs: dict[str, Any] = {"dest": f.name, "help": help_text, "default": default}
             if tp is bool:
                 kwargs["action"] = argparse.BooleanOptionalAction
                 for alias in f.metadata.get("negated_aliases", []):  # another spelling of the opposite
