@@ -89,7 +89,11 @@ GRID_CASES = {
 }
 
 
-def _points(case: str, B: int, n_adapters: int, rank: int, smoke: bool, device: torch.device) -> list:
+def _points(
+    case: str, B: int, n_adapters: int, rank: int, smoke: bool, device: torch.device, segments: int | None = None
+) -> list:
+    """The four projections' benchmark points of a case; ``segments``: the runs layout's segment entries
+    (default B // 2, as triton-auto captures it)."""
     projections = kb.SMOKE_PROJECTIONS if smoke else kb.PROJECTIONS
     dtype = torch.float32 if smoke else torch.bfloat16
     points = []
@@ -114,7 +118,7 @@ def _points(case: str, B: int, n_adapters: int, rank: int, smoke: bool, device: 
                 info.ranks_host = list(pt.infos[k].ranks_host)
                 rows = sorted(k * n_distinct + s for s in slots)
                 if case == "decode-runs":
-                    info.fill_rows(rows, rank, "runs", segments=max(1, T // 2))
+                    info.fill_rows(rows, rank, "runs", segments=segments or max(1, T // 2))
                 else:
                     info.fill_rows(rows, rank, "rows")
                 infos.append(info)

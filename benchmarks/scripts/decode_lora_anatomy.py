@@ -1,0 +1,124 @@
+"""Where the LoRA kernels' time goes in the batches serving launches (issue 13, item 3): per projection and
+per kernel, against the floor of their bytes at copy bandwidth.
+
+Cases (Mistral-7B projections, bf16, rank ``--rank``; built by ``lora_tuning_sweep._points``):
+- ``decode-runs`` B=128 and B=256 on 32 adapters: SGMV over runs of rows, as triton-auto replays decode
+  graphs, with the segment entries it captures (B // 2) and with exactly the batch's runs;
+- ``decode-rows`` B=32 on 32 adapters and B=128 on 128: BGMV, one row per segment;
+- ``mixed`` (128 decode rows on 32 adapters and a 2048-token chunk) and ``prefill`` (4096 tokens over 8).
+
+Per case: ``add_lora`` summed over the four projections, replayed in CUDA graphs over rotated adapter
+copies (``mmlora.bench.kernels``), in two rounds; for the SGMV decode runs also with the expand reading h's
+split-K planes one after another (``run_plane_tile`` off, the code before it); each kernel's own GPU time
+(torch.profiler over eager calls); and the floor: adapter + activation bytes over the copy bandwidth
+measured in this run. Writes ``--out`` (JSON) and prints a table. ``--smoke``: tiny shapes on CPU under
+``TRITON_INTERPRET=1`` (no profiler, no floor), to check the script.
+
+    PYTHONPATH=. python benchmarks/scripts/decode_lora_anatomy.py --out anatomy.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections import defaultdict
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import lora_tuning_sweep as sweep  # noqa: E402
+
+from mmlora.backends import get_backend, triton_sgmv  # noqa: E402
+from mmlora.bench.serving_parts import copy_bandwidth  # noqa: E402
+
+CASES = [  # (case, B, adapters, segment entries or None for B // 2 or "runs" for the batch's runs)
+    ("decode-runs", 128, 32, None),
+    ("decode-runs", 128, 32, "runs"),
+    ("decode-runs", 256, 32, None),
+    ("decode-runs", 256, 32, "runs"),
+    ("decode-rows", 32, 32, None),
+    ("decode-rows", 128, 128, None),
+    ("mixed", 128, 32, None),
+    ("prefill", 0, 8, None),
+]
+SMOKE_CASES = [("decode-runs", 8, 2, None), ("decode-runs", 8, 2, "runs"), ("decode-rows", 8, 2, None)]
+
+
+def _runs(B: int, n: int) -> int:
+    """Segment entries the decode-runs case needs: its runs (one per distinct adapter; at most 16 rows)."""
+    import random
+
+    from mmlora.bench import kernels as kb
+    from mmlora.forward.lora import slot_runs
+
+    kb.UNIFORM_POOL = n
+    _, slots = kb._layout("decode", B, "grouped", 512, random.Random(0))
+    return len(slot_runs(sorted(slots)))
+
+
+def _kernel_times(backend, points: list, calls: int = 20) -> dict[str, float]:  # noqa: ANN001
+    """Microseconds of GPU time per call, by projection and kernel name, from eager calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    times: dict[str, float] = {}
+    for pt in points:
+        buf = pt.out.clone()
+        for k in range(len(pt.infos)):
+            pt.call(backend, buf, k)  # compiles and caches outside the profile
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for i in range(calls):
+                pt.call(backend, buf, i % len(pt.infos))
+            torch.cuda.synchronize()
+        per_kernel: dict[str, float] = defaultdict(float)
+        for evt in prof.events():
+            if evt.device_type == torch.autograd.DeviceType.CUDA:
+                per_kernel[evt.name] += evt.device_time / calls
+        for name, us in per_kernel.items():
+            times[f"{pt.meta['proj']}:{name}"] = us
+    return times
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    device = torch.device("cpu" if args.smoke else "cuda")
+    bw = None if args.smoke else copy_bandwidth(device)
+    results = []
+    for case, B, n, segments in SMOKE_CASES if args.smoke else CASES:
+        entries = _runs(B, n) if segments == "runs" else None
+        name = "triton-sgmv" if case in ("decode-runs", "mixed", "prefill") else "triton-bgmv"
+        backend = get_backend(name)
+        points = sweep._points(case, B, n, args.rank, args.smoke, device, segments=entries)
+        modes = {"default": {}}
+        if case == "decode-runs":
+            modes["plane_loop"] = {"run_plane_tile": False}
+        row = {"case": case, "B": B, "adapters": n, "segments": entries or max(1, B // 2), "backend": name}
+        for mode, overrides in modes.items():
+            row[mode] = [
+                sweep._time_with(backend, triton_sgmv.TUNING, overrides, points, device) for _ in range(args.rounds)
+            ]
+        row["bytes"] = sum(pt.bytes for pt in points)
+        if bw is not None:
+            row["floor_s"] = row["bytes"] / bw
+            row["kernels_us"] = _kernel_times(backend, points)
+        results.append(row)
+        us = {m: [round(s * 1e6, 1) for s in row[m] if s is not None] for m in modes}
+        floor = f", floor {row['floor_s'] * 1e6:.1f} us" if bw else ""
+        print(f"== {case} B={B} adapters={n} segments={row['segments']} ({name}): {us}{floor}", flush=True)
+        for k, v in sorted(row.get("kernels_us", {}).items()):
+            print(f"   {k[:90]:90s} {v:8.1f} us", flush=True)
+        sweep._release(points, device)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"rank": args.rank, "copy_bandwidth": bw, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
