@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import lora_tuning_sweep as sweep  # noqa: E402
 
-from mmlora.backends import get_backend, triton_sgmv  # noqa: E402
+from mmlora.backends import get_backend, triton_bgmv, triton_sgmv  # noqa: E402
 from mmlora.bench.serving_parts import copy_bandwidth  # noqa: E402
 
 CASES = [  # (case, B, adapters, segment entries or None for B // 2 or "runs" for the batch's runs)
@@ -87,27 +87,46 @@ def main() -> None:
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--out", default=None)
+    p.add_argument(
+        "--mode", nargs="*", default=[], help="extra modes NAME:knob=json,... of the case backend's TUNING"
+    )
+    p.add_argument("--profile-mode", default="default", help="the mode whose kernels are profiled")
+    p.add_argument("--cases", nargs="*", default=None, help="only these case names")
     args = p.parse_args()
     device = torch.device("cpu" if args.smoke else "cuda")
     bw = None if args.smoke else copy_bandwidth(device)
     results = []
     for case, B, n, segments in SMOKE_CASES if args.smoke else CASES:
+        if args.cases and case not in args.cases:
+            continue
         entries = _runs(B, n) if segments == "runs" else None
         name = "triton-sgmv" if case in ("decode-runs", "mixed", "prefill") else "triton-bgmv"
         backend = get_backend(name)
         points = sweep._points(case, B, n, args.rank, args.smoke, device, segments=entries)
+        tuning = (triton_sgmv if name == "triton-sgmv" else triton_bgmv).TUNING
         modes = {"default": {}}
         if case == "decode-runs":
             modes["plane_loop"] = {"run_plane_tile": False}
+        for extra in args.mode:
+            label, _, settings = extra.partition(":")
+            overrides = {k: json.loads(v) for k, v in (kv.split("=") for kv in settings.split(","))}
+            if set(overrides) <= set(tuning):
+                modes[label] = overrides
         row = {"case": case, "B": B, "adapters": n, "segments": entries or max(1, B // 2), "backend": name}
         for mode, overrides in modes.items():
             row[mode] = [
-                sweep._time_with(backend, triton_sgmv.TUNING, overrides, points, device) for _ in range(args.rounds)
+                sweep._time_with(backend, tuning, overrides, points, device) for _ in range(args.rounds)
             ]
         row["bytes"] = sum(pt.bytes for pt in points)
         if bw is not None:
             row["floor_s"] = row["bytes"] / bw
-            row["kernels_us"] = _kernel_times(backend, points)
+            saved = dict(tuning)
+            tuning.update(modes.get(args.profile_mode, {}))
+            try:
+                row["kernels_us"] = _kernel_times(backend, points)
+            finally:
+                tuning.clear()
+                tuning.update(saved)
         results.append(row)
         us = {m: [round(s * 1e6, 1) for s in row[m] if s is not None] for m in modes}
         floor = f", floor {row['floor_s'] * 1e6:.1f} us" if bw else ""
