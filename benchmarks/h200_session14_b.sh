@@ -21,9 +21,11 @@ timeout 100 python benchmarks/scripts/lora_case_times.py > $out/times_now.txt 2>
 echo "== now"; grep decode $out/times_now.txt
 timeout 100 python benchmarks/scripts/lora_case_times.py --sgmv '{"pdl": false}' --bgmv '{"pdl": false}' > $out/times_nopdl.txt 2>&1
 echo "== now, pdl off"; grep decode $out/times_nopdl.txt
+timeout 100 python benchmarks/scripts/lora_case_times.py --bgmv '{"row_fastest": true}' > $out/times_rowfast.txt 2>&1
+echo "== now, BGMV row_fastest"; grep decode $out/times_rowfast.txt
 MMLORA_TRITON_FAST_LAUNCH=0 timeout 100 python benchmarks/scripts/lora_case_times.py > $out/times_nofast.txt 2>&1
 echo "== now, fast launch off"; grep decode $out/times_nofast.txt
 left=$((560 - SECONDS))
-timeout $left python benchmarks/scripts/decode_lora_anatomy.py --rank 16 --cases decode-runs mixed \
-  --mode nopdl:pdl=false --profile-mode nopdl --out $out/anatomy_nopdl.json > $out/anatomy_nopdl.txt 2>&1
+timeout $left python benchmarks/scripts/decode_lora_anatomy.py --rank 16 --cases decode-runs decode-rows mixed \
+  --mode nopdl:pdl=false rowfast:row_fastest=true --profile-mode nopdl --out $out/anatomy_nopdl.json > $out/anatomy_nopdl.txt 2>&1
 echo "anatomy rc=$? at $SECONDS"; grep -v Warn $out/anatomy_nopdl.txt

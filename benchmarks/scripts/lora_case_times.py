@@ -1,4 +1,4 @@
-"""Graph-replayed add_lora time (four Mistral-7B projections, rank 16) of three decode cases, twice: the
+"""Graph-replayed add_lora time (four Mistral-7B projections, rank 16) of four decode cases, twice: the
 same measurement on any version of the code that has ``lora_tuning_sweep._points`` (a regression check
 between commits). ``--sgmv`` / ``--bgmv``: JSON overrides of the backends' TUNING.
 
@@ -27,6 +27,7 @@ device = torch.device("cuda")
 for case, B, n, name in [
     ("decode-runs", 128, 32, "triton-sgmv"),
     ("decode-rows", 32, 32, "triton-bgmv"),
+    ("decode-rows", 128, 32, "triton-bgmv"),
     ("decode-rows", 128, 128, "triton-bgmv"),
 ]:
     points = sweep._points(case, B, n, 16, False, device)

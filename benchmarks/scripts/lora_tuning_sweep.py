@@ -90,7 +90,13 @@ GRID_CASES = {
 
 
 def _points(
-    case: str, B: int, n_adapters: int, rank: int, smoke: bool, device: torch.device, segments: int | None = None
+    case: str,
+    B: int,
+    n_adapters: int,
+    rank: int,
+    smoke: bool,
+    device: torch.device,
+    segments: int | None = None,
 ) -> list:
     """The four projections' benchmark points of a case; ``segments``: the runs layout's segment entries
     (default B // 2, as triton-auto captures it)."""
@@ -158,6 +164,9 @@ def _time_with(backend, tuning: dict, overrides: dict, points: list, device: tor
     None when a kernel cannot run them (said on the console)."""
     default = dict(tuning)
     tuning.update(overrides)
+    for pt in points:  # launch plans are kept per batch info: made again under these settings
+        for info in pt.infos:
+            info.host_derived.clear()
     try:
         return _time(backend, points, device)[0]
     except Exception as exc:  # a value a kernel cannot compile: say so, go on
