@@ -27,5 +27,5 @@ MMLORA_TRITON_FAST_LAUNCH=0 timeout 100 python benchmarks/scripts/lora_case_time
 echo "== now, fast launch off"; grep decode $out/times_nofast.txt
 left=$((560 - SECONDS))
 timeout $left python benchmarks/scripts/decode_lora_anatomy.py --rank 16 --cases decode-runs decode-rows mixed \
-  --mode nopdl:pdl=false rowfast:row_fastest=true w1:run_expand_warps=1 w4:run_expand_warps=4 bn128:block_n=128 bn512:block_n=512 --profile-mode nopdl --out $out/anatomy_nopdl.json > $out/anatomy_nopdl.txt 2>&1
+  --mode nopdl:pdl=false rowfast:row_fastest=true w1:run_expand_warps=1 w4:run_expand_warps=4 bn128:block_n=128 bn512:block_n=512 st1:run_expand_stages=1 st2:run_expand_stages=2 --profile-mode nopdl --out $out/anatomy_nopdl.json > $out/anatomy_nopdl.txt 2>&1
 echo "anatomy rc=$? at $SECONDS"; grep -v Warn $out/anatomy_nopdl.txt

@@ -56,6 +56,9 @@ TUNING = {
     "run_expand_warps": 2,
     # Expand tiles of 16 tokens (decode runs) load all split-K planes of h in one go.
     "run_plane_tile": True,
+    # Software-pipelining stages of those expands' rank loop (None: Triton's default); a rank-16 slot
+    # runs the loop once.
+    "run_expand_stages": None,
     "max_split_k": 16,
     "waves": 2,
     # Batches of at least this many tokens run the shrink on the side stream beside the base GEMM
@@ -350,6 +353,8 @@ def _expand_launch(
         PREC="ieee" if B.dtype == torch.float32 else "tf32", TILED=tiles.tiled, num_warps=warps,
         **pdl_options(pdl),
     )  # fmt: skip
+    if runs and TUNING["run_expand_stages"] is not None:
+        kwargs["num_stages"] = TUNING["run_expand_stages"]
     return (tiles.count * n * n_tiles,), args, kwargs
 
 
