@@ -64,8 +64,6 @@ TUNING = {
     "expand_per_slice": True,
     "max_split_k": 16,
     "waves": 4,
-    # Program ids over rows first (adjacent rows on one adapter share weight tiles in L2); unmeasured.
-    "row_fastest": False,
     # The expand as a programmatic dependent launch of its shrink (Hopper+). H200, decode graphs on 32
     # rank-16 adapters (benchmarks/scripts/lora_pdl_ab.py, 2026-12-03, two rounds): B=64 and 128 (SGMV
     # runs) 0.95-0.97x the replay time, B=32 (BGMV, side-stream split: unchanged) 0.99-1.0x; same tokens.
@@ -75,17 +73,16 @@ TUNING = {
 
 #: Integer arguments that change with the batch: compiled generically (Triton would otherwise build a
 #: variant for the value 1 inside a serving run).
-_SHRINK_BATCH_INTS = ("SPLIT_K", "R_TILES", "T")
-_EXPAND_BATCH_INTS = ("SPLIT_K", "T")
+_SHRINK_BATCH_INTS = ("SPLIT_K", "R_TILES")
+_EXPAND_BATCH_INTS = ("SPLIT_K",)
 
 
 @triton.jit(do_not_specialize=_SHRINK_BATCH_INTS)
 def _bgmv_shrink_kernel(
     x_ptr, a_ptr, p_ptr, token_slots_ptr, ranks_ptr,
-    in_features, R, K_PER_SPLIT, stride_xm, stride_as, stride_ar, stride_ps, stride_pm, SPLIT_K, R_TILES, T,
+    in_features, R, K_PER_SPLIT, stride_xm, stride_as, stride_ar, stride_ps, stride_pm, SPLIT_K, R_TILES,
     N_SLICES: tl.constexpr, NS_P2: tl.constexpr, SKIP_PAD: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, ROW_FASTEST: tl.constexpr,
-    PDL: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Shrink partials: for token t with slot s = ts[t] >= 0 and split k:
     ``P[k, t, :] = x[t, Kk] @ A[s, :, Kk].T`` over the split's columns Kk of in_features.
@@ -93,21 +90,14 @@ def _bgmv_shrink_kernel(
     x [T, in] (fp32/fp16/bf16), A [S, N_SLICES * R, in] (x.dtype), P [SPLIT_K, T, N_SLICES * R] fp32.
     Only columns below ranks[s] of each slice (all columns when not SKIP_PAD) of rows with a slot
     are written; the caller zero-fills P when it needs the rest. Program (t, k, rt) covers rank tile rt
-    (BLOCK_R ranks of every slice); R_TILES tiles cover the batch's rank bound. ROW_FASTEST: program ids
-    run over the T rows first, so adjacent rows on one adapter (decode rows sorted by slot) read the same
-    A tile at about the same time, from L2 after the first.
+    (BLOCK_R ranks of every slice); R_TILES tiles cover the batch's rank bound.
     """
     if PDL:  # the expand (a programmatic dependent) may start now; it waits before reading P
         tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
-    if ROW_FASTEST:
-        t = pid % T
-        rt = (pid // T) % R_TILES
-        sp = pid // (T * R_TILES)
-    else:
-        rt = pid % R_TILES
-        sp = (pid // R_TILES) % SPLIT_K
-        t = pid // (R_TILES * SPLIT_K)
+    rt = pid % R_TILES
+    sp = (pid // R_TILES) % SPLIT_K
+    t = pid // (R_TILES * SPLIT_K)
     slot = tl.load(token_slots_ptr + t)
     if slot < 0:
         return
@@ -143,9 +133,9 @@ def _bgmv_shrink_kernel(
 def _bgmv_expand_kernel(
     p_ptr, b_ptr, out_ptr, scal_ptr, token_slots_ptr, ranks_ptr,
     R, N_OUT, stride_ps, stride_pm, stride_bs, stride_bn, stride_om, stride_ss, o0, o1, o2, o3, o4, N_TILES,
-    SPLIT_K, T, SPLIT_P2: tl.constexpr, N_SLICES: tl.constexpr,
+    SPLIT_K, SPLIT_P2: tl.constexpr, N_SLICES: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, H_DTYPE: tl.constexpr, PER_SLICE: tl.constexpr,
-    ROW_FASTEST: tl.constexpr, PDL: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """Expand over all slices: for token t with slot s = ts[t] >= 0, slice j, h = sum_k P[k]:
     ``y[t, o[j]:o[j+1]] += h[t, j*R:j*R+r] @ B[s, o[j]:o[j+1], :r].T * sc[s, j]``, r = ranks[s].
@@ -155,16 +145,11 @@ def _bgmv_expand_kernel(
     before use, as PEFT computes it; fp32 accumulation. A program covers BLOCK_N output columns of one
     token, which may straddle slices, and loops over its slot's rank in BLOCK_R tiles. SPLIT_P2 (a power
     of two >= SPLIT_K, fixed per engine) sizes the partial-plane tile. PDL: launched as a programmatic
-    dependent of the shrink, it waits for it only before reading P (its B and out loads go first).
-    ROW_FASTEST: program ids run over the T rows first (as in shrink: runs of rows share B tiles in L2).
+    dependent of the shrink, it waits for it only before reading P (its out and first B loads go first).
     """
     pid = tl.program_id(0)
-    if ROW_FASTEST:
-        t = pid % T
-        nt = pid // T
-    else:
-        nt = pid % N_TILES
-        t = pid // N_TILES
+    nt = pid % N_TILES
+    t = pid // N_TILES
     offs_n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N_OUT
     o_ptrs = out_ptr + t.to(tl.int64) * stride_om + offs_n
@@ -177,18 +162,26 @@ def _bgmv_expand_kernel(
     p_base = p_ptr + t.to(tl.int64) * stride_pm
     sp = tl.arange(0, SPLIT_P2)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    # Loads of B are masked by the pool rank R (known divisible: wide vector loads), not by the slot's
+    # rank (a loaded value: one element per load); the columns past the rank in the last tile share its
+    # 32-byte sectors, and where() drops them (and the never-written partials past the rank below), so
+    # whatever the padding holds, even NaN, never reaches the sum. A rank tile's B is loaded one step
+    # ahead (the first before the wait for the shrink; nothing past the slot's rank tiles is read).
+    rr = tl.arange(0, BLOCK_R)
+    b_next = tl.zeros((BLOCK_N, BLOCK_R), dtype=b_ptr.dtype.element_ty)
+    if rank > 0:
+        b_next = tl.load(b_base[:, None] + rr[None, :], mask=n_ok[:, None] & (rr < R)[None, :], other=0.0)
+    if PDL:  # launched beside the shrink: its partials are complete and visible after this. Out of the
+        # loop, where software pipelining could move a partials load ahead of it.
+        tl.extra.cuda.gdc_wait()
     for r0 in range(0, rank, BLOCK_R):
         rr = r0 + tl.arange(0, BLOCK_R)
         r_ok = rr < rank
-        # Loads are masked by the pool rank R (known divisible: wide vector loads), not by the slot's rank
-        # (a loaded value: one element per load); the columns past the rank in the last tile share its
-        # 32-byte sectors, and where() drops them (and the never-written partials past the rank below),
-        # so whatever the padding holds, even NaN, never reaches the sum.
         r_in = rr < R
-        bv = tl.load(b_base[:, None] + rr[None, :], mask=n_ok[:, None] & r_in[None, :], other=0.0)
-        bv = tl.where(r_ok[None, :], bv.to(tl.float32), 0.0)
-        if PDL:  # launched beside the shrink: its partials are complete and visible after this
-            tl.extra.cuda.gdc_wait()
+        bv = tl.where(r_ok[None, :], b_next.to(tl.float32), 0.0)
+        nr = rr + BLOCK_R
+        if r0 + BLOCK_R < rank:  # the slot's rank goes on: its next tile (else nothing is read)
+            b_next = tl.load(b_base[:, None] + nr[None, :], mask=n_ok[:, None] & (nr < R)[None, :], other=0.0)
         hsel = tl.zeros((BLOCK_N, BLOCK_R), dtype=tl.float32)
         for i in tl.static_range(N_SLICES):
             in_i = (offs_n >= slice_bound(i, o0, o1, o2, o3, o4)) & (
@@ -273,12 +266,11 @@ def _shrink_partials(job: ShrinkJob, zero: bool = True, pdl: bool = False) -> to
             (
                 None, None, None, info.token_slots, info.ranks,
                 x.shape[1], R, plan.k_per_split, x.stride(0), A.stride(0), A.stride(1), shape[1] * shape[2],
-                shape[2], plan.split_k, plan.r_tiles, T,
+                shape[2], plan.split_k, plan.r_tiles,
             ),
             dict(
                 N_SLICES=n, NS_P2=plan.ns_p2, SKIP_PAD=skip_pad, BLOCK_R=plan.block_r, BLOCK_K=plan.block_k,
-                EVEN_K=plan.even_k, ROW_FASTEST=TUNING["row_fastest"], PDL=pdl_launch(x.device, pdl),
-                num_warps=TUNING["shrink_warps"],
+                EVEN_K=plan.even_k, PDL=pdl_launch(x.device, pdl), num_warps=TUNING["shrink_warps"],
             ),
             (0, 1, 2),
         )  # fmt: skip
@@ -315,12 +307,11 @@ def _expand(
             (
                 None, None, None, None, info.token_slots, info.ranks,
                 R, n_out, p.stride(0), p.stride(1), B.stride(0), B.stride(1), out.stride(0), scalings.stride(0),
-                *offset_args(slice_offsets), n_tiles, p.shape[0], info.num_tokens,
+                *offset_args(slice_offsets), n_tiles, p.shape[0],
             ),
             dict(
                 SPLIT_P2=max(_split_p2(), next_pow2(p.shape[0])), N_SLICES=n, BLOCK_N=block_n,
                 BLOCK_R=block_r, H_DTYPE=_tl_dtype(h_dtype), PER_SLICE=TUNING["expand_per_slice"],
-                ROW_FASTEST=TUNING["row_fastest"],
                 num_warps=TUNING["expand_warps"], **pdl_options(pdl_launch(out.device, pdl)),
             ),
             (0, 1, 2, 3),

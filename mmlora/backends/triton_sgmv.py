@@ -54,8 +54,6 @@ TUNING = {
     "shrink_warps": 4,
     "expand_warps": 4,
     "run_expand_warps": 2,
-    # Expand tiles of 16 tokens (decode runs) load all split-K planes of h in one go.
-    "run_plane_tile": True,
     # Software-pipelining stages of those expands' rank loop (None: Triton's default); a rank-16 slot
     # runs the loop once.
     "run_expand_stages": None,
@@ -166,8 +164,7 @@ def _sgmv_expand_kernel(
     R, SPLIT_K, stride_hs, stride_hm, stride_bs, stride_bn, stride_om, stride_ss, o0, o1, o2, o3, o4,
     M_TILES, N_TILES,
     N_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_P2: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, TILED: tl.constexpr,
-    PDL: tl.constexpr,
+    UPCAST: tl.constexpr, PREC: tl.constexpr, TILED: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Expand, all slices in one launch: for segment i with slot w[i] >= 0 and slice j:
     ``y[s[i]:s[i+1], o[j]:o[j+1]] += h[s[i]:s[i+1], j*R:j*R+r] @ B[w[i], o[j]:o[j+1], :r].T * sc[w[i], j]``.
@@ -175,10 +172,9 @@ def _sgmv_expand_kernel(
     h [SPLIT_K, T, N_SLICES * R]: shrink's split-K planes, summed here and rounded to B's dtype (x.dtype,
     as PEFT keeps h), B [S, out, R], scalings [S, N_SLICES] fp32, out [T, out] (any float dtype, updated
     in place), r = ranks[w[i]]. A program covers BLOCK_M tokens x BLOCK_N columns of one slice and
-    loops over the rank only up to r; fp32 accumulation. SPLIT_P2 (a power of two >= SPLIT_K, or 0)
-    loads all of a tile's planes at once (else one plane after another). TILED: token tiles from the
-    tile table, as in shrink. PDL: launched as a programmatic dependent of the shrink, it loads its B tile first and waits
-    for the shrink only before it reads h.
+    loops over the rank only up to r; fp32 accumulation. TILED: token tiles from the tile table, as in
+    shrink. PDL: launched as a programmatic dependent of the shrink, it loads its first B tile, then waits
+    for the shrink, then reads h.
     """
     pid = tl.program_id(0)
     pid_n = pid % (N_SLICES * N_TILES)
@@ -200,29 +196,27 @@ def _sgmv_expand_kernel(
     rank = tl.load(ranks_ptr + slot)
     b_base = b_ptr + slot.to(tl.int64) * stride_bs + offs_n * stride_bn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    kk = tl.arange(0, BLOCK_K)
+    bt = tl.load(b_base[None, :] + kk[:, None], mask=n_ok[None, :] & (kk < rank)[:, None], other=0.0)
+    if PDL:  # B's first tile is on its way; h is read only once the shrink is done. The wait stays out
+        # of the loop: a software-pipelined loop could move a load of h ahead of it.
+        tl.extra.cuda.gdc_wait()
     for k0 in range(0, rank, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
         k_ok = kk < rank
-        bt = tl.load(b_base[None, :] + kk[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-        if PDL:
-            tl.extra.cuda.gdc_wait()
         h_ptrs = h_ptr + offs_m[:, None] * stride_hm + (s * R + kk)[None, :]
         h_mask = m_ok[:, None] & k_ok[None, :]
-        if SPLIT_P2 > 0:  # every plane in one load (one memory latency, not one per plane)
-            sp = tl.arange(0, SPLIT_P2)[:, None, None]
-            planes = tl.load(
-                h_ptrs[None, :, :] + sp * stride_hs, mask=(sp < SPLIT_K) & h_mask[None, :, :], other=0.0
-            )
-            hsum = tl.sum(planes.to(tl.float32), axis=0)
-        else:
-            hsum = tl.load(h_ptrs, mask=h_mask, other=0.0).to(tl.float32)
-            for sp in range(1, SPLIT_K):
-                hsum += tl.load(h_ptrs + sp * stride_hs, mask=h_mask, other=0.0).to(tl.float32)
+        hsum = tl.load(h_ptrs, mask=h_mask, other=0.0).to(tl.float32)
+        for sp in range(1, SPLIT_K):
+            hsum += tl.load(h_ptrs + sp * stride_hs, mask=h_mask, other=0.0).to(tl.float32)
         ht = hsum.to(b_ptr.dtype.element_ty)  # exact when SPLIT_K == 1 (h is already in x.dtype)
+        bw = bt
         if UPCAST:
             ht = ht.to(tl.float32)
-            bt = bt.to(tl.float32)
-        acc = tl.dot(ht, bt, acc, input_precision=PREC)
+            bw = bt.to(tl.float32)
+        acc = tl.dot(ht, bw, acc, input_precision=PREC)
+        nk = kk + BLOCK_K  # the next rank tile's B (nothing is read past the rank)
+        bt = tl.load(b_base[None, :] + nk[:, None], mask=n_ok[None, :] & (nk < rank)[:, None], other=0.0)
     scale = tl.load(scal_ptr + slot * stride_ss + s)
     # The out tile is loaded last: loading it before the loop (to overlap latencies) measured slower
     # on an H200 (register pressure), 2026-11-30.
@@ -340,16 +334,13 @@ def _expand_launch(
     n_tiles = cdiv(max(widths), block_n)
     runs = tiles.block_m <= 16
     warps = TUNING["run_expand_warps"] if runs else TUNING["expand_warps"]
-    # Sized by the most planes any batch gets (not this batch's count): no compile per split.
-    split_p2 = next_pow2(max(TUNING["max_split_k"], h_strides[0])) if runs and TUNING["run_plane_tile"] else 0
     args = (
         None, B, None, scalings, info.seg_indptr, info.weight_indices, info.ranks, tiles.seg, tiles.m0,
         R, *h_strides, B.stride(0), B.stride(1), out_stride,
         scalings.stride(0), *offset_args(slice_offsets), tiles.m_tiles, n_tiles,
     )  # fmt: skip
     kwargs = dict(
-        N_SLICES=n, BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_P2=split_p2,
-        UPCAST=dot_upcast(B.dtype),
+        N_SLICES=n, BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=dot_upcast(B.dtype),
         PREC="ieee" if B.dtype == torch.float32 else "tf32", TILED=tiles.tiled, num_warps=warps,
         **pdl_options(pdl),
     )  # fmt: skip
