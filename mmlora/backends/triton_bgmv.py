@@ -145,7 +145,7 @@ def _bgmv_expand_kernel(
     before use, as PEFT computes it; fp32 accumulation. A program covers BLOCK_N output columns of one
     token, which may straddle slices, and loops over its slot's rank in BLOCK_R tiles. SPLIT_P2 (a power
     of two >= SPLIT_K, fixed per engine) sizes the partial-plane tile. PDL: launched as a programmatic
-    dependent of the shrink, it waits for it only before reading P (its out and first B loads go first).
+    dependent of the shrink, it waits for it only before reading P (its B and out loads go first).
     """
     pid = tl.program_id(0)
     nt = pid % N_TILES
@@ -162,26 +162,18 @@ def _bgmv_expand_kernel(
     p_base = p_ptr + t.to(tl.int64) * stride_pm
     sp = tl.arange(0, SPLIT_P2)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    # Loads of B are masked by the pool rank R (known divisible: wide vector loads), not by the slot's
-    # rank (a loaded value: one element per load); the columns past the rank in the last tile share its
-    # 32-byte sectors, and where() drops them (and the never-written partials past the rank below), so
-    # whatever the padding holds, even NaN, never reaches the sum. A rank tile's B is loaded one step
-    # ahead (the first before the wait for the shrink; nothing past the slot's rank tiles is read).
-    rr = tl.arange(0, BLOCK_R)
-    b_next = tl.zeros((BLOCK_N, BLOCK_R), dtype=b_ptr.dtype.element_ty)
-    if rank > 0:
-        b_next = tl.load(b_base[:, None] + rr[None, :], mask=n_ok[:, None] & (rr < R)[None, :], other=0.0)
-    if PDL:  # launched beside the shrink: its partials are complete and visible after this. Out of the
-        # loop, where software pipelining could move a partials load ahead of it.
-        tl.extra.cuda.gdc_wait()
     for r0 in range(0, rank, BLOCK_R):
         rr = r0 + tl.arange(0, BLOCK_R)
         r_ok = rr < rank
+        # Loads are masked by the pool rank R (known divisible: wide vector loads), not by the slot's rank
+        # (a loaded value: one element per load); the columns past the rank in the last tile share its
+        # 32-byte sectors, and where() drops them (and the never-written partials past the rank below),
+        # so whatever the padding holds, even NaN, never reaches the sum.
         r_in = rr < R
-        bv = tl.where(r_ok[None, :], b_next.to(tl.float32), 0.0)
-        nr = rr + BLOCK_R
-        if r0 + BLOCK_R < rank:  # the slot's rank goes on: its next tile (else nothing is read)
-            b_next = tl.load(b_base[:, None] + nr[None, :], mask=n_ok[:, None] & (nr < R)[None, :], other=0.0)
+        bv = tl.load(b_base[:, None] + rr[None, :], mask=n_ok[:, None] & r_in[None, :], other=0.0)
+        bv = tl.where(r_ok[None, :], bv.to(tl.float32), 0.0)
+        if PDL:  # launched beside the shrink: its partials are complete and visible after this
+            tl.extra.cuda.gdc_wait()
         hsel = tl.zeros((BLOCK_N, BLOCK_R), dtype=tl.float32)
         for i in tl.static_range(N_SLICES):
             in_i = (offs_n >= slice_bound(i, o0, o1, o2, o3, o4)) & (

@@ -54,9 +54,6 @@ TUNING = {
     "shrink_warps": 4,
     "expand_warps": 4,
     "run_expand_warps": 2,
-    # Software-pipelining stages of those expands' rank loop (None: Triton's default); a rank-16 slot
-    # runs the loop once.
-    "run_expand_stages": None,
     "max_split_k": 16,
     "waves": 2,
     # Batches of at least this many tokens run the shrink on the side stream beside the base GEMM
@@ -173,8 +170,8 @@ def _sgmv_expand_kernel(
     as PEFT keeps h), B [S, out, R], scalings [S, N_SLICES] fp32, out [T, out] (any float dtype, updated
     in place), r = ranks[w[i]]. A program covers BLOCK_M tokens x BLOCK_N columns of one slice and
     loops over the rank only up to r; fp32 accumulation. TILED: token tiles from the tile table, as in
-    shrink. PDL: launched as a programmatic dependent of the shrink, it loads its first B tile, then waits
-    for the shrink, then reads h.
+    shrink. PDL: launched as a programmatic dependent of the shrink, it loads its B tile first and waits
+    for the shrink only before it reads h.
     """
     pid = tl.program_id(0)
     pid_n = pid % (N_SLICES * N_TILES)
@@ -196,27 +193,22 @@ def _sgmv_expand_kernel(
     rank = tl.load(ranks_ptr + slot)
     b_base = b_ptr + slot.to(tl.int64) * stride_bs + offs_n * stride_bn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    kk = tl.arange(0, BLOCK_K)
-    bt = tl.load(b_base[None, :] + kk[:, None], mask=n_ok[None, :] & (kk < rank)[:, None], other=0.0)
-    if PDL:  # B's first tile is on its way; h is read only once the shrink is done. The wait stays out
-        # of the loop: a software-pipelined loop could move a load of h ahead of it.
-        tl.extra.cuda.gdc_wait()
     for k0 in range(0, rank, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
         k_ok = kk < rank
+        bt = tl.load(b_base[None, :] + kk[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
         h_ptrs = h_ptr + offs_m[:, None] * stride_hm + (s * R + kk)[None, :]
         h_mask = m_ok[:, None] & k_ok[None, :]
         hsum = tl.load(h_ptrs, mask=h_mask, other=0.0).to(tl.float32)
         for sp in range(1, SPLIT_K):
             hsum += tl.load(h_ptrs + sp * stride_hs, mask=h_mask, other=0.0).to(tl.float32)
         ht = hsum.to(b_ptr.dtype.element_ty)  # exact when SPLIT_K == 1 (h is already in x.dtype)
-        bw = bt
         if UPCAST:
             ht = ht.to(tl.float32)
-            bw = bt.to(tl.float32)
-        acc = tl.dot(ht, bw, acc, input_precision=PREC)
-        nk = kk + BLOCK_K  # the next rank tile's B (nothing is read past the rank)
-        bt = tl.load(b_base[None, :] + nk[:, None], mask=n_ok[None, :] & (nk < rank)[:, None], other=0.0)
+            bt = bt.to(tl.float32)
+        acc = tl.dot(ht, bt, acc, input_precision=PREC)
     scale = tl.load(scal_ptr + slot * stride_ss + s)
     # The out tile is loaded last: loading it before the loop (to overlap latencies) measured slower
     # on an H200 (register pressure), 2026-11-30.
@@ -332,8 +324,7 @@ def _expand_launch(
     # rank-8 slot of a rank-64 pool costs one step, not four.
     block_k = RANK_TILE
     n_tiles = cdiv(max(widths), block_n)
-    runs = tiles.block_m <= 16
-    warps = TUNING["run_expand_warps"] if runs else TUNING["expand_warps"]
+    warps = TUNING["run_expand_warps"] if tiles.block_m <= 16 else TUNING["expand_warps"]
     args = (
         None, B, None, scalings, info.seg_indptr, info.weight_indices, info.ranks, tiles.seg, tiles.m0,
         R, *h_strides, B.stride(0), B.stride(1), out_stride,
@@ -344,8 +335,6 @@ def _expand_launch(
         PREC="ieee" if B.dtype == torch.float32 else "tf32", TILED=tiles.tiled, num_warps=warps,
         **pdl_options(pdl),
     )  # fmt: skip
-    if runs and TUNING["run_expand_stages"] is not None:
-        kwargs["num_stages"] = TUNING["run_expand_stages"]
     return (tiles.count * n * n_tiles,), args, kwargs
 
 

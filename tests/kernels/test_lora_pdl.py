@@ -95,3 +95,51 @@ def test_pdl_chain_equals_plain_launches_and_the_reference(name, module, lens, s
         return want
 
     assert_replays_match(chain, x0, lambda: torch.randn(T, hidden, device=dev, generator=g).to(dt), plain, 3)
+
+
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper (sm90+) GPU")
+@pytest.mark.parametrize("name,module", [("triton-bgmv", triton_bgmv), ("triton-sgmv", triton_sgmv)])
+@pytest.mark.parametrize("in_f,widths", [(14336, (4096,)), (4096, (4096, 1024, 1024))])
+def test_pdl_expand_never_reads_partials_before_the_shrink_wrote_them(
+    name, module, in_f, widths, monkeypatch
+) -> None:
+    """Every scratch tensor the backends allocate with torch.empty comes NaN-filled, so an expand that read
+    its shrink's partials before the shrink wrote them would produce NaN; with a long shrink (in_features
+    14336, 256 decode rows sorted by adapter, so SGMV runs over runs and BGMV over rows) and PDL on, the
+    result must be finite and carry the bits of plain launches, call after call."""
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(3)
+    S, R, T, out_f = 32, 16, 256, sum(widths)
+    offs = tuple([0] + [sum(widths[: i + 1]) for i in range(len(widths))])
+    A = (torch.randn(S, len(widths) * R, in_f, device=dev, generator=g) / in_f**0.5).to(dt)
+    B = (torch.randn(S, out_f, R, device=dev, generator=g) / 4).to(dt)
+    weights = LoRAWeights(A, B, torch.full((S, len(widths)), 0.5, device=dev), offs)
+    x = torch.randn(T, in_f, device=dev, generator=g).to(dt)
+    out0 = torch.randn(T, out_f, device=dev, generator=g).to(dt)
+    slots = sorted(i % S for i in range(T))
+    info = LoRABatchInfo(T, S, dev)
+    for s in range(S):
+        info.set_slot_rank(s, R)
+    info.fill([1] * T, slots)
+    backend = get_backend(name)
+
+    def run(pdl: bool) -> torch.Tensor:
+        monkeypatch.setitem(module.TUNING, "pdl", pdl)
+        info.host_derived.clear()
+        out = out0.clone()
+        backend.add_lora(out, x, weights, info)
+        return out
+
+    plain = run(False)
+    assert torch.isfinite(plain).all()
+    empty = torch.empty
+
+    def nan_empty(*args, **kwargs):  # noqa: ANN002, ANN003
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    for _ in range(20):
+        got = run(True)
+        assert torch.isfinite(got).all()
+        assert torch.equal(got, plain)
