@@ -8,10 +8,9 @@ Cases (Mistral-7B projections, bf16, rank ``--rank``; built by ``lora_tuning_swe
 - ``mixed`` (128 decode rows on 32 adapters and a 2048-token chunk) and ``prefill`` (4096 tokens over 8).
 
 Per case: ``add_lora`` summed over the four projections, replayed in CUDA graphs over rotated adapter
-copies (``mmlora.bench.kernels``), in two rounds; for the SGMV decode runs also with the expand reading h's
-split-K planes one after another (``run_plane_tile`` off, the code before it); each kernel's own GPU time
-(torch.profiler over eager calls); and the floor: adapter + activation bytes over the copy bandwidth
-measured in this run. Writes ``--out`` (JSON) and prints a table. ``--smoke``: tiny shapes on CPU under
+copies (``mmlora.bench.kernels``), in two rounds, and in any ``--mode`` (backend TUNING overrides); each
+kernel's own GPU time (torch.profiler over eager calls); and the floor: adapter + activation bytes over the
+copy bandwidth measured in this run. Writes ``--out`` (JSON) and prints a table. ``--smoke``: tiny shapes on CPU under
 ``TRITON_INTERPRET=1`` (no profiler, no floor), to check the script.
 
     PYTHONPATH=. python benchmarks/scripts/decode_lora_anatomy.py --out anatomy.json
@@ -32,6 +31,7 @@ import lora_tuning_sweep as sweep  # noqa: E402
 
 from mmlora.backends import get_backend, triton_bgmv, triton_sgmv  # noqa: E402
 from mmlora.bench.serving_parts import copy_bandwidth  # noqa: E402
+from mmlora.forward.lora import slot_runs  # noqa: E402
 
 CASES = [  # (case, B, adapters, segment entries or None for B // 2 or "runs" for the batch's runs)
     ("decode-runs", 128, 32, None),
@@ -47,16 +47,15 @@ CASES = [  # (case, B, adapters, segment entries or None for B // 2 or "runs" fo
 SMOKE_CASES = [("decode-runs", 8, 2, None), ("decode-runs", 8, 2, "runs"), ("decode-rows", 8, 2, None)]
 
 
-def _runs(B: int, n: int) -> int:
-    """Segment entries the decode-runs case needs: its runs (one per distinct adapter; at most 16 rows)."""
-    import random
-
-    from mmlora.bench import kernels as kb
-    from mmlora.forward.lora import slot_runs
-
-    kb.UNIFORM_POOL = n
-    _, slots = kb._layout("decode", B, "grouped", 512, random.Random(0))
-    return len(slot_runs(sorted(slots)))
+def _tight_runs(points: list, rank: int) -> int:
+    """Refill the decode-runs points' infos with exactly as many segment entries as their batch has runs
+    (instead of B // 2); returns that count."""
+    for pt in points:
+        for info in pt.infos:
+            rows = info.token_slots[: info.num_tokens].tolist()
+            runs = slot_runs(rows)
+            info.fill_rows(rows, rank, "runs", segments=len(runs), runs=runs)
+    return points[0].infos[0].num_segments
 
 
 def _kernel_times(backend, points: list, calls: int = 20) -> dict[str, float]:  # noqa: ANN001
@@ -102,14 +101,12 @@ def main() -> None:
     for case, B, n, segments in SMOKE_CASES if args.smoke else CASES:
         if args.cases and case not in args.cases:
             continue
-        entries = _runs(B, n) if segments == "runs" else None
         name = "triton-sgmv" if case in ("decode-runs", "mixed", "prefill") else "triton-bgmv"
         backend = get_backend(name)
-        points = sweep._points(case, B, n, args.rank, args.smoke, device, segments=entries)
+        points = sweep._points(case, B, n, args.rank, args.smoke, device)
+        entries = _tight_runs(points, args.rank) if segments == "runs" else None
         tuning = (triton_sgmv if name == "triton-sgmv" else triton_bgmv).TUNING
         modes = {"default": {}}
-        if case == "decode-runs":
-            modes["plane_loop"] = {"run_plane_tile": False}
         for extra in args.mode:
             label, _, settings = extra.partition(":")
             overrides = {k: json.loads(v) for k, v in (kv.split("=") for kv in settings.split(","))}

@@ -124,7 +124,7 @@ def _points(
                 info.ranks_host = list(pt.infos[k].ranks_host)
                 rows = sorted(k * n_distinct + s for s in slots)
                 if case == "decode-runs":
-                    info.fill_rows(rows, rank, "runs", segments=segments or max(1, T // 2))
+                    info.fill_rows(rows, rank, "runs", segments=max(1, T // 2))
                 else:
                     info.fill_rows(rows, rank, "rows")
                 infos.append(info)
