@@ -142,10 +142,18 @@ def same_tokens_and_logprobs(a: list, b: list) -> bool:
     return all(x.output_ids == y.output_ids and x.logprobs == y.logprobs for x, y in zip(a, b))
 
 
-def main() -> None:
+def run_mode_ab(
+    modes: tuple[str, ...],
+    set_mode,  # noqa: ANN001
+    compare,  # noqa: ANN001
+    default_batch: tuple[int, ...] = (32, 64, 128),
+) -> None:
+    """The decode-graph A/B scripts' main: for each --batch B, :func:`mode_rounds` over ``modes`` on B rows
+    cycling over --adapters adapters, then ``compare(row, outputs per mode, names)`` adds its checks to the
+    row and returns the line printed for it; the rows go to --out (JSON)."""
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="dummy:mistral-7b-v0.3")
-    p.add_argument("--batch", type=int, nargs="+", default=[32, 128])
+    p.add_argument("--batch", type=int, nargs="+", default=list(default_batch))
     p.add_argument("--adapters", type=int, default=32)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--out", required=True)
@@ -155,26 +163,22 @@ def main() -> None:
     rows = []
     for bsz in args.batch:
         names = [adapters[i % args.adapters]["name"] for i in range(bsz)]
-        row, outs = mode_rounds(engine, side, names, ("overlap", "serial"), _set_overlap, args.rounds, rng)
-        row["distinct_adapters"] = len(set(names))
-        row["same_tokens_and_logprobs"] = same_tokens_and_logprobs(outs["overlap"], outs["serial"])
-        print(
-            f"B={bsz}: overlap and serial give the same tokens and logprobs: {row['same_tokens_and_logprobs']}"
-        )
+        row, outs = mode_rounds(engine, side, names, modes, set_mode, args.rounds, rng)
+        print(f"B={bsz}: {compare(row, outs, names)}", flush=True)
         rows.append(row)
     with open(args.out, "w") as f:
         json.dump(
-            {
-                "model": args.model,
-                "adapters": args.adapters,
-                "rows": rows,
-                "torch": torch.__version__,
-                "device": torch.cuda.get_device_name(),
-            },
-            f,
-            indent=1,
-        )
+            {"model": args.model, "adapters": args.adapters, "modes": modes, "rows": rows,
+             "torch": torch.__version__, "device": torch.cuda.get_device_name()},
+            f, indent=1,
+        )  # fmt: skip
+
+
+def _compare(row: dict, outs: dict, names: list[str]) -> str:
+    row["distinct_adapters"] = len(set(names))
+    row["same_tokens_and_logprobs"] = same_tokens_and_logprobs(outs["overlap"], outs["serial"])
+    return f"overlap and serial give the same tokens and logprobs: {row['same_tokens_and_logprobs']}"
 
 
 if __name__ == "__main__":
-    main()
+    run_mode_ab(("overlap", "serial"), _set_overlap, _compare, default_batch=(32, 128))

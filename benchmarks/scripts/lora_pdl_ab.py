@@ -13,12 +13,8 @@ then changes only SGMV.) Each capture is timed as graph replay (median of 5 x 20
 
 from __future__ import annotations
 
-import argparse
-import json
-
-import numpy as np
 import torch
-from lora_overlap_ab import engine_with_adapters, mode_rounds, recapture, same_tokens_and_logprobs
+from lora_overlap_ab import recapture, run_mode_ab, same_tokens_and_logprobs
 
 import mmlora
 from mmlora.backends import triton_bgmv, triton_sgmv
@@ -32,30 +28,10 @@ def set_mode(engine: mmlora.Engine, bucket: int, mode: str, side: torch.cuda.Str
     recapture(engine, bucket, mode.startswith("side"), side)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--model", default="dummy:mistral-7b-v0.3")
-    p.add_argument("--batch", type=int, nargs="+", default=[32, 64, 128])
-    p.add_argument("--adapters", type=int, default=32)
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--out", required=True)
-    args = p.parse_args()
-    engine, side, adapters = engine_with_adapters(args.model, max(args.batch), args.adapters)
-    rng = np.random.default_rng(0)
-    rows = []
-    for bsz in args.batch:
-        names = [adapters[i % args.adapters]["name"] for i in range(bsz)]
-        row, outs = mode_rounds(engine, side, names, MODES, set_mode, args.rounds, rng)
-        row["same_tokens_and_logprobs"] = {m: same_tokens_and_logprobs(outs[m], outs["side"]) for m in MODES}
-        print(f"B={bsz}: same tokens and logprobs as 'side': {row['same_tokens_and_logprobs']}", flush=True)
-        rows.append(row)
-    with open(args.out, "w") as f:
-        json.dump(
-            {"model": args.model, "adapters": args.adapters, "modes": MODES, "rows": rows,
-             "torch": torch.__version__, "device": torch.cuda.get_device_name()},
-            f, indent=1,
-        )  # fmt: skip
+def compare(row: dict, outs: dict, names: list[str]) -> str:
+    row["same_tokens_and_logprobs"] = {m: same_tokens_and_logprobs(outs[m], outs["side"]) for m in MODES}
+    return f"same tokens and logprobs as 'side': {row['same_tokens_and_logprobs']}"
 
 
 if __name__ == "__main__":
-    main()
+    run_mode_ab(MODES, set_mode, compare)

@@ -18,12 +18,8 @@ one row per segment do (B >= 64 here are SGMV runs, so its "delta" mode now equa
 
 from __future__ import annotations
 
-import argparse
-import json
-
-import numpy as np
 import torch
-from lora_overlap_ab import engine_with_adapters, mode_rounds, recapture
+from lora_overlap_ab import recapture, run_mode_ab
 
 import mmlora
 
@@ -35,43 +31,22 @@ def set_mode(engine: mmlora.Engine, bucket: int, mode: str, side: torch.cuda.Str
     recapture(engine, bucket, mode != "plain", side)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--model", default="dummy:mistral-7b-v0.3")
-    p.add_argument("--batch", type=int, nargs="+", default=[32, 64, 128])
-    p.add_argument("--adapters", type=int, default=32)
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--out", required=True)
-    args = p.parse_args()
-    engine, side, adapters = engine_with_adapters(args.model, max(args.batch), args.adapters)
-    rng = np.random.default_rng(0)
-    rows = []
-    for bsz in args.batch:
-        names = [adapters[i % args.adapters]["name"] for i in range(bsz)]
-        row, outs = mode_rounds(engine, side, names, MODES, set_mode, args.rounds, rng)
-        row["same_tokens_as_side"] = {
-            m: all(a.output_ids == b.output_ids for a, b in zip(outs[m], outs["side"])) for m in MODES
-        }
-        row["max_logprob_diff_vs_side"] = {
-            m: max(
-                (abs(x - y) for a, b in zip(outs[m], outs["side"]) for x, y in zip(a.logprobs, b.logprobs)),
-                default=0.0,
-            )
-            for m in MODES
-        }
-        print(
-            f"B={bsz}: same tokens as 'side': {row['same_tokens_as_side']}; largest logprob difference "
-            f"{row['max_logprob_diff_vs_side']}",
-            flush=True,
+def compare(row: dict, outs: dict, names: list[str]) -> str:
+    row["same_tokens_as_side"] = {
+        m: all(a.output_ids == b.output_ids for a, b in zip(outs[m], outs["side"])) for m in MODES
+    }
+    row["max_logprob_diff_vs_side"] = {
+        m: max(
+            (abs(x - y) for a, b in zip(outs[m], outs["side"]) for x, y in zip(a.logprobs, b.logprobs)),
+            default=0.0,
         )
-        rows.append(row)
-    with open(args.out, "w") as f:
-        json.dump(
-            {"model": args.model, "adapters": args.adapters, "modes": MODES, "rows": rows,
-             "torch": torch.__version__, "device": torch.cuda.get_device_name()},
-            f, indent=1,
-        )  # fmt: skip
+        for m in MODES
+    }
+    return (
+        f"same tokens as 'side': {row['same_tokens_as_side']}; largest logprob difference "
+        f"{row['max_logprob_diff_vs_side']}"
+    )
 
 
 if __name__ == "__main__":
-    main()
+    run_mode_ab(MODES, set_mode, compare)
