@@ -54,6 +54,8 @@ TUNING = {
     "shrink_warps": 4,
     "expand_warps": 4,
     "run_expand_warps": 2,
+    # Ranks per step of the expand's loop (None: RANK_TILE), capped by the pool rank.
+    "expand_rank_step": None,
     "max_split_k": 16,
     "waves": 2,
     # Batches of at least this many tokens run the shrink on the side stream beside the base GEMM
@@ -320,9 +322,10 @@ def _expand_launch(
     widths = [b - a for a, b in zip(slice_offsets, slice_offsets[1:])]
     tiles = _Tiles.of(info, _block_m(info.max_seg_len, TUNING["block_m"]))
     block_n = TUNING["block_n"]
-    # The rank in steps of 16 (the smallest tl.dot K): a segment stops at its slot's rank tile, so a
-    # rank-8 slot of a rank-64 pool costs one step, not four.
-    block_k = RANK_TILE
+    # The rank in steps of 16 (the smallest tl.dot K) by default: a segment stops at its slot's rank
+    # tile, so a rank-8 slot of a rank-64 pool costs one step, not four. A larger step (up to the pool
+    # rank) reads the same bytes (loads stop at the slot's rank) in fewer dependent steps.
+    block_k = max(RANK_TILE, min(TUNING["expand_rank_step"] or RANK_TILE, next_pow2(R)))
     n_tiles = cdiv(max(widths), block_n)
     warps = TUNING["run_expand_warps"] if tiles.block_m <= 16 else TUNING["expand_warps"]
     args = (
