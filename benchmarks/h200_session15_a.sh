@@ -4,6 +4,7 @@
 #  2. The anatomy at rank 64 (decode runs, mixed step, prefill): expand_rank_step 16 (default), 32, 64,
 #     and fewer split-K planes (max_split_k 4) with and without step 64; two rounds each.
 #  3. The anatomy at rank 16 with max_split_k 4 and 8 (the split's planes are what the expand reloads).
+#  Both anatomies include mixed-sorted: the mixed step with its decode rows side by side per adapter.
 #  4. Serving with rank mixes {64} and {8,64} (32 adapters, rank-64 pool, two rounds) with the rank step
 #     that was fastest on step 2's mixed case (its worse round), said in the log.
 # Usage: bash benchmarks/h200_session15_a.sh OUTDIR
@@ -19,13 +20,13 @@ sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', 'tests/kernels/test_lora_k
 " > "$out/tests.txt" 2>&1
 echo "tests rc=$? at ${SECONDS} s" | tee "$out/rc.txt"
 tail -2 "$out/tests.txt"
-timeout 120 python benchmarks/scripts/decode_lora_anatomy.py --rank 64 --cases decode-runs mixed prefill \
+timeout 120 python benchmarks/scripts/decode_lora_anatomy.py --rank 64 --cases decode-runs mixed mixed-sorted prefill \
   --mode rs32:expand_rank_step=32 rs64:expand_rank_step=64 ms4:max_split_k=4 \
   rs64ms4:expand_rank_step=64,max_split_k=4 --profile-mode rs64 --out "$out/anatomy_r64.json" \
   > "$out/anatomy_r64.txt" 2>&1
 echo "anatomy r64 rc=$? at ${SECONDS} s" | tee -a "$out/rc.txt"
 grep "==" "$out/anatomy_r64.txt"
-timeout 90 python benchmarks/scripts/decode_lora_anatomy.py --rank 16 --cases decode-runs mixed prefill \
+timeout 90 python benchmarks/scripts/decode_lora_anatomy.py --rank 16 --cases decode-runs mixed mixed-sorted prefill \
   --mode ms4:max_split_k=4 ms8:max_split_k=8 --out "$out/anatomy_r16.json" > "$out/anatomy_r16.txt" 2>&1
 echo "anatomy r16 rc=$? at ${SECONDS} s" | tee -a "$out/rc.txt"
 grep "==" "$out/anatomy_r16.txt"

@@ -5,7 +5,8 @@ Cases (Mistral-7B projections, bf16, rank ``--rank``; built by ``lora_tuning_swe
 - ``decode-runs`` B=128 and B=256 on 32 adapters: SGMV over runs of rows, as triton-auto replays decode
   graphs, with the segment entries it captures (B // 2) and with exactly the batch's runs;
 - ``decode-rows`` B=32 on 32 adapters and B=128 on 128: BGMV, one row per segment;
-- ``mixed`` (128 decode rows on 32 adapters and a 2048-token chunk) and ``prefill`` (4096 tokens over 8).
+- ``mixed`` (128 decode rows on 32 adapters and a 2048-token chunk), ``mixed-sorted`` (the same with the
+  decode rows side by side per adapter, so they form runs) and ``prefill`` (4096 tokens over 8).
 
 Per case: ``add_lora`` summed over the four projections, replayed in CUDA graphs over rotated adapter
 copies (``mmlora.bench.kernels``), in two rounds, and in any ``--mode`` (backend TUNING overrides); each
@@ -42,9 +43,15 @@ CASES = [  # (case, B, adapters, segment entries or None for B // 2 or "runs" fo
     ("decode-rows", 128, 32, None),
     ("decode-rows", 128, 128, None),
     ("mixed", 128, 32, None),
+    ("mixed-sorted", 128, 32, None),
     ("prefill", 0, 8, None),
 ]
-SMOKE_CASES = [("decode-runs", 8, 2, None), ("decode-runs", 8, 2, "runs"), ("decode-rows", 8, 2, None)]
+SMOKE_CASES = [
+    ("decode-runs", 8, 2, None),
+    ("decode-runs", 8, 2, "runs"),
+    ("decode-rows", 8, 2, None),
+    ("mixed-sorted", 8, 2, None),
+]
 
 
 def _tight_runs(points: list, rank: int) -> int:
@@ -101,7 +108,7 @@ def main() -> None:
     for case, B, n, segments in SMOKE_CASES if args.smoke else CASES:
         if args.cases and case not in args.cases:
             continue
-        name = "triton-sgmv" if case in ("decode-runs", "mixed", "prefill") else "triton-bgmv"
+        name = "triton-sgmv" if case in ("decode-runs", "mixed", "mixed-sorted", "prefill") else "triton-bgmv"
         backend = get_backend(name)
         points = sweep._points(case, B, n, args.rank, args.smoke, device)
         entries = _tight_runs(points, args.rank) if segments == "runs" else None

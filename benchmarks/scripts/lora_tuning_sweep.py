@@ -107,7 +107,9 @@ def _points(
         if case == "prefill":
             phase, T, pop, req_len = "prefill", (24 if smoke else 4096), "uniform", (8 if smoke else 512)
             kb.UNIFORM_POOL = 8
-        elif case == "mixed":  # a serving mixed step: B decode rows on N adapters, then a 2048-token chunk
+        elif case.startswith(
+            "mixed"
+        ):  # a serving mixed step: B decode rows on N adapters, a 2048-token chunk
             phase, T, pop, req_len = "decode", B, "uniform", 512
             kb.UNIFORM_POOL = n_adapters
         else:
@@ -129,9 +131,11 @@ def _points(
                     info.fill_rows(rows, rank, "rows")
                 infos.append(info)
             pt.infos = infos
-        if case == "mixed":
+        if case.startswith("mixed"):
             chunk = 16 if smoke else 2048
             lens, slots = kb._layout("decode", B, "uniform", 512, random.Random(0))
+            if case == "mixed-sorted":  # decode rows side by side per adapter: fill merges them into runs
+                slots = sorted(slots)
             g = torch.Generator(device=device).manual_seed(1)
             pt.x = torch.randn(B + chunk, in_f, generator=g, device=device).to(dtype)
             pt.out = torch.randn(B + chunk, sum(widths), generator=g, device=device).to(dtype)
