@@ -54,8 +54,14 @@ TUNING = {
     "shrink_warps": 4,
     "expand_warps": 4,
     "run_expand_warps": 2,
-    # Ranks per step of the expand's loop (None: RANK_TILE), capped by the pool rank.
-    "expand_rank_step": None,
+    # Ranks per step of the expand's loop, capped by the pool rank (a power of two >= RANK_TILE):
+    # ``run_expand_rank_step`` for 16-token tiles (decode runs), ``expand_rank_step`` for the rest. Loads
+    # stop at the slot's rank either way, so a step reads no more bytes, in fewer dependent steps. H200,
+    # rank-64 pool (benchmarks/scripts/decode_lora_anatomy.py, 2026-12-03, two rounds; 16 before): decode
+    # runs B=128 321 -> 206 us with 32 (234 with 64), mixed step 1632 -> 904 us with 64 (1071 with 32),
+    # 4096-token prefill 1237 -> 702 us with 64.
+    "expand_rank_step": 64,
+    "run_expand_rank_step": 32,
     "max_split_k": 16,
     "waves": 2,
     # Batches of at least this many tokens run the shrink on the side stream beside the base GEMM
@@ -322,12 +328,14 @@ def _expand_launch(
     widths = [b - a for a, b in zip(slice_offsets, slice_offsets[1:])]
     tiles = _Tiles.of(info, _block_m(info.max_seg_len, TUNING["block_m"]))
     block_n = TUNING["block_n"]
-    # The rank in steps of 16 (the smallest tl.dot K) by default: a segment stops at its slot's rank
-    # tile, so a rank-8 slot of a rank-64 pool costs one step, not four. A larger step (up to the pool
-    # rank) reads the same bytes (loads stop at the slot's rank) in fewer dependent steps.
-    block_k = max(RANK_TILE, min(TUNING["expand_rank_step"] or RANK_TILE, next_pow2(R)))
+    runs = tiles.block_m <= 16
+    # The rank in steps of at least 16 (the smallest tl.dot K), at most the pool rank: a segment stops
+    # at its slot's rank, and loads past it are masked, so a rank-8 slot of a rank-64 pool reads its
+    # own bytes only.
+    step = TUNING["run_expand_rank_step"] if runs else TUNING["expand_rank_step"]
+    block_k = max(RANK_TILE, min(step, next_pow2(R)))
     n_tiles = cdiv(max(widths), block_n)
-    warps = TUNING["run_expand_warps"] if tiles.block_m <= 16 else TUNING["expand_warps"]
+    warps = TUNING["run_expand_warps"] if runs else TUNING["expand_warps"]
     args = (
         None, B, None, scalings, info.seg_indptr, info.weight_indices, info.ranks, tiles.seg, tiles.m0,
         R, *h_strides, B.stride(0), B.stride(1), out_stride,

@@ -72,6 +72,43 @@ def test_results_do_not_depend_on_slots_or_batching(tiny):
     assert len({tuple(o.output_ids) for o in wide}) > 1
 
 
+def test_interleaved_adapters_run_grouped_and_each_request_gets_its_own_rows(tiny, monkeypatch):
+    from mmlora.engine import model_runner
+
+    orders = []
+
+    def spy(sched):
+        order = adapter_order(sched)
+        orders.append(order)
+        return order
+
+    adapter_order = model_runner.adapter_order
+    monkeypatch.setattr(model_runner, "adapter_order", spy)
+    prompts = ["Hello world", "The quick brown fox", "Paris is", "0123", "jumps over", "a b c d e"]
+    loras = ["a0", "a1", "a0", None, "a1", "a0"]
+    batched = engine(tiny, max_loras_per_batch=4, max_num_batched_tokens=24).generate(
+        prompts, loras, sampling_params=GREEDY
+    )
+    assert any(o is not None for o in orders)  # some forward ran reordered
+    alone = engine(tiny, max_loras_per_batch=4)
+    for prompt, lora, out in zip(prompts, loras, batched):
+        assert alone.generate([prompt], [lora], sampling_params=GREEDY)[0].output_ids == out.output_ids
+
+
+def test_adapter_order_groups_slots_stably_and_leaves_grouped_batches():
+    from types import SimpleNamespace
+
+    from mmlora.engine.model_runner import adapter_order
+    from mmlora.engine.scheduler import ScheduledBatch
+
+    def batch(*slots):
+        return ScheduledBatch([SimpleNamespace(slot=s) for s in slots], [1] * len(slots))
+
+    assert adapter_order(batch(2, -1, 2, 0, -1)) == [1, 4, 3, 0, 2]
+    assert adapter_order(batch(3, 3, 1, -1, -1)) is None
+    assert adapter_order(batch()) is None
+
+
 def test_seeded_sampling_is_reproducible_and_params_matter(tiny):
     eng = engine(tiny)
     sp = {"max_new_tokens": 8, "temperature": 1.3, "top_p": 0.9, "top_k": 50, "seed": 11, "ignore_eos": True}
