@@ -54,14 +54,14 @@ SMOKE_CASES = [
 ]
 
 
-def _tight_runs(points: list, rank: int) -> int:
+def _tight_runs(points: list, bound: int) -> int:
     """Refill the decode-runs points' infos with exactly as many segment entries as their batch has runs
     (instead of B // 2); returns that count."""
     for pt in points:
         for info in pt.infos:
             rows = info.token_slots[: info.num_tokens].tolist()
             runs = slot_runs(rows)
-            info.fill_rows(rows, rank, "runs", segments=len(runs), runs=runs)
+            info.fill_rows(rows, bound, "runs", segments=len(runs), runs=runs)
     return points[0].infos[0].num_segments
 
 
@@ -94,6 +94,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--pool-rank", type=int, default=None, help="the pool's rank (default --rank)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--out", default=None)
     p.add_argument(
@@ -110,8 +111,8 @@ def main() -> None:
             continue
         name = "triton-sgmv" if case in ("decode-runs", "mixed", "mixed-sorted", "prefill") else "triton-bgmv"
         backend = get_backend(name)
-        points = sweep._points(case, B, n, args.rank, args.smoke, device)
-        entries = _tight_runs(points, args.rank) if segments == "runs" else None
+        points = sweep._points(case, B, n, args.rank, args.smoke, device, pool_rank=args.pool_rank)
+        entries = _tight_runs(points, points[0].infos[0].rank_bound) if segments == "runs" else None
         tuning = (triton_sgmv if name == "triton-sgmv" else triton_bgmv).TUNING
         modes = {"default": {}}
         for extra in args.mode:
@@ -143,7 +144,16 @@ def main() -> None:
         sweep._release(points, device)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"rank": args.rank, "copy_bandwidth": bw, "results": results}, f, indent=1)
+            json.dump(
+                {
+                    "rank": args.rank,
+                    "pool_rank": args.pool_rank or args.rank,
+                    "copy_bandwidth": bw,
+                    "results": results,
+                },
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

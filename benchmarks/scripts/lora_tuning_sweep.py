@@ -27,7 +27,7 @@ import torch
 
 from mmlora.backends import get_backend, triton_bgmv, triton_sgmv
 from mmlora.bench import kernels as kb
-from mmlora.forward.lora import LoRABatchInfo
+from mmlora.forward.lora import LoRABatchInfo, rank_bucket
 
 SWEEPS = {
     "triton-sgmv": (
@@ -97,9 +97,11 @@ def _points(
     smoke: bool,
     device: torch.device,
     segments: int | None = None,
+    pool_rank: int | None = None,
 ) -> list:
     """The four projections' benchmark points of a case; ``segments``: the runs layout's segment entries
-    (default B // 2, as triton-auto captures it)."""
+    (default B // 2, as triton-auto captures it); ``pool_rank``: the pool's rank (default ``rank``)."""
+    R = pool_rank or rank
     projections = kb.SMOKE_PROJECTIONS if smoke else kb.PROJECTIONS
     dtype = torch.float32 if smoke else torch.bfloat16
     points = []
@@ -115,20 +117,20 @@ def _points(
         else:
             phase, T, pop, req_len = "decode", B, ("distinct" if n_adapters >= B else "grouped"), 512
             kb.UNIFORM_POOL = n_adapters
-        pt = kb._Point(proj, in_f, widths, (rank,), None, phase, T, pop, dtype, device, req_len, 0)
+        pt = kb._Point(proj, in_f, widths, (rank,), pool_rank, phase, T, pop, dtype, device, req_len, 0)
         if case.startswith("decode"):
             lens, slots = kb._layout(phase, T, pop, req_len, random.Random(0))
             n_distinct = max(slots) + 1
             infos = []
             for k in range(len(pt.infos)):
-                info = LoRABatchInfo(T, pt.A.shape[0], device, max_lora_rank=rank)
+                info = LoRABatchInfo(T, pt.A.shape[0], device, max_lora_rank=R)
                 info.ranks.copy_(pt.infos[k].ranks)
                 info.ranks_host = list(pt.infos[k].ranks_host)
                 rows = sorted(k * n_distinct + s for s in slots)
                 if case == "decode-runs":
-                    info.fill_rows(rows, rank, "runs", segments=max(1, T // 2))
+                    info.fill_rows(rows, rank_bucket(rank, R), "runs", segments=max(1, T // 2))
                 else:
-                    info.fill_rows(rows, rank, "rows")
+                    info.fill_rows(rows, rank_bucket(rank, R), "rows")
                 infos.append(info)
             pt.infos = infos
         if case.startswith("mixed"):
@@ -143,7 +145,7 @@ def _points(
             pt.bytes += chunk * (in_f + 2 * sum(widths)) * es
             n_distinct = max(slots) + 1
             for k, info in enumerate(pt.infos):
-                fresh = LoRABatchInfo(B + chunk, pt.A.shape[0], device, max_lora_rank=rank)
+                fresh = LoRABatchInfo(B + chunk, pt.A.shape[0], device, max_lora_rank=R)
                 fresh.ranks.copy_(info.ranks)
                 fresh.ranks_host = list(info.ranks_host)
                 fresh.fill(lens + [chunk], [k * n_distinct + s for s in slots] + [k * n_distinct])

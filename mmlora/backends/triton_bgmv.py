@@ -64,6 +64,8 @@ TUNING = {
     "expand_per_slice": True,
     "max_split_k": 16,
     "waves": 4,
+    # Ranks per step of the expand's loop (None: RANK_TILE), capped by the pool rank (a power of two).
+    "expand_rank_tile": None,
     # The expand as a programmatic dependent launch of its shrink (Hopper+). H200, decode graphs on 32
     # rank-16 adapters (benchmarks/scripts/lora_pdl_ab.py, 2026-12-03, two rounds): B=64 and 128 (SGMV
     # runs) 0.95-0.97x the replay time, B=32 (BGMV, side-stream split: unchanged) 0.99-1.0x; same tokens.
@@ -291,7 +293,7 @@ def _expand(
     if launch is None:
         n = weights.n_slices
         n_out = B.shape[1]
-        block_r = _block_r(R)
+        block_r = min(next_pow2(R), max(_block_r(R), TUNING["expand_rank_tile"] or 0))
         block_n = min(512, max(32, TUNING["expand_tile"] // block_r))
         n_tiles = cdiv(n_out, block_n)
         launch = info.host_derived[key] = fast(_bgmv_expand_kernel).plan(
