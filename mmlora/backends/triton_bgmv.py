@@ -65,7 +65,10 @@ TUNING = {
     "max_split_k": 16,
     "waves": 4,
     # Ranks per step of the expand's loop (None: RANK_TILE), capped by the pool rank (a power of two).
-    "expand_rank_tile": None,
+    # H200, decode rows on 32 rank-64 adapters (benchmarks/scripts/decode_lora_anatomy.py, 2026-12-03,
+    # two rounds): 32 made B=32 0.92x as long (160 -> 147 us over the four projections) and B=128
+    # 0.99-1.0x; 64 was slower at B=128 (1.08-1.11x).
+    "expand_rank_tile": 32,
     # The expand as a programmatic dependent launch of its shrink (Hopper+). H200, decode graphs on 32
     # rank-16 adapters (benchmarks/scripts/lora_pdl_ab.py, 2026-12-03, two rounds): B=64 and 128 (SGMV
     # runs) 0.95-0.97x the replay time, B=32 (BGMV, side-stream split: unchanged) 0.99-1.0x; same tokens.

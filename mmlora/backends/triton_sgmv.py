@@ -64,9 +64,6 @@ TUNING = {
     "run_expand_rank_step": 32,
     "max_split_k": 16,
     "waves": 2,
-    # The width of h's slices in the backend's forwards: "pool" (the pool rank) or "bound" (the batch's
-    # rank bound: a rank-64 pool's rank-16 batch writes and tiles a quarter of the columns).
-    "h_width": "pool",
     # Batches of at least this many tokens run the shrink on the side stream beside the base GEMM
     # (``splits_work``); None: never. H200, prefill forwards of 1024-2048 tokens over 32 rank-16 adapters
     # (benchmarks/scripts/lora_prefill_side_ab.py, 2026-12-03, three rounds): 1.00-1.03x the GPU time of
@@ -105,7 +102,7 @@ def _tile(
 @triton.jit(do_not_specialize=_SHRINK_BATCH_INTS)
 def _sgmv_shrink_kernel(
     x_ptr, a_ptr, h_ptr, seg_indptr_ptr, weight_indices_ptr, ranks_ptr, tile_seg_ptr, tile_m0_ptr,
-    in_features, R, RH, K_PER_SPLIT, stride_xm, stride_as, stride_ar, stride_hs, stride_hm,
+    in_features, R, K_PER_SPLIT, stride_xm, stride_as, stride_ar, stride_hs, stride_hm,
     M_TILES, R_TILES, SPLIT_K,
     N_SLICES: tl.constexpr, NS_P2: tl.constexpr, SKIP_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -114,8 +111,8 @@ def _sgmv_shrink_kernel(
     """Shrink, split over in_features: for segment i with slot w[i] >= 0 and split k:
     ``h[k, s[i]:s[i+1]] = x[s[i]:s[i+1], Kk] @ A[w[i], :, Kk].T`` (sum over k gives the shrink).
 
-    x [T, in] (fp32/fp16/bf16), A [S, N_SLICES * R, in] (x.dtype), h [SPLIT_K, T, N_SLICES * RH]
-    (x.dtype when SPLIT_K = 1, else fp32 partials; RH <= R: h's slice width, every rank of the batch). A program covers BLOCK_M tokens x (all slices,
+    x [T, in] (fp32/fp16/bf16), A [S, N_SLICES * R, in] (x.dtype), h [SPLIT_K, T, N_SLICES * R]
+    (x.dtype when SPLIT_K = 1, else fp32 partials). A program covers BLOCK_M tokens x (all slices,
     BLOCK_R ranks) x one split; every element of h is written: rows of base-only segments and columns
     past the adapter's rank as zeros. fp32 accumulation. TILED: token tiles come from the tile table
     (tile i: segment tile_seg[i], first token tile_m0[i]) instead of M_TILES per segment.
@@ -141,8 +138,8 @@ def _sgmv_shrink_kernel(
     j = tl.arange(0, NS_P2 * BLOCK_R)
     r = pid_r * BLOCK_R + j % BLOCK_R
     col = (j // BLOCK_R) * R + r
-    col_ok = (j // BLOCK_R < N_SLICES) & (r < RH)
-    h_ptrs = h_ptr + sp * stride_hs + offs_m[:, None] * stride_hm + ((j // BLOCK_R) * RH + r)[None, :]
+    col_ok = (j // BLOCK_R < N_SLICES) & (r < R)
+    h_ptrs = h_ptr + sp * stride_hs + offs_m[:, None] * stride_hm + col[None, :]
     h_mask = m_ok[:, None] & col_ok[None, :]
     if (slot < 0) | (pid_r * BLOCK_R >= rank):
         tl.store(h_ptrs, tl.zeros((BLOCK_M, NS_P2 * BLOCK_R), dtype=h_ptr.dtype.element_ty), mask=h_mask)
@@ -169,7 +166,7 @@ def _sgmv_shrink_kernel(
 @triton.jit(do_not_specialize=_EXPAND_BATCH_INTS)
 def _sgmv_expand_kernel(
     h_ptr, b_ptr, out_ptr, scal_ptr, seg_indptr_ptr, weight_indices_ptr, ranks_ptr, tile_seg_ptr, tile_m0_ptr,
-    RH, SPLIT_K, stride_hs, stride_hm, stride_bs, stride_bn, stride_om, stride_ss, o0, o1, o2, o3, o4,
+    R, SPLIT_K, stride_hs, stride_hm, stride_bs, stride_bn, stride_om, stride_ss, o0, o1, o2, o3, o4,
     M_TILES, N_TILES,
     N_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr, PREC: tl.constexpr, TILED: tl.constexpr, PDL: tl.constexpr,
@@ -177,7 +174,7 @@ def _sgmv_expand_kernel(
     """Expand, all slices in one launch: for segment i with slot w[i] >= 0 and slice j:
     ``y[s[i]:s[i+1], o[j]:o[j+1]] += h[s[i]:s[i+1], j*R:j*R+r] @ B[w[i], o[j]:o[j+1], :r].T * sc[w[i], j]``.
 
-    h [SPLIT_K, T, N_SLICES * RH]: shrink's split-K planes, summed here and rounded to B's dtype (x.dtype,
+    h [SPLIT_K, T, N_SLICES * R]: shrink's split-K planes, summed here and rounded to B's dtype (x.dtype,
     as PEFT keeps h), B [S, out, R], scalings [S, N_SLICES] fp32, out [T, out] (any float dtype, updated
     in place), r = ranks[w[i]]. A program covers BLOCK_M tokens x BLOCK_N columns of one slice and
     loops over the rank only up to r; fp32 accumulation. TILED: token tiles from the tile table, as in
@@ -210,7 +207,7 @@ def _sgmv_expand_kernel(
         bt = tl.load(b_base[None, :] + kk[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
         if PDL:
             tl.extra.cuda.gdc_wait()
-        h_ptrs = h_ptr + offs_m[:, None] * stride_hm + (s * RH + kk)[None, :]
+        h_ptrs = h_ptr + offs_m[:, None] * stride_hm + (s * R + kk)[None, :]
         h_mask = m_ok[:, None] & k_ok[None, :]
         hsum = tl.load(h_ptrs, mask=h_mask, other=0.0).to(tl.float32)
         for sp in range(1, SPLIT_K):
@@ -272,14 +269,12 @@ class _Tiles:
 
 
 def _shrink_launch(
-    job: ShrinkJob, fp32_planes: bool, pdl: bool = False, rh: int | None = None
+    job: ShrinkJob, fp32_planes: bool, pdl: bool = False
 ) -> tuple[tuple[int], tuple, dict, tuple[int, int, int], torch.dtype]:
     """(grid, positional args with None for h, keyword args, h's padded shape, h's dtype) of shrink's
-    launch, with h's slices ``rh`` wide (default the pool rank R; at least the batch's rank bound).
-    Launch constants follow the pool rank R, not this batch's ranks, so batches of any rank mix share
-    one compiled kernel (programs still stop at their slot's rank)."""
+    launch. Launch constants follow the pool rank R, not this batch's ranks, so batches of any rank mix
+    share one compiled kernel (programs still stop at their slot's rank)."""
     x, A, info, n, R, skip_pad, split_k = job
-    RH = rh or R
     T, in_f, top_rank = info.num_tokens, x.shape[1], job.top_rank
     ns_p2 = next_pow2(n)
     block_r = min(max(16, next_pow2(R)), max(16, 128 // ns_p2))
@@ -287,17 +282,17 @@ def _shrink_launch(
     block_k = 64 if tiles.block_m >= 64 else 128
     if split_k:  # a forced split (tests, benchmarks) gets blocks small enough to honour it
         block_k = min(block_k, max(16, next_pow2(cdiv(in_f, split_k))))
-    r_tiles = cdiv(RH, block_r)  # cover h (zeros past the rank), not just this batch's ranks
+    r_tiles = cdiv(R, block_r)  # cover R (zeros past the rank), not just this batch's ranks
     # Split in_features until the launch has a few waves of programs: a long segment alone would
     # otherwise leave most of the GPU idle (the rank dimension gives almost no parallelism).
     busy = tiles.count * cdiv(top_rank, block_r)
     k_per_split, split = split_k_plan(in_f, block_k, busy, x.device, split_k, TUNING)
     dtype = x.dtype if split == 1 and not fp32_planes else torch.float32
     # Planes padded to 16 rows: their stride keeps the same divisibility for every batch.
-    shape = (split, -(-T // 16) * 16, n * RH)
+    shape = (split, -(-T // 16) * 16, A.shape[1])
     args = (
         x, A, None, info.seg_indptr, info.weight_indices, info.ranks, tiles.seg, tiles.m0,
-        in_f, R, RH, k_per_split, x.stride(0), A.stride(0), A.stride(1), shape[1] * shape[2], shape[2],
+        in_f, R, k_per_split, x.stride(0), A.stride(0), A.stride(1), shape[1] * shape[2], shape[2],
         tiles.m_tiles, r_tiles, split,
     )  # fmt: skip
     kwargs = dict(
@@ -324,12 +319,10 @@ def _expand_launch(
     out_stride: int,
     R: int,
     pdl: bool = False,
-    rh: int | None = None,
 ) -> tuple[tuple[int], tuple, dict]:
     """(grid, positional args with None for h and out, keyword args) of expand's launch over h's planes
-    given as (planes, plane stride, row stride), whose slices are ``rh`` wide (default the pool rank R),
-    into an out of row stride ``out_stride``. ``pdl``: launched right after the shrink that writes h
-    (with ``pdl``), as its programmatic dependent (:func:`pdl_launch`)."""
+    given as (planes, plane stride, row stride), into an out of row stride ``out_stride``. ``pdl``: launched right after the shrink that writes h (with
+    ``pdl``), as its programmatic dependent (:func:`pdl_launch`)."""
     B, scalings, slice_offsets = weights.B, weights.scalings, weights.slice_offsets
     n = weights.n_slices
     widths = [b - a for a, b in zip(slice_offsets, slice_offsets[1:])]
@@ -345,7 +338,7 @@ def _expand_launch(
     warps = TUNING["run_expand_warps"] if runs else TUNING["expand_warps"]
     args = (
         None, B, None, scalings, info.seg_indptr, info.weight_indices, info.ranks, tiles.seg, tiles.m0,
-        rh or R, *h_strides, B.stride(0), B.stride(1), out_stride,
+        R, *h_strides, B.stride(0), B.stride(1), out_stride,
         scalings.stride(0), *offset_args(slice_offsets), tiles.m_tiles, n_tiles,
     )  # fmt: skip
     kwargs = dict(
@@ -359,14 +352,9 @@ def _expand_launch(
 def _expand_planes(
     h: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo, out: torch.Tensor, R: int
 ) -> None:
-    """Launch expand over h's planes [SPLIT_K, >= T, n*RH] (rows padded or not: its strides are read)."""
+    """Launch expand over h's planes [SPLIT_K, >= T, n*R] (rows padded or not: its strides are read)."""
     grid, args, kwargs = _expand_launch(
-        (h.shape[0], h.stride(0), h.stride(1)),
-        weights,
-        info,
-        out.stride(0),
-        R,
-        rh=h.shape[2] // weights.n_slices,
+        (h.shape[0], h.stride(0), h.stride(1)), weights, info, out.stride(0), R
     )
     fast(_sgmv_expand_kernel)[grid](h, args[1], out, *args[3:], **kwargs)
 
@@ -378,14 +366,14 @@ class _ModulePlan:
 
     __slots__ = ("shrink", "expand", "h_shape", "h_dtype")
 
-    def __init__(self, job: ShrinkJob, weights: LoRAWeights, out_stride: int, pdl: bool, rh: int) -> None:
+    def __init__(self, job: ShrinkJob, weights: LoRAWeights, out_stride: int, pdl: bool) -> None:
         # ``pdl``: the expand follows its shrink on the stream, as a programmatic dependent.
         pdl = pdl_launch(job.x.device, pdl)
-        grid, args, kwargs, self.h_shape, self.h_dtype = _shrink_launch(job, fp32_planes=True, pdl=pdl, rh=rh)
+        grid, args, kwargs, self.h_shape, self.h_dtype = _shrink_launch(job, fp32_planes=True, pdl=pdl)
         self.shrink = fast(_sgmv_shrink_kernel).plan(grid, args, kwargs, (0, 1, 2))
         splits, rows, cols = self.h_shape
         grid, args, kwargs = _expand_launch(
-            (splits, rows * cols, cols), weights, job.info, out_stride, job.R, pdl, rh
+            (splits, rows * cols, cols), weights, job.info, out_stride, job.R, pdl
         )
         self.expand = fast(_sgmv_expand_kernel).plan(grid, args, kwargs, (0, 1, 2, 3))
 
@@ -410,9 +398,7 @@ class _ModulePlan:
         plan = info.host_derived.get(key)
         if plan is None:
             job = ShrinkJob(x, A, info, weights.n_slices, R, True, split_k)
-            # h as wide as the batch's rank bound, or the pool rank (TUNING["h_width"]).
-            rh = min(R, info.rank_bound or R) if TUNING["h_width"] == "bound" else R
-            plan = info.host_derived[key] = _ModulePlan(job, weights, out_stride, pdl, rh)
+            plan = info.host_derived[key] = _ModulePlan(job, weights, out_stride, pdl)
         return plan
 
 
