@@ -89,6 +89,12 @@ class LoRAConfig:
     )
     max_loras_per_batch: int = _f(8, "GPU slots for adapters: the most distinct adapters in one batch.")
     max_lora_rank: int = _f(64, "Largest adapter rank the slots hold; bigger adapters are refused.")
+    lora_page_rank: int | None = _f(
+        None,
+        "Store each slot's ranks in pages of this many (a divisor of max_lora_rank, e.g. 16), so an "
+        "adapter of at most that rank reads one contiguous page, as in a pool of that rank; None: one "
+        "page of max_lora_rank (the unpaged layout).",
+    )
     max_loaded_loras: int | None = _f(
         None, "Adapters kept in the host cache (LRU beyond it); defaults to unlimited."
     )
@@ -189,6 +195,12 @@ class EngineConfig:
         lora, sched, cache = self.lora, self.scheduler, self.cache
         _check(lora.max_loras_per_batch >= 1, "max_loras_per_batch", "must be >= 1")
         _check(lora.max_lora_rank >= 1, "max_lora_rank", "must be >= 1")
+        _check(
+            lora.lora_page_rank is None
+            or (lora.lora_page_rank >= 1 and lora.max_lora_rank % lora.lora_page_rank == 0),
+            "lora_page_rank",
+            f"must be a divisor of max_lora_rank ({lora.max_lora_rank}), or None",
+        )
         _check(
             lora.max_loaded_loras is None or lora.max_loaded_loras >= lora.max_loras_per_batch,
             "max_loaded_loras",

@@ -33,7 +33,7 @@ from mmlora.backends.onednn import (
     packed_matmul,
 )
 from mmlora.backends.registry import register_backend
-from mmlora.forward.lora import LoRABatchInfo, LoRAWeights
+from mmlora.forward.lora import LoRABatchInfo, LoRAWeights, unpage_a, unpage_b
 
 
 def _per_token(info: LoRABatchInfo) -> bool:
@@ -125,6 +125,17 @@ class TorchGatherBackend(LoRABackend):
         self._dense_cache: dict[int, _DenseWeights] = {}
         self._fused_cache: dict[int, ShrinkFused] = {}
 
+    @staticmethod
+    def _unpaged(weights: LoRAWeights) -> LoRAWeights:
+        """``weights`` in the unpaged layout: itself, or for a pool paged by rank tile a copy of the whole
+        module's pool, made per call (pool buffers made under inference mode have no version counter to
+        tell a slot load by). The paged layout is for the Triton kernels; this reference backend pays a
+        copy for kernels written for one layout."""
+        if weights.pages == 1:
+            return weights
+        A, B = unpage_a(weights.A, weights.n_slices), unpage_b(weights.B)
+        return LoRAWeights(A, B, weights.scalings, weights.slice_offsets)
+
     def fused_linear(
         self,
         x: torch.Tensor,
@@ -153,6 +164,7 @@ class TorchGatherBackend(LoRABackend):
         :data:`~mmlora.backends.cpu_dense.STACK_SHARE` of the output width."""
         if (
             x.device.type != "cpu"
+            or weights.pages > 1  # a paged pool takes add_lora's unpaged copy
             or x.dim() != 2
             or x.dtype not in _packable()
             or not x.dtype == weight.dtype == weights.A.dtype == weights.B.dtype
@@ -217,6 +229,10 @@ class TorchGatherBackend(LoRABackend):
         exact zeros. At small batches the cost is per torch call, not per FLOP, and this keeps the call
         count independent of the adapters and of how the rows group into segments."""
         if not info.has_lora:
+            return
+        if weights.pages > 1:  # per-call copies: the cached dense path would hold stale ones
+            weights = self._unpaged(weights)
+            gather_expand(gather_shrink(x, weights.A, info), weights, info, out)
             return
         T = info.num_tokens
         if x.device.type != "cpu" or T > PACKED_MAX_ROWS or info.num_slots > _DENSE_MAX_SLOTS:

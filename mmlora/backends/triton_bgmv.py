@@ -35,6 +35,8 @@ from mmlora.backends.registry import register_backend
 from mmlora.backends.triton_common import (
     FusedTritonBackend,
     ShrinkJob,
+    a_row_offset,
+    b_rank_offset,
     cdiv,
     check_expand_args,
     next_pow2,
@@ -45,7 +47,7 @@ from mmlora.backends.triton_common import (
     slice_bound,
     split_k_plan,
 )
-from mmlora.forward.lora import RANK_TILE, LoRABatchInfo, LoRAWeights
+from mmlora.forward.lora import RANK_TILE, LoRABatchInfo, LoRAWeights, paged
 from mmlora.triton_launch import LaunchPlan, fast
 
 #: Launch heuristics (read at every launch, so a benchmark can sweep them): elements per register
@@ -85,14 +87,15 @@ _EXPAND_BATCH_INTS = ("SPLIT_K",)
 @triton.jit(do_not_specialize=_SHRINK_BATCH_INTS)
 def _bgmv_shrink_kernel(
     x_ptr, a_ptr, p_ptr, token_slots_ptr, ranks_ptr,
-    in_features, R, K_PER_SPLIT, stride_xm, stride_as, stride_ar, stride_ps, stride_pm, SPLIT_K, R_TILES,
-    N_SLICES: tl.constexpr, NS_P2: tl.constexpr, SKIP_PAD: tl.constexpr,
+    in_features, R, K_PER_SPLIT, stride_xm, stride_as, stride_ap, stride_ar, stride_ps, stride_pm, SPLIT_K,
+    R_TILES, N_SLICES: tl.constexpr, NS_P2: tl.constexpr, SKIP_PAD: tl.constexpr, U: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Shrink partials: for token t with slot s = ts[t] >= 0 and split k:
     ``P[k, t, :] = x[t, Kk] @ A[s, :, Kk].T`` over the split's columns Kk of in_features.
 
-    x [T, in] (fp32/fp16/bf16), A [S, N_SLICES * R, in] (x.dtype), P [SPLIT_K, T, N_SLICES * R] fp32.
+    x [T, in] (fp32/fp16/bf16), A [S, N_SLICES * R, in] or paged [S, R / U, N_SLICES * U, in] (x.dtype; unpaged: U = 0),
+    P [SPLIT_K, T, N_SLICES * R] fp32.
     Only columns below ranks[s] of each slice (all columns when not SKIP_PAD) of rows with a slot
     are written; the caller zero-fills P when it needs the rest. Program (t, k, rt) covers rank tile rt
     (BLOCK_R ranks of every slice); R_TILES tiles cover the batch's rank bound.
@@ -116,7 +119,7 @@ def _bgmv_shrink_kernel(
     r = rt * BLOCK_R + j % BLOCK_R
     col = (j // BLOCK_R) * R + r
     w_ok = (j // BLOCK_R < N_SLICES) & (r < rank)
-    a_base = a_ptr + slot.to(tl.int64) * stride_as + col * stride_ar
+    a_base = a_ptr + slot.to(tl.int64) * stride_as + a_row_offset(j // BLOCK_R, r, R, U, stride_ap, stride_ar)
     x_base = x_ptr + t.to(tl.int64) * stride_xm
     k_lo = sp * K_PER_SPLIT
     k_hi = tl.minimum(k_lo + K_PER_SPLIT, in_features)
@@ -137,15 +140,16 @@ def _bgmv_shrink_kernel(
 @triton.jit(do_not_specialize=_EXPAND_BATCH_INTS)
 def _bgmv_expand_kernel(
     p_ptr, b_ptr, out_ptr, scal_ptr, token_slots_ptr, ranks_ptr,
-    R, N_OUT, stride_ps, stride_pm, stride_bs, stride_bn, stride_om, stride_ss, o0, o1, o2, o3, o4, N_TILES,
-    SPLIT_K, SPLIT_P2: tl.constexpr, N_SLICES: tl.constexpr,
+    R, N_OUT, stride_ps, stride_pm, stride_bs, stride_bp, stride_bn, stride_om, stride_ss, o0, o1, o2, o3, o4,
+    N_TILES, SPLIT_K, SPLIT_P2: tl.constexpr, N_SLICES: tl.constexpr, U: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, H_DTYPE: tl.constexpr, PER_SLICE: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
     """Expand over all slices: for token t with slot s = ts[t] >= 0, slice j, h = sum_k P[k]:
     ``y[t, o[j]:o[j+1]] += h[t, j*R:j*R+r] @ B[s, o[j]:o[j+1], :r].T * sc[s, j]``, r = ranks[s].
 
-    P [SPLIT_K, T, N_SLICES * R] (fp32 partials, or h itself with SPLIT_K = 1), B [S, N_OUT, R],
+    P [SPLIT_K, T, N_SLICES * R] (fp32 partials, or h itself with SPLIT_K = 1), B [S, N_OUT, R] or paged [S, R / U, N_OUT, U]
+    (unpaged: U = 0),
     scalings [S, N_SLICES] fp32, out [T, N_OUT] updated in place. h is rounded to H_DTYPE (x.dtype)
     before use, as PEFT computes it; fp32 accumulation. A program covers BLOCK_N output columns of one
     token, which may straddle slices, and loops over its slot's rank in BLOCK_R tiles. SPLIT_P2 (a power
@@ -175,7 +179,11 @@ def _bgmv_expand_kernel(
         # 32-byte sectors, and where() drops them (and the never-written partials past the rank below),
         # so whatever the padding holds, even NaN, never reaches the sum.
         r_in = rr < R
-        bv = tl.load(b_base[:, None] + rr[None, :], mask=n_ok[:, None] & r_in[None, :], other=0.0)
+        bv = tl.load(
+            b_base[:, None] + b_rank_offset(rr, U, stride_bp)[None, :],
+            mask=n_ok[:, None] & r_in[None, :],
+            other=0.0,
+        )
         bv = tl.where(r_ok[None, :], bv.to(tl.float32), 0.0)
         if PDL:  # launched beside the shrink: its partials are complete and visible after this
             tl.extra.cuda.gdc_wait()
@@ -252,21 +260,22 @@ def _shrink_partials(job: ShrinkJob, zero: bool = True, pdl: bool = False) -> to
     alloc = torch.zeros if zero else torch.empty
     # Planes padded to 16 rows: their stride keeps the same divisibility (which Triton compiles for) at
     # every token count.
-    shape = (plan.split_k, -(-T // 16) * 16, A.shape[1])
+    shape = (plan.split_k, -(-T // 16) * 16, n * R)
     p = alloc(shape, dtype=torch.float32, device=x.device)
+    A4 = paged(A)
     # The launch itself, planned once per forward and argument layout: the layers share it.
-    layout = (x.stride(0), A.stride(0), A.stride(1), A.shape[1], skip_pad, pdl)
+    layout = (x.stride(0), A4.stride(), A4.shape, skip_pad, pdl)
     launch = plan.launches.get(layout)
     if launch is None:
         launch = plan.launches[layout] = fast(_bgmv_shrink_kernel).plan(
             (T * plan.split_k * plan.r_tiles,),
             (
                 None, None, None, info.token_slots, info.ranks,
-                x.shape[1], R, plan.k_per_split, x.stride(0), A.stride(0), A.stride(1), shape[1] * shape[2],
-                shape[2], plan.split_k, plan.r_tiles,
+                x.shape[1], R, plan.k_per_split, x.stride(0), A4.stride(0), A4.stride(1), A4.stride(2),
+                shape[1] * shape[2], shape[2], plan.split_k, plan.r_tiles,
             ),
             dict(
-                N_SLICES=n, NS_P2=plan.ns_p2, SKIP_PAD=skip_pad, BLOCK_R=plan.block_r, BLOCK_K=plan.block_k,
+                N_SLICES=n, NS_P2=plan.ns_p2, SKIP_PAD=skip_pad, U=A4.shape[2] // n if A.dim() == 4 else 0, BLOCK_R=plan.block_r, BLOCK_K=plan.block_k,
                 EVEN_K=plan.even_k, PDL=pdl_launch(x.device, pdl), num_warps=TUNING["shrink_warps"],
             ),
             (0, 1, 2),
@@ -295,7 +304,8 @@ def _expand(
     launch = info.host_derived.get(key)
     if launch is None:
         n = weights.n_slices
-        n_out = B.shape[1]
+        B4 = paged(B)
+        n_out = B4.shape[2]
         block_r = min(next_pow2(R), max(_block_r(R), TUNING["expand_rank_tile"] or 0))
         block_n = min(512, max(32, TUNING["expand_tile"] // block_r))
         n_tiles = cdiv(n_out, block_n)
@@ -303,11 +313,11 @@ def _expand(
             (info.num_tokens * n_tiles,),
             (
                 None, None, None, None, info.token_slots, info.ranks,
-                R, n_out, p.stride(0), p.stride(1), B.stride(0), B.stride(1), out.stride(0), scalings.stride(0),
-                *offset_args(slice_offsets), n_tiles, p.shape[0],
+                R, n_out, p.stride(0), p.stride(1), B4.stride(0), B4.stride(1), B4.stride(2), out.stride(0),
+                scalings.stride(0), *offset_args(slice_offsets), n_tiles, p.shape[0],
             ),
             dict(
-                SPLIT_P2=max(_split_p2(), next_pow2(p.shape[0])), N_SLICES=n, BLOCK_N=block_n,
+                SPLIT_P2=max(_split_p2(), next_pow2(p.shape[0])), N_SLICES=n, U=B4.shape[3] if B.dim() == 4 else 0, BLOCK_N=block_n,
                 BLOCK_R=block_r, H_DTYPE=_tl_dtype(h_dtype), PER_SLICE=TUNING["expand_per_slice"],
                 num_warps=TUNING["expand_warps"], **pdl_options(pdl_launch(out.device, pdl)),
             ),

@@ -146,7 +146,7 @@ def shrink_entry(
     ``[splits, T, n*R]`` summed to x.dtype."""
     n, R = check_shrink_args(x, A, info, n_slices)
     if not info.has_lora or info.num_tokens == 0:
-        return x.new_zeros(info.num_tokens, A.shape[1])
+        return x.new_zeros(info.num_tokens, n * R)
     planes = launch(ShrinkJob(x, A, info, n, R, n_slices is not None, split_k))
     return planes[0].to(x.dtype) if planes.shape[0] == 1 else planes.sum(0).to(x.dtype)
 
@@ -184,23 +184,28 @@ def check_shrink_args(
     """Validate shrink inputs; returns ``(n_slices, R)`` (``(1, n*R)`` when ``n_slices`` is unknown)."""
     _check_2d_rows("x", x, info.num_tokens)
     _check_dtype("x", x)
-    if A.dim() != 3:
-        raise ValueError(f"A must be 3-D [slots, n_slices * R, in_features], got shape {tuple(A.shape)}")
+    if A.dim() not in (3, 4):
+        raise ValueError(
+            "A must be 3-D [slots, n_slices * R, in_features] or paged 4-D [slots, pages, n_slices * U, "
+            f"in_features], got shape {tuple(A.shape)}"
+        )
     if A.dtype != x.dtype:
         raise ValueError(f"A has dtype {A.dtype} but x has {x.dtype}")
     if A.stride(-1) != 1:
         raise ValueError(f"A must be contiguous in its last dimension (stride {A.stride()})")
-    if A.shape[2] != x.shape[1]:
-        raise ValueError(f"A has in_features {A.shape[2]} but x has {x.shape[1]}")
+    if A.shape[-1] != x.shape[1]:
+        raise ValueError(f"A has in_features {A.shape[-1]} but x has {x.shape[1]}")
     if A.shape[0] < info.num_slots:
         raise ValueError(f"A has {A.shape[0]} slots but the batch info addresses {info.num_slots}")
     _check_device(info, x=x, A=A)
     require_runnable(x.device)
+    pages = A.shape[1] if A.dim() == 4 else 1
+    rows = A.shape[-2]
     if n_slices is None:
-        return 1, A.shape[1]
-    if not 1 <= n_slices <= MAX_SLICES or A.shape[1] % n_slices:
-        raise ValueError(f"n_slices={n_slices} does not divide A's {A.shape[1]} rows (max {MAX_SLICES})")
-    R = A.shape[1] // n_slices
+        return 1, pages * rows
+    if not 1 <= n_slices <= MAX_SLICES or rows % n_slices:
+        raise ValueError(f"n_slices={n_slices} does not divide A's {rows} rows (max {MAX_SLICES})")
+    R = pages * rows // n_slices
     if info.max_rank > R:
         raise ValueError(f"batch max_rank {info.max_rank} exceeds the pool's rank R={R}")
     return n_slices, R
@@ -224,8 +229,11 @@ def check_expand_weights(
     B, scalings, slice_offsets = weights.B, weights.scalings, weights.slice_offsets
     _check_2d_rows("out", out, info.num_tokens)
     _check_dtype("out", out)
-    if B.dim() != 3:
-        raise ValueError(f"B must be 3-D [slots, out_features, R], got shape {tuple(B.shape)}")
+    if B.dim() not in (3, 4):
+        raise ValueError(
+            "B must be 3-D [slots, out_features, R] or paged 4-D [slots, pages, out_features, U], got shape "
+            f"{tuple(B.shape)}"
+        )
     if B.dtype != h_dtype:
         raise ValueError(f"B has dtype {B.dtype} but h (x) has {h_dtype}")
     if B.stride(-1) != 1:
@@ -235,12 +243,15 @@ def check_expand_weights(
         raise ValueError(f"slice_offsets {slice_offsets} must describe 1..{MAX_SLICES} slices")
     if slice_offsets[0] != 0 or any(a > b for a, b in zip(slice_offsets, slice_offsets[1:])):
         raise ValueError(f"slice_offsets {slice_offsets} must start at 0 and be non-decreasing")
-    if slice_offsets[-1] != B.shape[1] or out.shape[1] != B.shape[1]:
+    out_features = B.shape[-2]
+    if slice_offsets[-1] != out_features or out.shape[1] != out_features:
         raise ValueError(
-            f"slice_offsets end {slice_offsets[-1]}, B out_features {B.shape[1]} and out width "
+            f"slice_offsets end {slice_offsets[-1]}, B out_features {out_features} and out width "
             f"{out.shape[1]} must agree"
         )
-    R = B.shape[2]
+    if B.dim() != weights.A.dim() or (B.dim() == 4 and B.shape[1] != weights.A.shape[1]):
+        raise ValueError(f"A {tuple(weights.A.shape)} and B {tuple(B.shape)} must have the same pages")
+    R = (B.shape[1] if B.dim() == 4 else 1) * B.shape[-1]
     if h_cols != n * R:
         raise ValueError(f"h (A) has {h_cols} columns (rows) but n_slices * R = {n} * {R}")
     if B.shape[0] < info.num_slots:
@@ -267,8 +278,8 @@ class _Checked:
     def __init__(self, weights: LoRAWeights, rank: int) -> None:
         A, B, scalings = weights.A, weights.B, weights.scalings
         self.weights = weights  # held: its id() keys the cache and must not be reused while cached
-        self.in_features = A.shape[2]
-        self.out_features = B.shape[1]
+        self.in_features = A.shape[-1]
+        self.out_features = B.shape[-2]
         self.rank = rank
         self.slots = min(A.shape[0], B.shape[0], scalings.shape[0])
         self.dtype = A.dtype
@@ -335,8 +346,8 @@ class FusedTritonBackend(LoRABackend):
         seen = checked.get(id(weights))
         if seen is not None and seen.weights is weights and seen.accepts(out, x, info):
             return seen.rank
-        _, R = check_shrink_args(x, weights.A, info, weights.n_slices)
-        check_expand_weights(weights.A.shape[1], x.dtype, weights, info, out)
+        n, R = check_shrink_args(x, weights.A, info, weights.n_slices)
+        check_expand_weights(n * R, x.dtype, weights, info, out)
         if len(checked) >= self._MAX_CHECKED:
             checked.clear()
         checked[id(weights)] = _Checked(weights, R)
@@ -375,6 +386,24 @@ class FusedTritonBackend(LoRABackend):
         self, out: torch.Tensor, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo, R: int
     ) -> None:
         """``out += lora(x)`` on validated inputs, the pool rank being ``R``."""
+
+
+@triton.jit
+def a_row_offset(j, r, R, U: tl.constexpr, stride_page, stride_row):
+    """Element offset, within a slot, of A's row for rank ``r`` of slice ``j``: row ``j * R + r`` of an
+    unpaged pool (U = 0), or in a pool paged by rank tile (:class:`LoRAWeights`) row ``j * U + r % U`` of
+    page ``r // U``."""
+    if U == 0:
+        return (j * R + r) * stride_row
+    return (r // U) * stride_page + (j * U + r % U) * stride_row
+
+
+@triton.jit
+def b_rank_offset(r, U: tl.constexpr, stride_page):
+    """Element offset, within a B row of a slot, of rank ``r``: ``r`` unpaged (U = 0), else in page ``r // U``."""
+    if U == 0:
+        return r
+    return (r // U) * stride_page + r % U
 
 
 @triton.jit

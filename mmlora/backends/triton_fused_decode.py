@@ -26,9 +26,18 @@ import triton
 import triton.language as tl
 
 from mmlora.backends.registry import register_backend
-from mmlora.backends.triton_common import cdiv, dot_upcast, next_pow2, offset_args, select_bound
+from mmlora.backends.triton_common import (
+    a_row_offset,
+    b_rank_offset,
+    cdiv,
+    dot_upcast,
+    next_pow2,
+    offset_args,
+    select_bound,
+)
 from mmlora.backends.triton_sgmv import TritonSGMVBackend
 from mmlora.forward import LoRABatchInfo, LoRAWeights
+from mmlora.forward.lora import paged
 from mmlora.triton_launch import fast
 
 #: Launch settings: rows per head, columns per program (a slice is split into chunks of this many),
@@ -39,15 +48,16 @@ TUNING = {"block_m": 16, "chunk": 1024, "block_n": 128, "block_k": 128, "warps":
 @triton.jit
 def _fused_decode_kernel(
     x_ptr, a_ptr, b_ptr, out_ptr, scal_ptr, token_slots_ptr, ranks_ptr,
-    T, in_features, R, stride_xm, stride_as, stride_ar, stride_bs, stride_bn, stride_om, stride_ss,
-    o0, o1, o2, o3, o4, CHUNKS_PER_SLICE,
-    N_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    T, in_features, R, stride_xm, stride_as, stride_ap, stride_ar, stride_bs, stride_bp, stride_bn, stride_om,
+    stride_ss, o0, o1, o2, o3, o4, CHUNKS_PER_SLICE,
+    N_SLICES: tl.constexpr, U: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
     """For every row t with slot s = ts[t] >= 0 and slice j, r = ranks[s]:
     ``out[t, o[j]:o[j+1]] += round(x[t] @ A[s, j*R : j*R+r].T) @ B[s, o[j]:o[j+1], :r].T * sc[s, j]``.
 
-    x [T, in] (fp32/fp16/bf16), A [S, N_SLICES * R, in], B [S, out, R] (x.dtype), scalings [S, N_SLICES]
+    x [T, in] (fp32/fp16/bf16), A [S, N_SLICES * R, in] or paged [S, R / U, N_SLICES * U, in], B [S, out, R] or paged [S, R / U, out, U] (x.dtype;
+    unpaged: U = 0), scalings [S, N_SLICES]
     fp32, out [T, out] updated in place; h rounded to x.dtype, fp32 accumulation; rows with slot -1 and
     columns of other slices untouched. Program (t, j, c): head row t, slice j, column chunk c.
     """
@@ -71,7 +81,7 @@ def _fused_decode_kernel(
     row_ok = same & (tl.cumsum((~same).to(tl.int32), axis=0) == 0)
     rr = tl.arange(0, BLOCK_R)
     r_ok = rr < rank
-    a_base = a_ptr + slot.to(tl.int64) * stride_as + (j * R + rr) * stride_ar
+    a_base = a_ptr + slot.to(tl.int64) * stride_as + a_row_offset(j, rr, R, U, stride_ap, stride_ar)
     x_base = x_ptr + rows.to(tl.int64) * stride_xm
     h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for k0 in range(0, in_features, BLOCK_K):
@@ -93,7 +103,9 @@ def _fused_decode_kernel(
         nn = n0 + tl.arange(0, BLOCK_N)
         n_ok = nn < n_hi
         bt = tl.load(
-            b_base + nn[None, :] * stride_bn + rr[:, None], mask=n_ok[None, :] & r_ok[:, None], other=0.0
+            b_base + nn[None, :] * stride_bn + b_rank_offset(rr, U, stride_bp)[:, None],
+            mask=n_ok[None, :] & r_ok[:, None],
+            other=0.0,
         )
         if UPCAST:
             bt = bt.to(tl.float32)
@@ -112,7 +124,8 @@ def fused_decode_add_lora(
     adapter are adjacent; right for any batch."""
     A, B, scalings, slice_offsets = weights.A, weights.B, weights.scalings, weights.slice_offsets
     n = len(slice_offsets) - 1
-    R = B.shape[2]
+    R = weights.rank
+    A4, B4 = paged(A), paged(B)
     widths = [b - a for a, b in zip(slice_offsets, slice_offsets[1:])]
     chunk = TUNING["chunk"]
     chunks = cdiv(max(widths), chunk)
@@ -120,9 +133,9 @@ def fused_decode_add_lora(
     grid = (T * n * chunks,)
     fast(_fused_decode_kernel)[grid](
         x, A, B, out, scalings, info.token_slots, info.ranks,
-        T, x.shape[1], R, x.stride(0), A.stride(0), A.stride(1), B.stride(0), B.stride(1), out.stride(0),
-        scalings.stride(0), *offset_args(slice_offsets), chunks,
-        N_SLICES=n, BLOCK_M=TUNING["block_m"], BLOCK_R=max(16, next_pow2(R)), BLOCK_K=TUNING["block_k"],
+        T, x.shape[1], R, x.stride(0), A4.stride(0), A4.stride(1), A4.stride(2), B4.stride(0), B4.stride(1),
+        B4.stride(2), out.stride(0), scalings.stride(0), *offset_args(slice_offsets), chunks,
+        N_SLICES=n, U=B4.shape[3] if B.dim() == 4 else 0, BLOCK_M=TUNING["block_m"], BLOCK_R=max(16, next_pow2(R)), BLOCK_K=TUNING["block_k"],
         CHUNK=chunk, BLOCK_N=min(TUNING["block_n"], chunk), UPCAST=dot_upcast(x.dtype),
         PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=TUNING["warps"],
     )  # fmt: skip

@@ -25,6 +25,8 @@ from mmlora.backends.registry import register_backend
 from mmlora.backends.triton_common import (
     FusedTritonBackend,
     ShrinkJob,
+    a_row_offset,
+    b_rank_offset,
     cdiv,
     check_expand_args,
     dot_upcast,
@@ -36,7 +38,7 @@ from mmlora.backends.triton_common import (
     shrink_entry,
     split_k_plan,
 )
-from mmlora.forward.lora import RANK_TILE, LoRABatchInfo, LoRAWeights
+from mmlora.forward.lora import RANK_TILE, LoRABatchInfo, LoRAWeights, paged
 from mmlora.triton_launch import fast
 
 #: Launch heuristics (read at every launch, so a benchmark can sweep them): the largest token tile of
@@ -102,16 +104,17 @@ def _tile(
 @triton.jit(do_not_specialize=_SHRINK_BATCH_INTS)
 def _sgmv_shrink_kernel(
     x_ptr, a_ptr, h_ptr, seg_indptr_ptr, weight_indices_ptr, ranks_ptr, tile_seg_ptr, tile_m0_ptr,
-    in_features, R, K_PER_SPLIT, stride_xm, stride_as, stride_ar, stride_hs, stride_hm,
+    in_features, R, K_PER_SPLIT, stride_xm, stride_as, stride_ap, stride_ar, stride_hs, stride_hm,
     M_TILES, R_TILES, SPLIT_K,
-    N_SLICES: tl.constexpr, NS_P2: tl.constexpr, SKIP_PAD: tl.constexpr,
+    N_SLICES: tl.constexpr, NS_P2: tl.constexpr, SKIP_PAD: tl.constexpr, U: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr, PREC: tl.constexpr, TILED: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Shrink, split over in_features: for segment i with slot w[i] >= 0 and split k:
     ``h[k, s[i]:s[i+1]] = x[s[i]:s[i+1], Kk] @ A[w[i], :, Kk].T`` (sum over k gives the shrink).
 
-    x [T, in] (fp32/fp16/bf16), A [S, N_SLICES * R, in] (x.dtype), h [SPLIT_K, T, N_SLICES * R]
+    x [T, in] (fp32/fp16/bf16), A [S, N_SLICES * R, in] or paged [S, R / U, N_SLICES * U, in] (x.dtype; unpaged: U = 0),
+    h [SPLIT_K, T, N_SLICES * R]
     (x.dtype when SPLIT_K = 1, else fp32 partials). A program covers BLOCK_M tokens x (all slices,
     BLOCK_R ranks) x one split; every element of h is written: rows of base-only segments and columns
     past the adapter's rank as zeros. fp32 accumulation. TILED: token tiles come from the tile table
@@ -145,7 +148,7 @@ def _sgmv_shrink_kernel(
         tl.store(h_ptrs, tl.zeros((BLOCK_M, NS_P2 * BLOCK_R), dtype=h_ptr.dtype.element_ty), mask=h_mask)
         return
     w_ok = col_ok & (r < rank)
-    a_base = a_ptr + slot.to(tl.int64) * stride_as + col * stride_ar
+    a_base = a_ptr + slot.to(tl.int64) * stride_as + a_row_offset(j // BLOCK_R, r, R, U, stride_ap, stride_ar)
     acc = tl.zeros((BLOCK_M, NS_P2 * BLOCK_R), dtype=tl.float32)
     k_lo = sp * K_PER_SPLIT
     k_hi = tl.minimum(k_lo + K_PER_SPLIT, in_features)
@@ -166,16 +169,17 @@ def _sgmv_shrink_kernel(
 @triton.jit(do_not_specialize=_EXPAND_BATCH_INTS)
 def _sgmv_expand_kernel(
     h_ptr, b_ptr, out_ptr, scal_ptr, seg_indptr_ptr, weight_indices_ptr, ranks_ptr, tile_seg_ptr, tile_m0_ptr,
-    R, SPLIT_K, stride_hs, stride_hm, stride_bs, stride_bn, stride_om, stride_ss, o0, o1, o2, o3, o4,
+    R, SPLIT_K, stride_hs, stride_hm, stride_bs, stride_bp, stride_bn, stride_om, stride_ss, o0, o1, o2, o3, o4,
     M_TILES, N_TILES,
-    N_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    N_SLICES: tl.constexpr, U: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr, PREC: tl.constexpr, TILED: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Expand, all slices in one launch: for segment i with slot w[i] >= 0 and slice j:
     ``y[s[i]:s[i+1], o[j]:o[j+1]] += h[s[i]:s[i+1], j*R:j*R+r] @ B[w[i], o[j]:o[j+1], :r].T * sc[w[i], j]``.
 
     h [SPLIT_K, T, N_SLICES * R]: shrink's split-K planes, summed here and rounded to B's dtype (x.dtype,
-    as PEFT keeps h), B [S, out, R], scalings [S, N_SLICES] fp32, out [T, out] (any float dtype, updated
+    as PEFT keeps h), B [S, out, R] or paged [S, R / U, out, U] (unpaged: U = 0),
+    scalings [S, N_SLICES] fp32, out [T, out] (any float dtype, updated
     in place), r = ranks[w[i]]. A program covers BLOCK_M tokens x BLOCK_N columns of one slice and
     loops over the rank only up to r; fp32 accumulation. TILED: token tiles from the tile table, as in
     shrink. PDL: launched as a programmatic dependent of the shrink, it loads its B tile first and waits
@@ -204,7 +208,11 @@ def _sgmv_expand_kernel(
     for k0 in range(0, rank, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
         k_ok = kk < rank
-        bt = tl.load(b_base[None, :] + kk[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        bt = tl.load(
+            b_base[None, :] + b_rank_offset(kk, U, stride_bp)[:, None],
+            mask=n_ok[None, :] & k_ok[:, None],
+            other=0.0,
+        )
         if PDL:
             tl.extra.cuda.gdc_wait()
         h_ptrs = h_ptr + offs_m[:, None] * stride_hm + (s * R + kk)[None, :]
@@ -289,14 +297,15 @@ def _shrink_launch(
     k_per_split, split = split_k_plan(in_f, block_k, busy, x.device, split_k, TUNING)
     dtype = x.dtype if split == 1 and not fp32_planes else torch.float32
     # Planes padded to 16 rows: their stride keeps the same divisibility for every batch.
-    shape = (split, -(-T // 16) * 16, A.shape[1])
+    shape = (split, -(-T // 16) * 16, n * R)
+    A4 = paged(A)
     args = (
         x, A, None, info.seg_indptr, info.weight_indices, info.ranks, tiles.seg, tiles.m0,
-        in_f, R, k_per_split, x.stride(0), A.stride(0), A.stride(1), shape[1] * shape[2], shape[2],
-        tiles.m_tiles, r_tiles, split,
+        in_f, R, k_per_split, x.stride(0), A4.stride(0), A4.stride(1), A4.stride(2), shape[1] * shape[2],
+        shape[2], tiles.m_tiles, r_tiles, split,
     )  # fmt: skip
     kwargs = dict(
-        N_SLICES=n, NS_P2=ns_p2, SKIP_PAD=skip_pad, BLOCK_M=tiles.block_m, BLOCK_R=block_r, BLOCK_K=block_k,
+        N_SLICES=n, NS_P2=ns_p2, SKIP_PAD=skip_pad, U=A4.shape[2] // n if A.dim() == 4 else 0, BLOCK_M=tiles.block_m, BLOCK_R=block_r, BLOCK_K=block_k,
         UPCAST=dot_upcast(x.dtype), PREC="ieee" if x.dtype == torch.float32 else "tf32", TILED=tiles.tiled,
         PDL=pdl, num_warps=TUNING["shrink_warps"],
     )  # fmt: skip
@@ -336,13 +345,14 @@ def _expand_launch(
     block_k = max(RANK_TILE, min(step, next_pow2(R)))
     n_tiles = cdiv(max(widths), block_n)
     warps = TUNING["run_expand_warps"] if runs else TUNING["expand_warps"]
+    B4 = paged(B)
     args = (
         None, B, None, scalings, info.seg_indptr, info.weight_indices, info.ranks, tiles.seg, tiles.m0,
-        R, *h_strides, B.stride(0), B.stride(1), out_stride,
+        R, *h_strides, B4.stride(0), B4.stride(1), B4.stride(2), out_stride,
         scalings.stride(0), *offset_args(slice_offsets), tiles.m_tiles, n_tiles,
     )  # fmt: skip
     kwargs = dict(
-        N_SLICES=n, BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=dot_upcast(B.dtype),
+        N_SLICES=n, U=B4.shape[3] if B.dim() == 4 else 0, BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=dot_upcast(B.dtype),
         PREC="ieee" if B.dtype == torch.float32 else "tf32", TILED=tiles.tiled, num_warps=warps,
         **pdl_options(pdl),
     )  # fmt: skip
@@ -451,7 +461,7 @@ class TritonSGMVBackend(FusedTritonBackend):
         """start_lora's first phase: the shrink alone (plain launches: the expand will follow the base
         GEMM, not this shrink). The plan assumes a contiguous ``out`` [T, out_features], as the base
         layer returns; :meth:`_expand_phase` plans again for any other."""
-        plan = _ModulePlan.of(x, weights, info, R, weights.B.shape[1], self.split_k, False)
+        plan = _ModulePlan.of(x, weights, info, R, weights.B.shape[-2], self.split_k, False)
         h = torch.empty(plan.h_shape, dtype=plan.h_dtype, device=x.device)
         fast(_sgmv_shrink_kernel).launch_plan(plan.shrink, (x, weights.A, h))
         return h, plan
@@ -466,7 +476,7 @@ class TritonSGMVBackend(FusedTritonBackend):
         dtype: torch.dtype,
     ) -> None:
         h, plan = partials
-        if out.stride(0) != weights.B.shape[1]:
+        if out.stride(0) != weights.B.shape[-2]:
             _expand_planes(h, weights, info, out, R)
             return
         fast(_sgmv_expand_kernel).launch_plan(plan.expand, (h, weights.B, out, weights.scalings))

@@ -34,14 +34,14 @@ def warm_up_lora_kernels(backend: LoRABackend, weights: Iterable[LoRAWeights], m
     calls = 0
     for w in shapes.values():
         info = LoRABatchInfo(max_tokens, w.A.shape[0], w.A.device)
-        info.set_slot_rank(0, w.B.shape[2])
+        info.set_slot_rank(0, w.rank)
         for lens in LAYOUTS:
             n_tokens = sum(lens)
             if n_tokens > max_tokens:
                 continue
             info.fill(list(lens), [0] * len(lens))
-            x = torch.zeros(n_tokens, w.A.shape[2], dtype=w.A.dtype, device=w.A.device)
-            out = torch.zeros(n_tokens, w.B.shape[1], dtype=w.A.dtype, device=w.A.device)
+            x = torch.zeros(n_tokens, w.A.shape[-1], dtype=w.A.dtype, device=w.A.device)
+            out = torch.zeros(n_tokens, w.B.shape[-2], dtype=w.A.dtype, device=w.A.device)
             backend.add_lora(out, x, w, info)
             calls += 1
     return calls

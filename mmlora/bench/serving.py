@@ -112,6 +112,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         help="max_lora_rank of the engine: the rank its adapter slots hold (default: the largest rank run)",
     )
     p.add_argument(
+        "--lora-page-rank",
+        type=int,
+        default=None,
+        help="lora_page_rank of the engine: ranks per page of a slot (default: unpaged)",
+    )
+    p.add_argument(
         "--sweep-rounds",
         type=int,
         default=1,
@@ -285,6 +291,7 @@ def _engine(args: argparse.Namespace, slots: int, rank: int) -> Any:
         dtype=args.dtype,
         max_loras_per_batch=slots,
         max_lora_rank=rank,
+        lora_page_rank=getattr(args, "lora_page_rank", None),
         lora_backend=args.lora_backend,
         max_running_requests=args.max_running_requests,
         max_num_batched_tokens=args.max_num_batched_tokens,

@@ -72,6 +72,10 @@ class LoRAWeights:
     B              [num_slots, out_features, R]             expand weights
     scalings       [num_slots, n_slices] float32            alpha / r (or alpha / sqrt(r)) per slice
     slice_offsets  n_slices + 1 ints                       output columns of each slice (packed qkv, gate_up)
+
+    Or paged by rank tile (a pool whose slots hold C pages of U ranks, R = C * U): A [num_slots, C,
+    n_slices * U, in_features] and B [num_slots, C, out_features, U]; ranks c*U .. c*U + U - 1 of a slot
+    are page c. An adapter of rank r <= U then reads one contiguous page, as in a rank-U pool.
     """
 
     A: torch.Tensor
@@ -82,6 +86,39 @@ class LoRAWeights:
     @property
     def n_slices(self) -> int:
         return len(self.slice_offsets) - 1
+
+    @property
+    def pages(self) -> int:
+        """Rank pages per slot (C; 1 for the unpaged layout)."""
+        return self.A.shape[1] if self.A.dim() == 4 else 1
+
+    @property
+    def page_rank(self) -> int:
+        """Ranks per page (U; the pool rank R for the unpaged layout)."""
+        return self.B.shape[-1]
+
+    @property
+    def rank(self) -> int:
+        """The pool rank R: ``pages * page_rank``."""
+        return self.pages * self.page_rank
+
+
+def paged(t: torch.Tensor) -> torch.Tensor:
+    """A pool tensor as 4-D pages ([slots, C, rows, cols]); an unpaged [slots, rows, cols] is one page."""
+    return t if t.dim() == 4 else t.unsqueeze(1)
+
+
+def unpage_a(a: torch.Tensor, n_slices: int) -> torch.Tensor:
+    """Gathered A pages [.., C, n*U, in] as the unpaged rows [.., n*C*U, in] (a copy)."""
+    *lead, C, rows, in_f = a.shape
+    U = rows // n_slices
+    return a.reshape(*lead, C, n_slices, U, in_f).transpose(-4, -3).reshape(*lead, n_slices * C * U, in_f)
+
+
+def unpage_b(b: torch.Tensor) -> torch.Tensor:
+    """Gathered B pages [.., C, out, U] as the unpaged [.., out, C*U] (a copy)."""
+    *lead, C, out_f, U = b.shape
+    return b.transpose(-3, -2).reshape(*lead, out_f, C * U)
 
 
 class LoRABatchInfo:

@@ -96,9 +96,11 @@ class LoRAManager:
         slot_ranks = self.info.set_slot_rank
         if tp_group().is_parallel and tp_group().rank == 0:
             sharder = AdapterSharder({t.name: _target(model, 0, t.name) for t in self.spec.targets})
-            self._pool = ShardedLoRAPool(sharder, *pool_args, on_slot_change=slot_ranks)
+            self._pool = ShardedLoRAPool(
+                sharder, *pool_args, on_slot_change=slot_ranks, page_rank=config.lora_page_rank
+            )
         else:
-            self._pool = LoRAPool(*pool_args, on_slot_change=slot_ranks)
+            self._pool = LoRAPool(*pool_args, on_slot_change=slot_ranks, page_rank=config.lora_page_rank)
         self._offsets = {t.name: t.slice_offsets for t in self._pool.spec.targets}
         # One device (a sharded pool's writes are collectives, kept in step): slot loads beside the forwards.
         if device.type == "cuda" and not tp_group().is_parallel and not config.disable_async_uploads:

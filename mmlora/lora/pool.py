@@ -27,6 +27,11 @@ from mmlora.lora.staging import UploadPlan, pinned, scalings_of
 logger = logging.getLogger(__name__)
 
 
+def _flat(view: torch.Tensor) -> torch.Tensor:
+    """A slot view flat where it is contiguous (multi-tensor copies pair it with a flat staging chunk)."""
+    return view.view(-1) if view.is_contiguous() else view
+
+
 class LoRAPool:
     def __init__(
         self,
@@ -37,7 +42,11 @@ class LoRAPool:
         dtype: torch.dtype,
         device: torch.device,
         on_slot_change: Callable[[int, int], None],
+        page_rank: int | None = None,
     ) -> None:
+        """``page_rank``: store each slot's ranks in pages of this many (when it divides ``max_rank`` into
+        several): rank tile c of a slot is its page c, so an adapter of rank <= page_rank reads one
+        contiguous page, as in a pool of that rank (:class:`~mmlora.forward.lora.LoRAWeights`)."""
         self.spec = spec
         self._offsets = {t.name: t.slice_offsets for t in spec.targets}
         self.num_slots = num_slots
@@ -47,11 +56,21 @@ class LoRAPool:
         self.device = device
         self._on_slot_change = on_slot_change  # (slot, rank) when a slot's content changes
         self.buffers: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        paging = page_rank is not None and page_rank < max_rank and max_rank % page_rank == 0
+        #: Ranks per page and pages per slot (1 page of max_rank: the unpaged layout).
+        self.page_rank, self.pages = (page_rank, max_rank // page_rank) if paging else (max_rank, 1)
+        U, C = self.page_rank, self.pages
         for layer in range(spec.num_layers):
             for t in spec.targets:
                 n = len(t.slices)
-                A = torch.zeros(num_slots, n * max_rank, t.in_features, dtype=dtype, device=device)
-                B = torch.zeros(num_slots, sum(t.out_features), max_rank, dtype=dtype, device=device)
+                a_shape = (
+                    (num_slots, C, n * U, t.in_features) if paging else (num_slots, n * U, t.in_features)
+                )
+                b_shape = (
+                    (num_slots, C, sum(t.out_features), U) if paging else (num_slots, sum(t.out_features), U)
+                )
+                A = torch.zeros(a_shape, dtype=dtype, device=device)
+                B = torch.zeros(b_shape, dtype=dtype, device=device)
                 scalings = torch.zeros(num_slots, n, dtype=torch.float32, device=device)
                 self.buffers[(layer, t.name)] = (A, B, scalings)
         self.slot_uid: list[int | None] = [None] * num_slots
@@ -91,7 +110,11 @@ class LoRAPool:
         itself, and a batch admitting many adapters at once paid it per fresh slot inside its step."""
         if self.device.type == "cuda":
             adapter = pinned(adapter)
-        if adapter.staged_layout is not None and adapter.staged_layout not in self._layouts_seen:
+        if (
+            adapter.staged_layout is not None
+            and adapter.staged_layout not in self._layouts_seen
+            and self._one_pair_each(adapter)
+        ):
             self._layouts_seen.add(adapter.staged_layout)
             scalings = scalings_of(adapter)
             for slot in range(self.num_slots):
@@ -241,8 +264,9 @@ class LoRAPool:
         """(slot view, or None for a module the pool does not hold; source) for every A and B tensor of
         ``adapter``: A then B of every slice, module by module in the adapter's order (a staged adapter's
         block order). A slot view is flat where contiguous, so multi-tensor copies pair it with a flat
-        chunk of a staging buffer; a B view below the pool rank (B[slot, rows, :r]) is strided."""
-        R = self.max_rank
+        chunk of a staging buffer; a B view below the pool rank (B[slot, rows, :r]) is strided. A view
+        lists its elements in its source's order (a paged view spans pages). In a paged pool, a rank
+        above one page and not a whole number of pages takes one pair per page (see :meth:`_one_pair_each`)."""
         pairs: list[tuple[torch.Tensor | None, torch.Tensor]] = []
         for key, w in adapter.weights.items():
             bufs = self.buffers.get(key)
@@ -253,12 +277,46 @@ class LoRAPool:
             offsets = self._offsets[key[1]]
             for i, t in enumerate(w.A):
                 if t is not None:
-                    pairs.append((A[i * R : i * R + t.shape[0]].view(-1), t))
+                    pairs += [(_flat(d), s) for d, s in self._a_views(A, i, t)]
             for i, t in enumerate(w.B):
                 if t is not None:
-                    b = B[offsets[i] : offsets[i + 1], : t.shape[1]]
-                    pairs.append((b.view(-1) if b.is_contiguous() else b, t))
+                    pairs += [(_flat(d), s) for d, s in self._b_views(B, offsets[i], offsets[i + 1], t)]
         return pairs
+
+    def _a_views(self, A: torch.Tensor, i: int, t: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(view of a slot's A, source rows) for slice ``i``'s A rows ``t`` [r, in]."""
+        U, r = self.page_rank, t.shape[0]
+        if self.pages == 1:
+            return [(A[i * U : i * U + r], t)]
+        if r <= U:
+            return [(A[0, i * U : i * U + r], t)]
+        if r % U == 0:  # rank tile c of slice i is rows i*U.. of page c: [pages, U, in], the source's order
+            return [(A[: r // U, i * U : (i + 1) * U], t)]
+        return [(A[c, i * U : i * U + min(U, r - c * U)], t[c * U : (c + 1) * U]) for c in range(-(-r // U))]
+
+    def _b_views(
+        self, B: torch.Tensor, lo: int, hi: int, t: torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(view of a slot's B, source columns) for the B columns ``t`` [out, r] of output rows lo:hi."""
+        U, r = self.page_rank, t.shape[1]
+        if self.pages == 1:
+            return [(B[lo:hi, :r], t)]
+        if r <= U:
+            return [(B[0, lo:hi, :r], t)]
+        if r % U == 0:  # [out, pages, U]: the source's order
+            return [(B[: r // U, lo:hi].permute(1, 0, 2), t)]
+        return [(B[c, lo:hi, : min(U, r - c * U)], t[:, c * U : (c + 1) * U]) for c in range(-(-r // U))]
+
+    def _one_pair_each(self, adapter: LoadedAdapter) -> bool:
+        """Whether every tensor of ``adapter`` lands in one slot view (what an upload plan copies)."""
+        U = self.page_rank
+        return self.pages == 1 or all(
+            t.shape[d] <= U or t.shape[d] % U == 0
+            for w in adapter.weights.values()
+            for d, ts in ((0, w.A), (1, w.B))
+            for t in ts
+            if t is not None
+        )
 
     def _plan(self, slot: int, adapter: LoadedAdapter, scalings: torch.Tensor) -> UploadPlan:
         """The upload plan of a staged adapter (``scalings``: its ``staging.scalings_of``) into ``slot``:
@@ -293,7 +351,11 @@ class LoRAPool:
         # adapter on an H200 before; issue 13).
         ab_views, scale_views = self._slot_views(slot)
         scalings = scalings_of(adapter) if adapter.staged is not None else None
-        plan = self._plan(slot, adapter, scalings) if scalings is not None else None
+        plan = (
+            self._plan(slot, adapter, scalings)
+            if scalings is not None and self._one_pair_each(adapter)
+            else None
+        )
         if plan is None or plan.filled < self._slot_elems:  # else every element is overwritten
             torch._foreach_zero_(ab_views)
         torch._foreach_zero_(scale_views)

@@ -169,7 +169,7 @@ class UploadPlan:
         chunks = staging.split([t.numel() for _, t in pairs])
         flat: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         strided: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
-        for (d, t), chunk in zip(pairs, chunks):
+        for (d, _), chunk in zip(pairs, chunks):
             if d is None:
                 continue
             # _foreach_copy_'s multi-tensor kernel takes pairs of one dense layout: flat slot views with
@@ -180,7 +180,7 @@ class UploadPlan:
                 flat[1].append(chunk)
             else:
                 strided[0].append(d)
-                strided[1].append(chunk.view(t.shape))
+                strided[1].append(chunk.view(d.shape))  # d lists its elements in t's order
         if sum(n for _, n in scale_pairs) != scale_staging.numel():
             raise ValueError("the adapter's scalings do not match its modules")
         scales: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])

@@ -305,3 +305,29 @@ def test_token_slice_and_token_at_match_the_joined_ids(n_prompt, n_out):
         for stop in range(start, len(joined) + 1):
             assert req.token_slice(start, stop) == joined[start:stop]
     assert [req.token_at(p) for p in range(len(joined))] == joined
+
+
+def test_a_pool_paged_by_rank_tile_gives_the_unpaged_pools_tokens(tmp_path):
+    """lora_page_rank=4 in a rank-8 pool: adapters of rank 4 (one page), 8 (two) and 6 (a page and a
+    part) give the tokens of the unpaged pool, in one mixed batch with base rows."""
+    base = make_checkpoint(tmp_path / "base", "llama")
+    paths = {
+        f"r{r}": str(
+            make_adapter(base, tmp_path / f"r{r}", seed=r, r=r, lora_alpha=8, target_modules=ALL_SEVEN)
+        )
+        for r in (4, 6, 8)
+    }
+    prompts = ["Hello world", "The quick brown fox", "Paris is", "0123"]
+    loras = ["r4", "r8", None, "r6"]
+    outs = []
+    for page_rank in (None, 4):
+        eng = mmlora.Engine(
+            model=str(base), lora_paths=paths, device="cpu", dtype="float32", max_lora_rank=8,
+            lora_page_rank=page_rank,
+        )  # fmt: skip
+        outs.append([o.output_ids for o in eng.generate(prompts, loras, sampling_params=GREEDY)])
+        if page_rank:
+            A = next(iter(eng.lora._pool.buffers.values()))[0]
+            assert A.dim() == 4 and A.shape[1] == 2  # two pages of 4 ranks a slot
+    assert outs[0] == outs[1]
+    assert len({tuple(ids) for ids in outs[0]}) > 1

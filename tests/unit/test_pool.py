@@ -394,3 +394,31 @@ def test_staged_write_refuses_tensors_outside_the_block():
     pool.write_slot(0, flat)  # caches slot 0's plan for this layout
     with pytest.raises(ValueError, match="staged blocks hold it"):
         pool.write_slot(0, dataclasses.replace(flat, weights=mixed.weights))
+
+
+@pytest.mark.parametrize("rank", [1, 2, 3, 4])
+@pytest.mark.parametrize("staged", [False, True])
+def test_paged_slots_hold_what_an_unpaged_pool_holds(rank, staged):
+    """A pool paged by rank tile (pages of 2 ranks, 2 a slot) holds, read back unpaged, what the unpaged
+    pool holds: ranks within one page (1, 2), whole pages (4), and a rank split over a page and a part
+    (3: copied per page, without an upload plan); over a slot that held another adapter."""
+    from mmlora.forward.lora import unpage_a, unpage_b
+
+    info = LoRABatchInfo(16, 2, "cpu")
+    pool = LoRAPool(SPEC, 2, 4, None, torch.float32, torch.device("cpu"), info.set_slot_rank, page_rank=2)
+    assert (pool.pages, pool.page_rank) == (2, 2)
+    new = adapter(rank, 1.5)
+    pool.write_slot(1, adapter(4, 9.0))
+    pool.write_slot(1, _flatten(new, pin=False) if staged else new)
+    expected = expected_slot(new, 4)
+    for (layer, name), (A, B, s) in pool.buffers.items():
+        n = len(next(t for t in SPEC.targets if t.name == name).slices)
+        assert A.shape[:2] == (2, 2) and B.shape[1] == 2
+        want_a, want_b, want_s = expected[(layer, name)]
+        assert torch.equal(unpage_a(A[1], n), want_a), (layer, name)
+        assert torch.equal(unpage_b(B[1]), want_b), (layer, name)
+        assert torch.equal(s[1], want_s)
+    assert pool._slot_filled[1] == sum(
+        t.numel() for w in new.weights.values() for t in (*w.A, *w.B) if t is not None
+    )
+    assert info.ranks_host[1] == rank
