@@ -91,9 +91,10 @@ class LoRAConfig:
     max_lora_rank: int = _f(64, "Largest adapter rank the slots hold; bigger adapters are refused.")
     lora_page_rank: int | None = _f(
         None,
-        "Store each slot's ranks in pages of this many (a divisor of max_lora_rank, e.g. 16), so an "
-        "adapter of at most that rank reads one contiguous page, as in a pool of that rank; None: one "
-        "page of max_lora_rank (the unpaged layout).",
+        "Page the adapter pool by this many ranks (a divisor of max_lora_rank, e.g. 16): an adapter takes "
+        "the pages its rank needs (rounded up to a power of two) out of the pool's max_loras_per_batch x "
+        "max_lora_rank, so adapters of smaller ranks leave room for more in a batch, and one of at most "
+        "that rank reads one contiguous page. None: a max_lora_rank slot each (unpaged).",
     )
     max_loaded_loras: int | None = _f(
         None, "Adapters kept in the host cache (LRU beyond it); defaults to unlimited."

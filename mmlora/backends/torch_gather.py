@@ -126,15 +126,17 @@ class TorchGatherBackend(LoRABackend):
         self._fused_cache: dict[int, ShrinkFused] = {}
 
     @staticmethod
-    def _unpaged(weights: LoRAWeights) -> LoRAWeights:
-        """``weights`` in the unpaged layout: itself, or for a pool paged by rank tile a copy of the whole
-        module's pool, made per call (pool buffers made under inference mode have no version counter to
-        tell a slot load by). The paged layout is for the Triton kernels; this reference backend pays a
+    def _unpaged(weights: LoRAWeights, info: LoRABatchInfo) -> LoRAWeights:
+        """A paged pool's ``weights`` copied to the unpaged layout, per call (pool buffers made under
+        inference mode have no version counter to tell a slot load by), with every rank past each slot's
+        own zeroed: a slot's view runs on into the pages of the adapters after it, and this backend
+        multiplies the padding. The paged layout is for the Triton kernels; this reference backend pays a
         copy for kernels written for one layout."""
-        if weights.pages == 1:
-            return weights
-        A, B = unpage_a(weights.A, weights.n_slices), unpage_b(weights.B)
-        return LoRAWeights(A, B, weights.scalings, weights.slice_offsets)
+        n, R = weights.n_slices, weights.rank
+        live = torch.arange(R, device=info.ranks.device)[None, :] < info.ranks[:, None]  # [slots, R]
+        A = torch.where(live[:, None, :, None], unpage_a(weights.A, n).view(-1, n, R, weights.A.shape[-1]), 0)
+        B = torch.where(live[:, None, :], unpage_b(weights.B), 0)
+        return LoRAWeights(A.view(-1, n * R, A.shape[-1]), B, weights.scalings, weights.slice_offsets)
 
     def fused_linear(
         self,
@@ -231,7 +233,7 @@ class TorchGatherBackend(LoRABackend):
         if not info.has_lora:
             return
         if weights.pages > 1:  # per-call copies: the cached dense path would hold stale ones
-            weights = self._unpaged(weights)
+            weights = self._unpaged(weights, info)
             gather_expand(gather_shrink(x, weights.A, info), weights, info, out)
             return
         T = info.num_tokens

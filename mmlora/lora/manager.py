@@ -83,7 +83,10 @@ class LoRAManager:
     ) -> None:
         self.config = config
         self.spec = model.lora_model_spec()  # full sizes: adapters are validated against these
-        self.info = LoRABatchInfo(max_tokens, config.max_loras_per_batch, device, config.max_lora_rank)
+        slot_ids = LoRAPool.page_count(
+            config.max_loras_per_batch, config.max_lora_rank, config.lora_page_rank
+        )
+        self.info = LoRABatchInfo(max_tokens, slot_ids, device, config.max_lora_rank)
         # The pool holds this tensor-parallel rank's shards (everything at tp_size 1).
         pool_args = (
             model.lora_model_spec(full=False),
@@ -165,7 +168,9 @@ class LoRAManager:
 
     @property
     def num_slots(self) -> int:
-        return self._pool.num_slots
+        """Adapters of max_lora_rank the pool holds (max_loras_per_batch; smaller ranks take fewer pages of
+        a paged pool, so more of them fit)."""
+        return self._pool.max_adapters
 
     @property
     def slots_used(self) -> int:
@@ -222,9 +227,9 @@ class LoRAManager:
 
     def _check_can_pin(self, name: str) -> None:
         # At least one slot must stay free of pins, or unpinned adapters could never be served.
-        if len(self._pool.pinned) + 1 >= self._pool.num_slots:
+        if len(self._pool.pinned) + 1 >= self._pool.max_adapters:
             raise ValueError(
-                f"cannot pin {name!r}: at most max_loras_per_batch - 1 = {self._pool.num_slots - 1} adapters may be pinned"
+                f"cannot pin {name!r}: at most max_loras_per_batch - 1 = {self._pool.max_adapters - 1} adapters may be pinned"
             )
 
     def load(self, name: str, path: str, pinned: bool = False) -> AdapterEntry:
@@ -314,7 +319,7 @@ class LoRAManager:
 
     def can_admit(self, entry: AdapterEntry, busy: set[int]) -> bool:
         """Whether ``entry`` has, or can take without evicting an adapter in ``busy``, a device slot."""
-        return self._pool.can_get_slot(entry.uid, busy)
+        return self._pool.can_get_slot(entry.uid, busy, entry.rank or None)
 
     def admit(self, entry: AdapterEntry, busy: set[int]) -> int | None:
         """Bring ``entry`` into the host cache (re-validated from disk if it was evicted: a ValueError if
@@ -341,7 +346,7 @@ class LoRAManager:
         or if its files cannot be read now (its admission reports that)."""
         if not self.loads_async or self._pool.slot_of(entry.uid) is not None:
             return
-        if not self._pool.can_get_slot(entry.uid, keep):
+        if not self._pool.can_get_slot(entry.uid, keep, entry.rank or None):
             return
         try:
             self.admit(entry, keep)

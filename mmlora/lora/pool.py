@@ -21,15 +21,11 @@ from collections.abc import Callable, Iterable
 import torch
 
 from mmlora.lora.adapter import LoadedAdapter
+from mmlora.lora.pages import PageMap, a_views, b_views, flat_view, one_pair_each, pages_for
 from mmlora.lora.spec import LoRAModelSpec
 from mmlora.lora.staging import UploadPlan, pinned, scalings_of
 
 logger = logging.getLogger(__name__)
-
-
-def _flat(view: torch.Tensor) -> torch.Tensor:
-    """A slot view flat where it is contiguous (multi-tensor copies pair it with a flat staging chunk)."""
-    return view.view(-1) if view.is_contiguous() else view
 
 
 class LoRAPool:
@@ -44,35 +40,44 @@ class LoRAPool:
         on_slot_change: Callable[[int, int], None],
         page_rank: int | None = None,
     ) -> None:
-        """``page_rank``: store each slot's ranks in pages of this many (when it divides ``max_rank`` into
-        several): rank tile c of a slot is its page c, so an adapter of rank <= page_rank reads one
-        contiguous page, as in a pool of that rank (:class:`~mmlora.forward.lora.LoRAWeights`)."""
+        """``num_slots`` adapters of ``max_rank`` fit. ``page_rank``: store ranks in pages of this many (when
+        it divides ``max_rank`` into several): an adapter takes the pages its rank needs
+        (:mod:`mmlora.lora.pages`), its slot is its first page, and rank tile c of a slot is the slot's
+        page c, so an adapter of rank <= page_rank reads one contiguous page, as in a pool of that rank,
+        and smaller ranks leave room for more adapters (:class:`~mmlora.forward.lora.LoRAWeights`)."""
         self.spec = spec
         self._offsets = {t.name: t.slice_offsets for t in spec.targets}
-        self.num_slots = num_slots
+        #: Adapters of max_rank the pool holds; ``num_slots`` is its slot ids (pages when paged).
+        self.max_adapters = num_slots
+        num_slots = self.num_slots = self.page_count(num_slots, max_rank, page_rank)
         self.max_rank = max_rank
         self.max_loaded = max_loaded
         self.dtype = dtype
         self.device = device
         self._on_slot_change = on_slot_change  # (slot, rank) when a slot's content changes
         self.buffers: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        paging = page_rank is not None and page_rank < max_rank and max_rank % page_rank == 0
-        #: Ranks per page and pages per slot (1 page of max_rank: the unpaged layout).
+        # The pages behind each (layer, target)'s A and B views: [pages, n*U, in] and [pages, out, U].
+        self._stores: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        paging = self.pages_rank_divides(max_rank, page_rank)
+        #: Ranks per page and the most pages an adapter takes (1 page of max_rank: the unpaged layout).
         self.page_rank, self.pages = (page_rank, max_rank // page_rank) if paging else (max_rank, 1)
         U, C = self.page_rank, self.pages
         for layer in range(spec.num_layers):
             for t in spec.targets:
-                n = len(t.slices)
-                a_shape = (
-                    (num_slots, C, n * U, t.in_features) if paging else (num_slots, n * U, t.in_features)
-                )
-                b_shape = (
-                    (num_slots, C, sum(t.out_features), U) if paging else (num_slots, sum(t.out_features), U)
-                )
-                A = torch.zeros(a_shape, dtype=dtype, device=device)
-                B = torch.zeros(b_shape, dtype=dtype, device=device)
+                n, out_f = len(t.slices), sum(t.out_features)
+                # C - 1 spare zero pages past the end: slot s views pages s .. s + C - 1 (an adapter reads
+                # only its own, but the views must stay inside the storage).
+                A_pages = torch.zeros(num_slots + C - 1, n * U, t.in_features, dtype=dtype, device=device)
+                B_pages = torch.zeros(num_slots + C - 1, out_f, U, dtype=dtype, device=device)
+                if paging:
+                    pa, pb = A_pages.stride(0), B_pages.stride(0)
+                    A = A_pages.as_strided((num_slots, C, n * U, t.in_features), (pa, pa, t.in_features, 1))
+                    B = B_pages.as_strided((num_slots, C, out_f, U), (pb, pb, U, 1))
+                else:
+                    A, B = A_pages, B_pages
                 scalings = torch.zeros(num_slots, n, dtype=torch.float32, device=device)
                 self.buffers[(layer, t.name)] = (A, B, scalings)
+                self._stores[(layer, t.name)] = (A_pages, B_pages)
         self.slot_uid: list[int | None] = [None] * num_slots
         self._views: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         self._staging_buffer: torch.Tensor | None = None
@@ -84,7 +89,9 @@ class LoRAPool:
         # A and B elements each slot's adapter fills (the rest of the slot is rank padding, or modules
         # and slices it does not target): what slot_padding_fraction measures.
         self._slot_filled = [0] * num_slots
-        self._slot_elems = sum(A[0].numel() + B[0].numel() for A, B, _ in self.buffers.values())
+        self._page_elems = sum(A[0].numel() + B[0].numel() for A, B in self._stores.values())
+        self._map = PageMap(num_slots)
+        self._written_pages: dict[int, int] = {}  # slot -> pages its last write filled
         self._slot_of: dict[int, int] = {}
         self._slot_clock = [0] * num_slots
         self._clock = 0
@@ -113,7 +120,7 @@ class LoRAPool:
         if (
             adapter.staged_layout is not None
             and adapter.staged_layout not in self._layouts_seen
-            and self._one_pair_each(adapter)
+            and one_pair_each(adapter, self.page_rank, self.pages)
         ):
             self._layouts_seen.add(adapter.staged_layout)
             scalings = scalings_of(adapter)
@@ -139,33 +146,63 @@ class LoRAPool:
     def slot_of(self, uid: int) -> int | None:
         return self._slot_of.get(uid)
 
-    def _victim(self, busy: set[int]) -> int | None:
-        free = [s for s, u in enumerate(self.slot_uid) if u is None]
-        if free:
-            return free[0]
-        for slot in list(self._loading):  # loads done since: their slots may be taken again
-            self.slot_ready(slot)
-        candidates = [
-            s
-            for s, u in enumerate(self.slot_uid)
-            if u not in busy and u not in self.pinned and s not in self._loading
-        ]
-        return min(candidates, key=lambda s: self._slot_clock[s]) if candidates else None
+    @staticmethod
+    def pages_rank_divides(max_rank: int, page_rank: int | None) -> bool:
+        """Whether ``page_rank`` pages a pool of ``max_rank`` (it divides it into several pages)."""
+        return page_rank is not None and 1 <= page_rank < max_rank and max_rank % page_rank == 0
 
-    def can_get_slot(self, uid: int, busy: set[int]) -> bool:
-        return uid in self._slot_of or self._victim(busy) is not None
+    @classmethod
+    def page_count(cls, adapters: int, max_rank: int, page_rank: int | None) -> int:
+        """Slot ids of a pool holding ``adapters`` adapters of ``max_rank`` (pages when paged)."""
+        return adapters * (max_rank // page_rank if cls.pages_rank_divides(max_rank, page_rank) else 1)
+
+    def _pages_of_rank(self, rank: int) -> int:
+        return pages_for(rank, self.page_rank, self.pages)
+
+    def _evictable(self, uid: int, busy: set[int]) -> bool:
+        if uid in busy or uid in self.pinned:
+            return False
+        first = self._slot_of[uid]
+        return first not in self._loading or self.slot_ready(first)  # a load done since frees it
+
+    def _place(self, pages: int, busy: set[int]) -> tuple[int, set[int]] | None:
+        """(first page, adapters to evict) for an adapter of ``pages`` pages: free pages first, else the
+        least recently used adapters outside ``busy``, not pinned and not loading."""
+        return self._map.choose(
+            pages, lambda u: self._evictable(u, busy), lambda u: self._slot_clock[self._slot_of[u]]
+        )
+
+    def can_get_slot(self, uid: int, busy: set[int], rank: int | None = None) -> bool:
+        """Whether ``uid`` is resident, or an adapter of ``rank`` (default: the host copy's, else the
+        pool's largest) can be placed without evicting one in ``busy``."""
+        if uid in self._slot_of:
+            return True
+        if rank is None:
+            rank = self.host[uid].rank if uid in self.host else self.max_rank
+        return self._place(self._pages_of_rank(rank), busy) is not None
+
+    def _evict(self, uid: int, new_first: int) -> None:
+        """Forget ``uid``'s placement (its pages are being reused by an adapter starting at ``new_first``)."""
+        first = self._slot_of.pop(uid)
+        self._map.release(first)
+        self.slot_uid[first] = None
+        self._slot_filled[first] = 0
+        if first != new_first:  # its first page is now inside another adapter, or free
+            self._on_slot_change(first, 0)
 
     def acquire_slot(self, uid: int, busy: set[int]) -> int | None:
-        """The slot holding ``uid``, loading it (from the host cache) into a free or LRU slot if needed."""
+        """The slot holding ``uid``, loading it (from the host cache) into free or LRU pages if needed."""
         self._clock += 1
         slot = self._slot_of.get(uid)
         if slot is None:
-            slot = self._victim(busy)
-            if slot is None:
+            pages = self._pages_of_rank(self.host[uid].rank)
+            placed = self._place(pages, busy)
+            if placed is None:
                 return None
-            old = self.slot_uid[slot]
-            if old is not None:
-                del self._slot_of[old]
+            slot, evicted = placed
+            for old in evicted:
+                self._evict(old, slot)
+            self._map.take(slot, pages, uid)
             if self.upload_stream is None:
                 self.write_slot(slot, self.host[uid])
             else:
@@ -211,27 +248,29 @@ class LoRAPool:
         slot = self._slot_of.pop(uid, None)
         if slot is not None:
             self.slot_uid[slot] = None
+            self._map.release(slot)
             self.clear_slot(slot)
         self.host.pop(uid, None)
         self.pinned.discard(uid)
 
     def clear_slot(self, slot: int) -> None:
-        """Zero a slot's weights (its bookkeeping is the caller's)."""
+        """Zero a slot's weights: the pages its last write filled (a tensor-parallel worker's pool knows
+        them this way too); its bookkeeping is the caller's."""
         self._settle(slot)
-        for views in self._slot_views(slot):
+        for views in self._slot_views(slot, self._written_pages.pop(slot, 1)):
             torch._foreach_zero_(views)
         self._slot_filled[slot] = 0
         self._on_slot_change(slot, 0)
 
-    def _slot_views(self, slot: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The slot's views of every A and B buffer (one dtype) and of every scalings buffer (fp32),
-        made once per slot: two lists that multi-tensor kernels zero in one launch each (a mixed-dtype
-        list takes their per-tensor path)."""
-        views = self._views.get(slot)
+    def _slot_views(self, slot: int, pages: int = 1) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The views of ``pages`` pages from ``slot`` of every A and B buffer (one dtype) and of the slot's
+        scalings (fp32), made once per (slot, pages): two lists that multi-tensor kernels zero in one
+        launch each (a mixed-dtype list takes their per-tensor path)."""
+        views = self._views.get((slot, pages))
         if views is None:
-            bufs = list(self.buffers.values())
-            views = ([t[slot] for A, B, _ in bufs for t in (A, B)], [sc[slot] for _, _, sc in bufs])
-            self._views[slot] = views
+            ab = [t[slot : slot + pages] for A, B in self._stores.values() for t in (A, B)]
+            views = (ab, [sc[slot] for _, _, sc in self.buffers.values()])
+            self._views[(slot, pages)] = views
         return views
 
     def _staging(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -266,7 +305,7 @@ class LoRAPool:
         block order). A slot view is flat where contiguous, so multi-tensor copies pair it with a flat
         chunk of a staging buffer; a B view below the pool rank (B[slot, rows, :r]) is strided. A view
         lists its elements in its source's order (a paged view spans pages). In a paged pool, a rank
-        above one page and not a whole number of pages takes one pair per page (see :meth:`_one_pair_each`)."""
+        above one page and not a whole number of pages takes one pair per page (see :func:`~mmlora.lora.pages.one_pair_each`)."""
         pairs: list[tuple[torch.Tensor | None, torch.Tensor]] = []
         for key, w in adapter.weights.items():
             bufs = self.buffers.get(key)
@@ -277,46 +316,14 @@ class LoRAPool:
             offsets = self._offsets[key[1]]
             for i, t in enumerate(w.A):
                 if t is not None:
-                    pairs += [(_flat(d), s) for d, s in self._a_views(A, i, t)]
+                    pairs += [(flat_view(d), s) for d, s in a_views(A, i, t, self.page_rank, self.pages)]
             for i, t in enumerate(w.B):
                 if t is not None:
-                    pairs += [(_flat(d), s) for d, s in self._b_views(B, offsets[i], offsets[i + 1], t)]
+                    pairs += [
+                        (flat_view(d), s)
+                        for d, s in b_views(B, offsets[i], offsets[i + 1], t, self.page_rank, self.pages)
+                    ]
         return pairs
-
-    def _a_views(self, A: torch.Tensor, i: int, t: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(view of a slot's A, source rows) for slice ``i``'s A rows ``t`` [r, in]."""
-        U, r = self.page_rank, t.shape[0]
-        if self.pages == 1:
-            return [(A[i * U : i * U + r], t)]
-        if r <= U:
-            return [(A[0, i * U : i * U + r], t)]
-        if r % U == 0:  # rank tile c of slice i is rows i*U.. of page c: [pages, U, in], the source's order
-            return [(A[: r // U, i * U : (i + 1) * U], t)]
-        return [(A[c, i * U : i * U + min(U, r - c * U)], t[c * U : (c + 1) * U]) for c in range(-(-r // U))]
-
-    def _b_views(
-        self, B: torch.Tensor, lo: int, hi: int, t: torch.Tensor
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(view of a slot's B, source columns) for the B columns ``t`` [out, r] of output rows lo:hi."""
-        U, r = self.page_rank, t.shape[1]
-        if self.pages == 1:
-            return [(B[lo:hi, :r], t)]
-        if r <= U:
-            return [(B[0, lo:hi, :r], t)]
-        if r % U == 0:  # [out, pages, U]: the source's order
-            return [(B[: r // U, lo:hi].permute(1, 0, 2), t)]
-        return [(B[c, lo:hi, : min(U, r - c * U)], t[:, c * U : (c + 1) * U]) for c in range(-(-r // U))]
-
-    def _one_pair_each(self, adapter: LoadedAdapter) -> bool:
-        """Whether every tensor of ``adapter`` lands in one slot view (what an upload plan copies)."""
-        U = self.page_rank
-        return self.pages == 1 or all(
-            t.shape[d] <= U or t.shape[d] % U == 0
-            for w in adapter.weights.values()
-            for d, ts in ((0, w.A), (1, w.B))
-            for t in ts
-            if t is not None
-        )
 
     def _plan(self, slot: int, adapter: LoadedAdapter, scalings: torch.Tensor) -> UploadPlan:
         """The upload plan of a staged adapter (``scalings``: its ``staging.scalings_of``) into ``slot``:
@@ -349,14 +356,15 @@ class LoRAPool:
         # Batched: multi-tensor zeroing and copies, not a launch per tensor and per scaling (an upload
         # touches every (layer, module) buffer: ~1,300 launches, 17 ms of host time per Mistral-7B
         # adapter on an H200 before; issue 13).
-        ab_views, scale_views = self._slot_views(slot)
+        pages = self._written_pages[slot] = self._pages_of_rank(adapter.rank)
+        ab_views, scale_views = self._slot_views(slot, pages)
         scalings = scalings_of(adapter) if adapter.staged is not None else None
         plan = (
             self._plan(slot, adapter, scalings)
-            if scalings is not None and self._one_pair_each(adapter)
+            if scalings is not None and one_pair_each(adapter, self.page_rank, self.pages)
             else None
         )
-        if plan is None or plan.filled < self._slot_elems:  # else every element is overwritten
+        if plan is None or plan.filled < pages * self._page_elems:  # else every element is overwritten
             torch._foreach_zero_(ab_views)
         torch._foreach_zero_(scale_views)
         if plan is not None:
@@ -398,6 +406,7 @@ class LoRAPool:
         for slot in list(self._loading):
             self._settle(slot)
         self.buffers.clear()
+        self._stores.clear()
         self._views.clear()
         self._staging_buffer = self._scale_staging_buffer = None
         self._plans.clear()
@@ -405,14 +414,18 @@ class LoRAPool:
 
     def slot_padding_fraction(self, slots: Iterable[int] | None = None) -> float:
         """The share of the A/B memory of ``slots`` (default: every occupied slot) that their adapters
-        leave empty (0 for no slot). Slots are sized for ``max_rank`` on every target, so a rank-8
-        adapter in a rank-64 pool leaves 87.5% of its slot empty (issue 23)."""
+        leave empty (0 for no slot). Unpaged slots are sized for ``max_rank`` on every target, so a
+        rank-8 adapter in a rank-64 pool leaves 87.5% of its slot empty (issue 23); paged, it takes one
+        page of ``page_rank``."""
         if slots is None:
             slots = (s for s, u in enumerate(self.slot_uid) if u is not None)
         occupied = list(slots)
         if not occupied:
             return 0.0
-        return 1.0 - sum(self._slot_filled[s] for s in occupied) / (len(occupied) * self._slot_elems)
+        held = sum(self._map.count.get(s, 1) for s in occupied) * self._page_elems
+        return 1.0 - sum(self._slot_filled[s] for s in occupied) / held
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for bufs in self.buffers.values() for t in bufs)
+        tensors = [t for pages in self._stores.values() for t in pages]
+        tensors += [sc for _, _, sc in self.buffers.values()]
+        return sum(t.numel() * t.element_size() for t in tensors)

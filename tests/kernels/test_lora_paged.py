@@ -71,3 +71,30 @@ def test_paged_pool_at_real_shapes_on_gpu(backend: str, T: int, mode: str, patte
     out0 = c.out.clone()
     get_backend(backend).add_lora(c.out, c.x, weights, c.info)
     assert_out(c, c.out, want, out0)
+
+
+@pytest.mark.parametrize("backend", ["triton-sgmv", "triton-bgmv"])
+def test_an_engine_on_a_paged_pool_gives_the_unpaged_pools_tokens(tmp_path, backend: str) -> None:
+    """The pool's own paged views (slot s: the pages from s on, which run into the next adapter's pages)
+    through the Triton kernels: three rank-4 adapters and one of rank 8 in room for two of rank 8, pages
+    of 4, against an unpaged pool, greedy tokens equal."""
+    from tiny_models import ALL_SEVEN, make_adapter, make_checkpoint
+
+    import mmlora
+
+    base = make_checkpoint(tmp_path / "base", "llama")
+    ranks = {"a0": 4, "a1": 4, "a2": 8, "a3": 4}
+    paths = {
+        n: str(make_adapter(base, tmp_path / n, seed=i, r=r, lora_alpha=8, target_modules=ALL_SEVEN))
+        for i, (n, r) in enumerate(ranks.items())
+    }
+    prompts = ["Hello world", "The quick brown fox", "Paris is", "0123"]
+    params = {"max_new_tokens": 3, "temperature": 0.0, "ignore_eos": True}
+    outs = []
+    for page_rank in (None, 4):
+        eng = mmlora.Engine(
+            model=str(base), lora_paths=paths, device="cpu", dtype="float32", max_lora_rank=8,
+            max_loras_per_batch=2, lora_page_rank=page_rank, lora_backend=backend,
+        )  # fmt: skip
+        outs.append([o.output_ids for o in eng.generate(prompts, list(ranks), sampling_params=params)])
+    assert outs[0] == outs[1]

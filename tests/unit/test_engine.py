@@ -331,3 +331,34 @@ def test_a_pool_paged_by_rank_tile_gives_the_unpaged_pools_tokens(tmp_path):
             assert A.dim() == 4 and A.shape[1] == 2  # two pages of 4 ranks a slot
     assert outs[0] == outs[1]
     assert len({tuple(ids) for ids in outs[0]}) > 1
+
+
+def test_a_paged_pool_serves_more_small_adapters_at_once(tmp_path):
+    """Room for 2 adapters of rank 8 in pages of 4: four rank-4 adapters run in one batch (an unpaged
+    pool of the same memory serves them two at a time), with the same tokens."""
+    base = make_checkpoint(tmp_path / "base", "llama")
+    names = [f"a{i}" for i in range(4)]
+    paths = {
+        n: str(make_adapter(base, tmp_path / n, seed=i, r=4, lora_alpha=8, target_modules=ALL_SEVEN))
+        for i, n in enumerate(names)
+    }
+    prompts = ["Hello world", "The quick brown fox", "Paris is", "0123"]
+    outs, most = [], []
+    for page_rank in (None, 4):
+        eng = mmlora.Engine(
+            model=str(base), lora_paths=paths, device="cpu", dtype="float32", max_lora_rank=8,
+            max_loras_per_batch=2, lora_page_rank=page_rank,
+        )  # fmt: skip
+        rids = [eng.add_request(p, sampling_params=GREEDY, lora=n) for p, n in zip(prompts, names)]
+        seen, done = 0, {}
+        for _ in range(200):
+            if not eng.has_unfinished():
+                break
+            for out in eng.step():
+                if out.finished:
+                    done[out.request_id] = out.output_ids
+            seen = max(seen, len({r.lora.uid for r in eng.scheduler.running if r.lora is not None}))
+        outs.append([done[r] for r in rids])
+        most.append(seen)
+    assert most == [2, 4]
+    assert outs[0] == outs[1]

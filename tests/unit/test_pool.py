@@ -359,7 +359,7 @@ def test_an_adapter_filling_its_whole_slot_overwrites_every_element():
     pool, _ = make_pool()
     pool.write_slot(0, _flatten(mixed_rank_adapter(), pin=False))
     pool.write_slot(0, full)
-    assert pool._slot_filled[0] == pool._slot_elems
+    assert pool._slot_filled[0] == pool._page_elems  # an unpaged slot is one page
     assert_slot_is(pool, 0, expected_slot(full, pool.max_rank))
 
 
@@ -396,29 +396,72 @@ def test_staged_write_refuses_tensors_outside_the_block():
         pool.write_slot(0, dataclasses.replace(flat, weights=mixed.weights))
 
 
+def paged_pool(adapters: int = 2) -> tuple[LoRAPool, LoRABatchInfo]:
+    """Room for ``adapters`` adapters of rank 4 in pages of 2 ranks (two pages an adapter at most)."""
+    info = LoRABatchInfo(16, 2 * adapters, "cpu")
+    pool = LoRAPool(
+        SPEC, adapters, 4, None, torch.float32, torch.device("cpu"), info.set_slot_rank, page_rank=2
+    )
+    assert (pool.pages, pool.page_rank, pool.num_slots, pool.max_adapters) == (2, 2, 2 * adapters, adapters)
+    return pool, info
+
+
+def assert_paged_slot_is(pool: LoRAPool, slot: int, adapter: LoadedAdapter) -> None:
+    """The slot, read back unpaged over the pages the adapter takes, is what an unpaged pool holds."""
+    from mmlora.forward.lora import unpage_a, unpage_b
+    from mmlora.lora.pages import pages_for
+
+    pages = pages_for(adapter.rank, 2, 2)
+    expected = expected_slot(adapter, 2 * pages)
+    for (layer, name), (A, B, s) in pool.buffers.items():
+        n = len(next(t for t in SPEC.targets if t.name == name).slices)
+        want_a, want_b, want_s = expected[(layer, name)]
+        assert torch.equal(unpage_a(A[slot, :pages], n), want_a), (layer, name)
+        assert torch.equal(unpage_b(B[slot, :pages]), want_b), (layer, name)
+        assert torch.equal(s[slot], want_s)
+
+
 @pytest.mark.parametrize("rank", [1, 2, 3, 4])
 @pytest.mark.parametrize("staged", [False, True])
 def test_paged_slots_hold_what_an_unpaged_pool_holds(rank, staged):
-    """A pool paged by rank tile (pages of 2 ranks, 2 a slot) holds, read back unpaged, what the unpaged
-    pool holds: ranks within one page (1, 2), whole pages (4), and a rank split over a page and a part
-    (3: copied per page, without an upload plan); over a slot that held another adapter."""
-    from mmlora.forward.lora import unpage_a, unpage_b
-
-    info = LoRABatchInfo(16, 2, "cpu")
-    pool = LoRAPool(SPEC, 2, 4, None, torch.float32, torch.device("cpu"), info.set_slot_rank, page_rank=2)
-    assert (pool.pages, pool.page_rank) == (2, 2)
+    """Ranks within one page (1, 2), whole pages (4) and a rank split over a page and a part (3: copied
+    per page, without an upload plan), placed beside another adapter and then over an evicted one."""
+    pool, info = paged_pool()
+    pool.put_host(1, adapter(4, 9.0), set())
+    assert pool.acquire_slot(1, set()) == 0  # pages 0 and 1
     new = adapter(rank, 1.5)
-    pool.write_slot(1, adapter(4, 9.0))
-    pool.write_slot(1, _flatten(new, pin=False) if staged else new)
-    expected = expected_slot(new, 4)
-    for (layer, name), (A, B, s) in pool.buffers.items():
-        n = len(next(t for t in SPEC.targets if t.name == name).slices)
-        assert A.shape[:2] == (2, 2) and B.shape[1] == 2
-        want_a, want_b, want_s = expected[(layer, name)]
-        assert torch.equal(unpage_a(A[1], n), want_a), (layer, name)
-        assert torch.equal(unpage_b(B[1]), want_b), (layer, name)
-        assert torch.equal(s[1], want_s)
-    assert pool._slot_filled[1] == sum(
-        t.numel() for w in new.weights.values() for t in (*w.A, *w.B) if t is not None
-    )
-    assert info.ranks_host[1] == rank
+    pool.put_host(2, _flatten(new, pin=False) if staged else new, set())
+    slot = pool.acquire_slot(2, set())
+    assert slot == 2 and pool.slot_of(1) == 0  # free pages first
+    assert_paged_slot_is(pool, slot, new)
+    assert info.ranks_host[slot] == rank and info.ranks_host[0] == 4
+    filled = sum(t.numel() for w in new.weights.values() for t in (*w.A, *w.B) if t is not None)
+    assert pool._slot_filled[slot] == filled
+    pool.put_host(3, adapter(4, 2.5), set())
+    assert pool.acquire_slot(3, {2}) == 0  # evicts the idle adapter 1, not the busy 2
+    assert pool.slot_of(1) is None and info.ranks_host[0] == 4
+    assert_paged_slot_is(pool, 0, adapter(4, 2.5))
+    assert_paged_slot_is(pool, slot, new)
+
+
+def test_a_paged_pool_holds_more_adapters_of_small_ranks_and_evicts_to_fit_a_large_one():
+    """Room for two rank-4 adapters holds four of rank 2 (no padding); a rank-4 one then takes an aligned
+    pair of pages, evicting the least recently used adapters there, never a busy or pinned one."""
+    pool, info = paged_pool()
+    for uid in range(4):
+        pool.put_host(uid, adapter(2, float(uid + 1)), set())
+        assert pool.acquire_slot(uid, set()) == uid
+    assert pool.slots_used == 4 and pool.slot_padding_fraction() == pytest.approx(0.5)  # k slices empty
+    pool.acquire_slot(0, set())  # 0 and 1 used since 2 and 3: the pair 2-3 is older
+    pool.acquire_slot(1, set())
+    pool.put_host(9, adapter(4, 7.0), set())
+    assert pool.can_get_slot(9, set()) and not pool.can_get_slot(9, {0, 2})
+    pool.pinned.add(3)
+    assert not pool.can_get_slot(9, {0})  # pair 0-1 holds a busy one, pair 2-3 a pinned one
+    pool.pinned.discard(3)
+    assert pool.acquire_slot(9, set()) == 2
+    assert {pool.slot_of(u) for u in range(4)} == {0, 1, None}
+    assert info.ranks_host[2] == 4 and info.ranks_host[3] == 0  # page 3 is no adapter's first page now
+    assert_paged_slot_is(pool, 2, adapter(4, 7.0))
+    pool.drop(9)
+    assert info.ranks_host[2] == 0 and pool.buffers[(0, "qkv_proj")][0][2].abs().sum() == 0

@@ -1,0 +1,106 @@
+"""Where adapters sit in a pool paged by rank tile: an adapter of rank r takes :func:`pages_for` pages,
+a power of two of them aligned to its own size (as a buddy allocator places blocks), and its first page
+is its slot. Alignment keeps the pool from fragmenting: with fewer adapters busy than the pool holds at
+the largest rank, some aligned window of the largest size holds no busy adapter, so every adapter can be
+placed by evicting idle ones. An unpaged pool is the case of one page an adapter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from mmlora.lora.adapter import LoadedAdapter
+
+Views = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def pages_for(rank: int, page_rank: int, max_pages: int) -> int:
+    """Pages an adapter of ``rank`` takes: its rank tiles rounded up to a power of two, at most
+    ``max_pages`` (at least one)."""
+    tiles = max(1, -(-rank // page_rank))
+    pages = 1
+    while pages < tiles:
+        pages *= 2
+    return min(pages, max_pages)
+
+
+class PageMap:
+    """Which adapter (uid) owns each page, and how many pages each placed adapter's first page starts."""
+
+    def __init__(self, num_pages: int) -> None:
+        self.owner: list[int | None] = [None] * num_pages
+        self.count: dict[int, int] = {}  # first page -> pages
+
+    def choose(
+        self, pages: int, evictable: Callable[[int], bool], age: Callable[[int], int]
+    ) -> tuple[int, set[int]] | None:
+        """(first page, uids to evict) of an aligned window of ``pages`` pages: the first free one, else
+        the one whose owners are all ``evictable`` and whose most recent use (``age``, larger is newer)
+        is oldest; None when every window holds an adapter that may not be evicted."""
+        best: tuple[int, int, set[int]] | None = None
+        for start in range(0, len(self.owner) - pages + 1, pages):
+            owners = {u for u in self.owner[start : start + pages] if u is not None}
+            if not owners:
+                return start, set()
+            if all(evictable(u) for u in owners):
+                newest = max(age(u) for u in owners)
+                if best is None or newest < best[0]:
+                    best = (newest, start, owners)
+        return None if best is None else (best[1], best[2])
+
+    def take(self, first: int, pages: int, uid: int) -> None:
+        self.owner[first : first + pages] = [uid] * pages
+        self.count[first] = pages
+
+    def release(self, first: int) -> int:
+        """Free the pages starting at ``first``; returns how many."""
+        pages = self.count.pop(first)
+        self.owner[first : first + pages] = [None] * pages
+        return pages
+
+
+# Where an adapter's tensors go in its slot's views (A [pages, n*U, in], B [pages, out, U] when paged, else
+# A [n*R, in], B [out, R]): (view, source) pairs whose views list their elements in the source's order.
+
+
+def a_views(A: torch.Tensor, i: int, t: torch.Tensor, U: int, pages: int) -> Views:
+    """(view of a slot's A, source rows) for slice ``i``'s A rows ``t`` [r, in]."""
+    r = t.shape[0]
+    if pages == 1:
+        return [(A[i * U : i * U + r], t)]
+    if r <= U:
+        return [(A[0, i * U : i * U + r], t)]
+    if r % U == 0:  # rank tile c of slice i is rows i*U.. of page c: [pages, U, in], the source's order
+        return [(A[: r // U, i * U : (i + 1) * U], t)]
+    return [(A[c, i * U : i * U + min(U, r - c * U)], t[c * U : (c + 1) * U]) for c in range(-(-r // U))]
+
+
+def b_views(B: torch.Tensor, lo: int, hi: int, t: torch.Tensor, U: int, pages: int) -> Views:
+    """(view of a slot's B, source columns) for the B columns ``t`` [out, r] of output rows lo:hi."""
+    r = t.shape[1]
+    if pages == 1:
+        return [(B[lo:hi, :r], t)]
+    if r <= U:
+        return [(B[0, lo:hi, :r], t)]
+    if r % U == 0:  # [out, pages, U]: the source's order
+        return [(B[: r // U, lo:hi].permute(1, 0, 2), t)]
+    return [(B[c, lo:hi, : min(U, r - c * U)], t[:, c * U : (c + 1) * U]) for c in range(-(-r // U))]
+
+
+def one_pair_each(adapter: LoadedAdapter, U: int, pages: int) -> bool:
+    """Whether every tensor of ``adapter`` lands in one view (what an upload plan copies): unpaged, or
+    each rank within a page or a whole number of pages."""
+    return pages == 1 or all(
+        t.shape[d] <= U or t.shape[d] % U == 0
+        for w in adapter.weights.values()
+        for d, ts in ((0, w.A), (1, w.B))
+        for t in ts
+        if t is not None
+    )
+
+
+def flat_view(view: torch.Tensor) -> torch.Tensor:
+    """A view flat where it is contiguous (multi-tensor copies pair it with a flat staging chunk)."""
+    return view.view(-1) if view.is_contiguous() else view
