@@ -56,6 +56,7 @@ from mmlora.bench.serving_parts import (
     weight_bytes,
 )
 from mmlora.engine.setup import freeze_startup_objects
+from mmlora.lora.pages import pages_for
 
 logger = logging.getLogger(__name__)
 
@@ -476,10 +477,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         res["distinct_adapters_used"] = len(used)
         res["round"] = k
         if n:
-            # Every slot is sized for the pool rank: the share of the used adapters' slot bytes that is padding.
+            # The share of the used adapters' slot bytes that is padding: each holds a pool-rank slot, or
+            # in a paged pool the pages its rank needs (a power of two of them).
             own = sum(recorder.adapter_bytes(adapters[i]["rank"]) for i in used)
+            page = getattr(args, "lora_page_rank", None)
+            held = [
+                pool_rank if page is None else page * pages_for(adapters[i]["rank"], page, pool_rank // page)
+                for i in used
+            ]
             res["ranks"] = [int(r) for r in label.split(",")]
-            res["slot_padding_fraction"] = 1 - own / (len(used) * recorder.adapter_bytes(pool_rank))
+            res["slot_padding_fraction"] = 1 - own / sum(recorder.adapter_bytes(r) for r in held)
             # The same share read off the pool: the slots its adapters hold at the end of the run.
             lora = engine.runner.lora
             entries = [lora.entry(adapters[i]["name"]) for i in used]
