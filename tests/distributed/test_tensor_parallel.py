@@ -144,7 +144,10 @@ def _run(engine: mmlora.Engine, rids: list[str], outputs: dict, steps: int | Non
             return
 
 
-def test_load_and_unload_while_requests_run(tmp_path):
+@pytest.mark.parametrize("page_rank", [None, 4])
+def test_load_and_unload_while_requests_run(tmp_path, page_rank):
+    """Adapters loaded and unloaded while requests run under tp_size 2; with ``page_rank`` 4 the pools are
+    paged (the rank-6 adapter takes two pages, reusing the unloaded one's) on rank 0 and the worker."""
     base, adapters = _family(tmp_path, "llama")
     third = str(make_adapter(base, tmp_path / "third", seed=7, r=6, lora_alpha=6, target_modules=ALL_SEVEN))
     plan = [(PROMPTS[0], "all7"), (PROMPTS[1], None), (PROMPTS[2], "qvod"), (PROMPTS[3], "third")]
@@ -153,7 +156,7 @@ def test_load_and_unload_while_requests_run(tmp_path):
         [p for p, _ in plan], [a for _, a in plan], sampling_params=GREEDY, return_logprob=True
     )
 
-    engine = _engine(base, {"all7": adapters["all7"]}, 2)
+    engine = _engine(base, {"all7": adapters["all7"]}, 2, lora_page_rank=page_rank)
     try:
         outputs: dict = {}
 

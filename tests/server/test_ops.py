@@ -31,6 +31,7 @@ def test_health_and_model_info(server):
     info = requests.get(server.url + "/get_model_info", timeout=30).json()
     assert info["served_model_name"] == "tiny" and info["is_generation"] is True
     assert info["max_loras_per_batch"] == 4 and len(info["loras"]) >= 5
+    assert info["max_lora_rank"] == 8 and info["lora_page_rank"] is None
 
 
 def test_metrics_use_vllm_names_and_show_running_adapters(server):
