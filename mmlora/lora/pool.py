@@ -2,7 +2,9 @@
 
 Device side: per (layer, target) one A [S, n*R, in], B [S, out, R] and scalings [S, n] buffer; an
 adapter occupies the same slot index in all of them. Slots are reused least-recently-used first, never
-one whose adapter is in the running batch (``busy``) and never a pinned one. Host side: up to
+one whose adapter is in the running batch (``busy``) and never a pinned one. Paged (``page_rank``): the
+same memory in pages of ``page_rank`` ranks, an adapter taking the pages its rank needs
+(:mod:`mmlora.lora.pages`), its slot being its first page. Host side: up to
 ``max_loaded_loras`` validated adapters (LRU), never evicting a pinned adapter or one with requests
 in flight; an evicted adapter is read from disk again on its next use.
 
@@ -79,7 +81,7 @@ class LoRAPool:
                 self.buffers[(layer, t.name)] = (A, B, scalings)
                 self._stores[(layer, t.name)] = (A_pages, B_pages)
         self.slot_uid: list[int | None] = [None] * num_slots
-        self._views: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        self._views: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         self._staging_buffer: torch.Tensor | None = None
         self._scale_staging_buffer: torch.Tensor | None = None
         # (slot, staged layout id) -> its upload plan, LRU; plans hold views of the staging buffer.
