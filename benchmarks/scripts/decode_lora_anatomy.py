@@ -32,7 +32,7 @@ import lora_tuning_sweep as sweep  # noqa: E402
 
 from mmlora.backends import get_backend, triton_bgmv, triton_sgmv  # noqa: E402
 from mmlora.bench.serving_parts import copy_bandwidth  # noqa: E402
-from mmlora.forward.lora import LoRAWeights, slot_runs  # noqa: E402
+from mmlora.forward.lora import page_weights, slot_runs  # noqa: E402
 
 CASES = [  # (case, B, adapters, segment entries or None for B // 2 or "runs" for the batch's runs)
     ("decode-runs", 128, 32, None),
@@ -52,17 +52,6 @@ SMOKE_CASES = [
     ("decode-rows", 8, 2, None),
     ("mixed-sorted", 8, 2, None),
 ]
-
-
-def paged_copy(weights: LoRAWeights, U: int) -> LoRAWeights:
-    """A pool's weights paged by ``U`` ranks (``LoRAWeights``' paged layout), as ``lora_page_rank`` stores
-    them."""
-    A, B = weights.A, weights.B
-    S, _, in_f = A.shape
-    n, R = weights.n_slices, B.shape[2]
-    A4 = A.reshape(S, n, R // U, U, in_f).transpose(1, 2).reshape(S, R // U, n * U, in_f).contiguous()
-    B4 = B.reshape(S, B.shape[1], R // U, U).permute(0, 2, 1, 3).contiguous()
-    return LoRAWeights(A4, B4, weights.scalings, weights.slice_offsets)
 
 
 def _tight_runs(points: list, bound: int) -> int:
@@ -126,7 +115,7 @@ def main() -> None:
         points = sweep._points(case, B, n, args.rank, args.smoke, device, pool_rank=args.pool_rank)
         if args.page_rank:
             for pt in points:
-                pt.weights = paged_copy(pt.weights, args.page_rank)
+                pt.weights = page_weights(pt.weights, args.page_rank)
         entries = _tight_runs(points, points[0].infos[0].rank_bound) if segments == "runs" else None
         tuning = (triton_sgmv if name == "triton-sgmv" else triton_bgmv).TUNING
         modes = {"default": {}}

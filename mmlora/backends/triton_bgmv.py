@@ -35,7 +35,9 @@ from mmlora.backends.registry import register_backend
 from mmlora.backends.triton_common import (
     FusedTritonBackend,
     ShrinkJob,
+    a_page_args,
     a_row_offset,
+    b_page_args,
     b_rank_offset,
     cdiv,
     check_expand_args,
@@ -47,7 +49,7 @@ from mmlora.backends.triton_common import (
     slice_bound,
     split_k_plan,
 )
-from mmlora.forward.lora import RANK_TILE, LoRABatchInfo, LoRAWeights, paged
+from mmlora.forward.lora import RANK_TILE, LoRABatchInfo, LoRAWeights
 from mmlora.triton_launch import LaunchPlan, fast
 
 #: Launch heuristics (read at every launch, so a benchmark can sweep them): elements per register
@@ -262,20 +264,19 @@ def _shrink_partials(job: ShrinkJob, zero: bool = True, pdl: bool = False) -> to
     # every token count.
     shape = (plan.split_k, -(-T // 16) * 16, n * R)
     p = alloc(shape, dtype=torch.float32, device=x.device)
-    A4 = paged(A)
     # The launch itself, planned once per forward and argument layout: the layers share it.
-    layout = (x.stride(0), A4.stride(), A4.shape, skip_pad, pdl)
+    layout = (x.stride(0), A.stride(), A.shape, skip_pad, pdl)
     launch = plan.launches.get(layout)
     if launch is None:
+        *a_strides, U = a_page_args(A, n)
         launch = plan.launches[layout] = fast(_bgmv_shrink_kernel).plan(
             (T * plan.split_k * plan.r_tiles,),
             (
                 None, None, None, info.token_slots, info.ranks,
-                x.shape[1], R, plan.k_per_split, x.stride(0), A4.stride(0), A4.stride(1), A4.stride(2),
-                shape[1] * shape[2], shape[2], plan.split_k, plan.r_tiles,
+                x.shape[1], R, plan.k_per_split, x.stride(0), *a_strides, shape[1] * shape[2], shape[2], plan.split_k, plan.r_tiles,
             ),
             dict(
-                N_SLICES=n, NS_P2=plan.ns_p2, SKIP_PAD=skip_pad, U=A4.shape[2] // n if A.dim() == 4 else 0, BLOCK_R=plan.block_r, BLOCK_K=plan.block_k,
+                N_SLICES=n, NS_P2=plan.ns_p2, SKIP_PAD=skip_pad, U=U, BLOCK_R=plan.block_r, BLOCK_K=plan.block_k,
                 EVEN_K=plan.even_k, PDL=pdl_launch(x.device, pdl), num_warps=TUNING["shrink_warps"],
             ),
             (0, 1, 2),
@@ -304,8 +305,8 @@ def _expand(
     launch = info.host_derived.get(key)
     if launch is None:
         n = weights.n_slices
-        B4 = paged(B)
-        n_out = B4.shape[2]
+        n_out = B.shape[-2]
+        *b_strides, U = b_page_args(B)
         block_r = min(next_pow2(R), max(_block_r(R), TUNING["expand_rank_tile"] or 0))
         block_n = min(512, max(32, TUNING["expand_tile"] // block_r))
         n_tiles = cdiv(n_out, block_n)
@@ -313,11 +314,11 @@ def _expand(
             (info.num_tokens * n_tiles,),
             (
                 None, None, None, None, info.token_slots, info.ranks,
-                R, n_out, p.stride(0), p.stride(1), B4.stride(0), B4.stride(1), B4.stride(2), out.stride(0),
+                R, n_out, p.stride(0), p.stride(1), *b_strides, out.stride(0),
                 scalings.stride(0), *offset_args(slice_offsets), n_tiles, p.shape[0],
             ),
             dict(
-                SPLIT_P2=max(_split_p2(), next_pow2(p.shape[0])), N_SLICES=n, U=B4.shape[3] if B.dim() == 4 else 0, BLOCK_N=block_n,
+                SPLIT_P2=max(_split_p2(), next_pow2(p.shape[0])), N_SLICES=n, U=U, BLOCK_N=block_n,
                 BLOCK_R=block_r, H_DTYPE=_tl_dtype(h_dtype), PER_SLICE=TUNING["expand_per_slice"],
                 num_warps=TUNING["expand_warps"], **pdl_options(pdl_launch(out.device, pdl)),
             ),

@@ -388,6 +388,21 @@ class FusedTritonBackend(LoRABackend):
         """``out += lora(x)`` on validated inputs, the pool rank being ``R``."""
 
 
+def a_page_args(A: torch.Tensor, n_slices: int) -> tuple[int, int, int, int]:
+    """A pool's A as the kernels take it: (slot stride, page stride, row stride, U), U the ranks per page,
+    0 for the unpaged layout (whose kernels' code is unchanged: :func:`a_row_offset`)."""
+    if A.dim() == 3:
+        return A.stride(0), 0, A.stride(1), 0
+    return A.stride(0), A.stride(1), A.stride(2), A.shape[2] // n_slices
+
+
+def b_page_args(B: torch.Tensor) -> tuple[int, int, int, int]:
+    """A pool's B as the kernels take it: (slot stride, page stride, output-row stride, U; 0 unpaged)."""
+    if B.dim() == 3:
+        return B.stride(0), 0, B.stride(1), 0
+    return B.stride(0), B.stride(1), B.stride(2), B.shape[3]
+
+
 @triton.jit
 def a_row_offset(j, r, R, U: tl.constexpr, stride_page, stride_row):
     """Element offset, within a slot, of A's row for rank ``r`` of slice ``j``: row ``j * R + r`` of an

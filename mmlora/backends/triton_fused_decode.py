@@ -27,7 +27,9 @@ import triton.language as tl
 
 from mmlora.backends.registry import register_backend
 from mmlora.backends.triton_common import (
+    a_page_args,
     a_row_offset,
+    b_page_args,
     b_rank_offset,
     cdiv,
     dot_upcast,
@@ -37,7 +39,6 @@ from mmlora.backends.triton_common import (
 )
 from mmlora.backends.triton_sgmv import TritonSGMVBackend
 from mmlora.forward import LoRABatchInfo, LoRAWeights
-from mmlora.forward.lora import paged
 from mmlora.triton_launch import fast
 
 #: Launch settings: rows per head, columns per program (a slice is split into chunks of this many),
@@ -125,7 +126,8 @@ def fused_decode_add_lora(
     A, B, scalings, slice_offsets = weights.A, weights.B, weights.scalings, weights.slice_offsets
     n = len(slice_offsets) - 1
     R = weights.rank
-    A4, B4 = paged(A), paged(B)
+    *a_strides, _ = a_page_args(A, n)
+    *b_strides, U = b_page_args(B)
     widths = [b - a for a, b in zip(slice_offsets, slice_offsets[1:])]
     chunk = TUNING["chunk"]
     chunks = cdiv(max(widths), chunk)
@@ -133,9 +135,8 @@ def fused_decode_add_lora(
     grid = (T * n * chunks,)
     fast(_fused_decode_kernel)[grid](
         x, A, B, out, scalings, info.token_slots, info.ranks,
-        T, x.shape[1], R, x.stride(0), A4.stride(0), A4.stride(1), A4.stride(2), B4.stride(0), B4.stride(1),
-        B4.stride(2), out.stride(0), scalings.stride(0), *offset_args(slice_offsets), chunks,
-        N_SLICES=n, U=B4.shape[3] if B.dim() == 4 else 0, BLOCK_M=TUNING["block_m"], BLOCK_R=max(16, next_pow2(R)), BLOCK_K=TUNING["block_k"],
+        T, x.shape[1], R, x.stride(0), *a_strides, *b_strides, out.stride(0), scalings.stride(0), *offset_args(slice_offsets), chunks,
+        N_SLICES=n, U=U, BLOCK_M=TUNING["block_m"], BLOCK_R=max(16, next_pow2(R)), BLOCK_K=TUNING["block_k"],
         CHUNK=chunk, BLOCK_N=min(TUNING["block_n"], chunk), UPCAST=dot_upcast(x.dtype),
         PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=TUNING["warps"],
     )  # fmt: skip

@@ -25,7 +25,9 @@ from mmlora.backends.registry import register_backend
 from mmlora.backends.triton_common import (
     FusedTritonBackend,
     ShrinkJob,
+    a_page_args,
     a_row_offset,
+    b_page_args,
     b_rank_offset,
     cdiv,
     check_expand_args,
@@ -38,7 +40,7 @@ from mmlora.backends.triton_common import (
     shrink_entry,
     split_k_plan,
 )
-from mmlora.forward.lora import RANK_TILE, LoRABatchInfo, LoRAWeights, paged
+from mmlora.forward.lora import RANK_TILE, LoRABatchInfo, LoRAWeights
 from mmlora.triton_launch import fast
 
 #: Launch heuristics (read at every launch, so a benchmark can sweep them): the largest token tile of
@@ -298,14 +300,14 @@ def _shrink_launch(
     dtype = x.dtype if split == 1 and not fp32_planes else torch.float32
     # Planes padded to 16 rows: their stride keeps the same divisibility for every batch.
     shape = (split, -(-T // 16) * 16, n * R)
-    A4 = paged(A)
+    *a_strides, U = a_page_args(A, n)
     args = (
         x, A, None, info.seg_indptr, info.weight_indices, info.ranks, tiles.seg, tiles.m0,
-        in_f, R, k_per_split, x.stride(0), A4.stride(0), A4.stride(1), A4.stride(2), shape[1] * shape[2],
-        shape[2], tiles.m_tiles, r_tiles, split,
+        in_f, R, k_per_split, x.stride(0), *a_strides, shape[1] * shape[2], shape[2], tiles.m_tiles, r_tiles,
+        split,
     )  # fmt: skip
     kwargs = dict(
-        N_SLICES=n, NS_P2=ns_p2, SKIP_PAD=skip_pad, U=A4.shape[2] // n if A.dim() == 4 else 0, BLOCK_M=tiles.block_m, BLOCK_R=block_r, BLOCK_K=block_k,
+        N_SLICES=n, NS_P2=ns_p2, SKIP_PAD=skip_pad, U=U, BLOCK_M=tiles.block_m, BLOCK_R=block_r, BLOCK_K=block_k,
         UPCAST=dot_upcast(x.dtype), PREC="ieee" if x.dtype == torch.float32 else "tf32", TILED=tiles.tiled,
         PDL=pdl, num_warps=TUNING["shrink_warps"],
     )  # fmt: skip
@@ -345,14 +347,14 @@ def _expand_launch(
     block_k = max(RANK_TILE, min(step, next_pow2(R)))
     n_tiles = cdiv(max(widths), block_n)
     warps = TUNING["run_expand_warps"] if runs else TUNING["expand_warps"]
-    B4 = paged(B)
+    *b_strides, U = b_page_args(B)
     args = (
         None, B, None, scalings, info.seg_indptr, info.weight_indices, info.ranks, tiles.seg, tiles.m0,
-        R, *h_strides, B4.stride(0), B4.stride(1), B4.stride(2), out_stride,
+        R, *h_strides, *b_strides, out_stride,
         scalings.stride(0), *offset_args(slice_offsets), tiles.m_tiles, n_tiles,
     )  # fmt: skip
     kwargs = dict(
-        N_SLICES=n, U=B4.shape[3] if B.dim() == 4 else 0, BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=dot_upcast(B.dtype),
+        N_SLICES=n, U=U, BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=dot_upcast(B.dtype),
         PREC="ieee" if B.dtype == torch.float32 else "tf32", TILED=tiles.tiled, num_warps=warps,
         **pdl_options(pdl),
     )  # fmt: skip

@@ -103,11 +103,6 @@ class LoRAWeights:
         return self.pages * self.page_rank
 
 
-def paged(t: torch.Tensor) -> torch.Tensor:
-    """A pool tensor as 4-D pages ([slots, C, rows, cols]); an unpaged [slots, rows, cols] is one page."""
-    return t if t.dim() == 4 else t.unsqueeze(1)
-
-
 def unpage_a(a: torch.Tensor, n_slices: int) -> torch.Tensor:
     """Gathered A pages [.., C, n*U, in] as the unpaged rows [.., n*C*U, in] (a copy)."""
     *lead, C, rows, in_f = a.shape
@@ -119,6 +114,17 @@ def unpage_b(b: torch.Tensor) -> torch.Tensor:
     """Gathered B pages [.., C, out, U] as the unpaged [.., out, C*U] (a copy)."""
     *lead, C, out_f, U = b.shape
     return b.transpose(-3, -2).reshape(*lead, out_f, C * U)
+
+
+def page_weights(weights: LoRAWeights, page_rank: int) -> LoRAWeights:
+    """Unpaged ``weights`` copied into pages of ``page_rank`` ranks (the inverse of :func:`unpage_a` and
+    :func:`unpage_b`), for tests and benchmarks: a paged pool stores its adapters this way itself."""
+    A, B = weights.A, weights.B
+    S, _, in_f = A.shape
+    n, C, U = weights.n_slices, weights.rank // page_rank, page_rank
+    A4 = A.reshape(S, n, C, U, in_f).transpose(1, 2).reshape(S, C, n * U, in_f).contiguous()
+    B4 = B.reshape(S, B.shape[1], C, U).permute(0, 2, 1, 3).contiguous()
+    return LoRAWeights(A4, B4, weights.scalings, weights.slice_offsets)
 
 
 class LoRABatchInfo:

@@ -60,7 +60,7 @@ class LoRAPool:
         self.buffers: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         # The pages behind each (layer, target)'s A and B views: [pages, n*U, in] and [pages, out, U].
         self._stores: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
-        paging = self.pages_rank_divides(max_rank, page_rank)
+        paging = self.divides_into_pages(max_rank, page_rank)
         #: Ranks per page and the most pages an adapter takes (1 page of max_rank: the unpaged layout).
         self.page_rank, self.pages = (page_rank, max_rank // page_rank) if paging else (max_rank, 1)
         U, C = self.page_rank, self.pages
@@ -126,7 +126,8 @@ class LoRAPool:
         ):
             self._layouts_seen.add(adapter.staged_layout)
             scalings = scalings_of(adapter)
-            for slot in range(self.num_slots):
+            # Every slot the adapter can be placed at: in a paged pool, the first pages aligned to its size.
+            for slot in range(0, self.num_slots, self._pages_of_rank(adapter.rank)):
                 self._plan(slot, adapter, scalings)
         self.host[uid] = adapter
         self.host.move_to_end(uid)
@@ -149,14 +150,14 @@ class LoRAPool:
         return self._slot_of.get(uid)
 
     @staticmethod
-    def pages_rank_divides(max_rank: int, page_rank: int | None) -> bool:
+    def divides_into_pages(max_rank: int, page_rank: int | None) -> bool:
         """Whether ``page_rank`` pages a pool of ``max_rank`` (it divides it into several pages)."""
         return page_rank is not None and 1 <= page_rank < max_rank and max_rank % page_rank == 0
 
     @classmethod
     def page_count(cls, adapters: int, max_rank: int, page_rank: int | None) -> int:
         """Slot ids of a pool holding ``adapters`` adapters of ``max_rank`` (pages when paged)."""
-        return adapters * (max_rank // page_rank if cls.pages_rank_divides(max_rank, page_rank) else 1)
+        return adapters * (max_rank // page_rank if cls.divides_into_pages(max_rank, page_rank) else 1)
 
     def _pages_of_rank(self, rank: int) -> int:
         return pages_for(rank, self.page_rank, self.pages)

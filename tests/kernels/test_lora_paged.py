@@ -16,22 +16,19 @@ import pytest  # noqa: E402
 from test_lora_kernels import CPU_CASES, HAS_CUDA, assert_out, make_case, reference, reference_fast  # noqa: E402
 
 from mmlora.backends import get_backend  # noqa: E402
-from mmlora.forward.lora import LoRAWeights, unpage_a, unpage_b  # noqa: E402
+from mmlora.forward.lora import LoRAWeights, page_weights, unpage_a, unpage_b  # noqa: E402
 
 BACKENDS = ["torch-gather", "triton-sgmv", "triton-bgmv", "triton-auto", "triton-fused"]
 
 
 def paged_weights(A: torch.Tensor, B: torch.Tensor, scalings, offsets, U: int) -> LoRAWeights:
     """The paged copy of an unpaged pool A [S, n*R, in], B [S, out, R]."""
-    S, rows, in_f = A.shape
-    n, R = len(offsets) - 1, B.shape[2]
-    C = R // U
-    A4 = A.reshape(S, n, C, U, in_f).transpose(1, 2).reshape(S, C, n * U, in_f).contiguous()
-    B4 = B.reshape(S, B.shape[1], C, U).permute(0, 2, 1, 3).contiguous()
-    exact = dict(rtol=0, atol=0, equal_nan=True)  # the helpers invert it
-    torch.testing.assert_close(unpage_a(A4, n), A, **exact)
-    torch.testing.assert_close(unpage_b(B4), B, **exact)
-    return LoRAWeights(A4, B4, scalings, offsets)
+    weights = page_weights(LoRAWeights(A, B, scalings, offsets), U)
+    exact = dict(rtol=0, atol=0, equal_nan=True)  # the unpaging helpers invert it
+    torch.testing.assert_close(unpage_a(weights.A, weights.n_slices), A, **exact)
+    torch.testing.assert_close(unpage_b(weights.B), B, **exact)
+    assert (weights.pages, weights.page_rank) == (B.shape[2] // U, U)
+    return weights
 
 
 # (case of test_lora_kernels, page rank): several pages a slot, ranks within a page, whole pages, and
