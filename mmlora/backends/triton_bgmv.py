@@ -45,6 +45,7 @@ from mmlora.backends.triton_common import (
     offset_args,
     pdl_launch,
     pdl_options,
+    rank_load_bound,
     shrink_entry,
     slice_bound,
     split_k_plan,
@@ -169,6 +170,7 @@ def _bgmv_expand_kernel(
     if slot < 0:
         return
     rank = tl.load(ranks_ptr + slot)
+    bound = rank_load_bound(rank, R)
     b_base = b_ptr + slot.to(tl.int64) * stride_bs + offs_n * stride_bn
     p_base = p_ptr + t.to(tl.int64) * stride_pm
     sp = tl.arange(0, SPLIT_P2)
@@ -176,11 +178,10 @@ def _bgmv_expand_kernel(
     for r0 in range(0, rank, BLOCK_R):
         rr = r0 + tl.arange(0, BLOCK_R)
         r_ok = rr < rank
-        # Loads are masked by the pool rank R (known divisible: wide vector loads), not by the slot's rank
-        # (a loaded value: one element per load); the columns past the rank in the last tile share its
-        # 32-byte sectors, and where() drops them (and the never-written partials past the rank below),
-        # so whatever the padding holds, even NaN, never reaches the sum.
-        r_in = rr < R
+        # Loads stop at rank_load_bound (vector loads), not at the slot's rank; where() drops the columns
+        # between (and the never-written partials past the rank below), so whatever the padding holds,
+        # even NaN, never reaches the sum.
+        r_in = rr < bound
         bv = tl.load(
             b_base[:, None] + b_rank_offset(rr, U, stride_bp)[None, :],
             mask=n_ok[:, None] & r_in[None, :],

@@ -422,6 +422,18 @@ def b_rank_offset(r, U: tl.constexpr, stride_page):
 
 
 @triton.jit
+def rank_load_bound(rank, R):
+    """How far a slot's rank-indexed loads may go: its rank rounded up to 16, at most the pool rank R.
+
+    A mask ``k < rank`` (a loaded value) is known to hold for single elements only, so Triton loads them
+    one at a time; against this bound (a multiple of 16, or R, whose divisibility Triton is told) it
+    knows the mask is constant over 16 (or R's divisibility) neighbours and loads them as vectors. The
+    columns between the rank and the bound (padding, possibly NaN) must then be dropped with a where.
+    """
+    return tl.minimum(tl.cdiv(rank, 16) * 16, R)
+
+
+@triton.jit
 def slice_bound(i: tl.constexpr, o0, o1, o2, o3, o4):
     """The ``i``-th slice offset among the scalar offsets (``i`` known at compile time)."""
     if i == 0:  # noqa: SIM116  (no dicts in jitted code)

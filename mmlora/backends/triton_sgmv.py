@@ -36,6 +36,7 @@ from mmlora.backends.triton_common import (
     offset_args,
     pdl_launch,
     pdl_options,
+    rank_load_bound,
     select_bound,
     shrink_entry,
     split_k_plan,
@@ -205,16 +206,18 @@ def _sgmv_expand_kernel(
     m_ok = offs_m < seg_end
     n_ok = offs_n < hi
     rank = tl.load(ranks_ptr + slot)
+    bound = rank_load_bound(rank, R)
     b_base = b_ptr + slot.to(tl.int64) * stride_bs + offs_n * stride_bn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, rank, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
-        k_ok = kk < rank
+        k_ok = kk < bound  # vector loads; h is 0 past the rank, B's padding is dropped below
         bt = tl.load(
             b_base[None, :] + b_rank_offset(kk, U, stride_bp)[:, None],
             mask=n_ok[None, :] & k_ok[:, None],
             other=0.0,
         )
+        bt = tl.where((kk < rank)[:, None], bt, 0.0)
         if PDL:
             tl.extra.cuda.gdc_wait()
         h_ptrs = h_ptr + offs_m[:, None] * stride_hm + (s * R + kk)[None, :]
