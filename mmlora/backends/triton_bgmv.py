@@ -18,10 +18,13 @@ never the pool's 64 (issue 23). Grids depend only on host ints (``num_tokens``, 
 shapes), so a CUDA graph captured for a (token count, rank bound) stays right for any mix of slots
 and ranks below the bound replayed into the same LoRABatchInfo.
 
-Compile-time constants depend on the module shape, the dtype and the pool rank only: the split of
-in_features and the tile counts are run-time arguments (never specialised), and the partial planes
-are padded to 16 rows so their stride keeps its divisibility. One compile per module shape serves
-every batch (issue 23: compiles inside timed runs stalled every request in flight).
+Compile-time constants depend on the module shape, the dtype, the pool rank and, for the expand's
+rank tile and column tile, the batch's rank bucket (``info.rank_bound``: a rank-16 batch of a rank-64
+pool runs the rank-16 pool's tiles): the split of in_features and the tile counts are run-time
+arguments (never specialised), and the partial planes are padded to 16 rows so their stride keeps its
+divisibility. So a module shape compiles once per rank bucket, and the warm-up
+(:mod:`mmlora.backends.warmup`) runs every bucket before serving (issue 23: compiles inside timed runs
+stalled every request in flight).
 """
 
 from __future__ import annotations
@@ -298,17 +301,20 @@ def _expand(
     """``pdl``: launched right after the shrink that wrote ``p`` (:func:`_shrink_partials` with ``pdl``),
     as its programmatic dependent; ``out`` must then be complete before that shrink started."""
     B, scalings, slice_offsets = weights.B, weights.scalings, weights.slice_offsets
+    # The rank tile follows the batch's rank bucket, not the pool rank: a rank-16 batch of a rank-64
+    # pool gets the rank-16 pool's tiles (one compile per bucket; the warm-up covers every bucket).
+    bound = min(R, info.rank_bound) if info.rank_bound > 0 else R
+    block_r = min(next_pow2(bound), max(_block_r(bound), TUNING["expand_rank_tile"] or 0))
     # The launch, planned once per forward and argument layout (the layers share it).
     key = (
-        "bgmv_expand", R, B.shape, B.stride(), out.stride(0), scalings.stride(0), slice_offsets, p.shape[0],
-        p.stride(0), p.stride(1), h_dtype, pdl,
+        "bgmv_expand", R, block_r, B.shape, B.stride(), out.stride(0), scalings.stride(0), slice_offsets,
+        p.shape[0], p.stride(0), p.stride(1), h_dtype, pdl,
     )  # fmt: skip
     launch = info.host_derived.get(key)
     if launch is None:
         n = weights.n_slices
         n_out = B.shape[-2]
         *b_strides, U = b_page_args(B)
-        block_r = min(next_pow2(R), max(_block_r(R), TUNING["expand_rank_tile"] or 0))
         block_n = min(512, max(32, TUNING["expand_tile"] // block_r))
         n_tiles = cdiv(n_out, block_n)
         launch = info.host_derived[key] = fast(_bgmv_expand_kernel).plan(

@@ -2,7 +2,7 @@
 
 One program computes a tile of ``BLOCK_M`` tokens of one segment against that segment's adapter with
 ``tl.dot``; the grid is (segments x token tiles x output tiles) flattened on axis 0, sized from host
-ints of the batch info (``num_segments``, the longest segment, the pool rank), so launches need no
+ints of the batch info (``num_segments``, the longest segment, the rank bucket), so launches need no
 device sync. Programs past the end of their segment, of a base-only segment (slot -1) or of their
 adapter's rank return early: mixed ranks share one launch without computing the padding.
 
@@ -59,7 +59,7 @@ TUNING = {
     "shrink_warps": 4,
     "expand_warps": 4,
     "run_expand_warps": 2,
-    # Ranks per step of the expand's loop, capped by the pool rank (a power of two >= RANK_TILE):
+    # Ranks per step of the expand's loop, capped by the batch's rank bucket (a power of two >= 16):
     # ``run_expand_rank_step`` for 16-token tiles (decode runs), ``expand_rank_step`` for the rest. Loads
     # stop at the slot's rank either way, so a step reads no more bytes, in fewer dependent steps. H200,
     # rank-64 pool (benchmarks/scripts/decode_lora_anatomy.py, 2026-12-03, two rounds; 16 before): decode
@@ -282,20 +282,23 @@ class _Tiles:
 
 
 def _shrink_launch(
-    job: ShrinkJob, fp32_planes: bool, pdl: bool = False
+    job: ShrinkJob, fp32_planes: bool, pdl: bool = False, whole_rank: bool = True
 ) -> tuple[tuple[int], tuple, dict, tuple[int, int, int], torch.dtype]:
     """(grid, positional args with None for h, keyword args, h's padded shape, h's dtype) of shrink's
-    launch. Launch constants follow the pool rank R, not this batch's ranks, so batches of any rank mix
-    share one compiled kernel (programs still stop at their slot's rank)."""
+    launch. The rank tile follows the batch's rank bucket (``job.top_rank``), not the pool rank, so a
+    rank-16 batch of a rank-64 pool runs the rank-16 pool's tiles: one compile per bucket, all made by
+    the warm-up; programs still stop at their slot's rank. ``whole_rank``: every column of h up to the
+    pool rank is written (zeros past each rank); otherwise only those below the bucket, all that the
+    fused expand reads (it stops at :func:`rank_load_bound`, at most the bucket)."""
     x, A, info, n, R, skip_pad, split_k = job
     T, in_f, top_rank = info.num_tokens, x.shape[1], job.top_rank
     ns_p2 = next_pow2(n)
-    block_r = min(max(16, next_pow2(R)), max(16, 128 // ns_p2))
+    block_r = min(max(16, next_pow2(top_rank)), max(16, 128 // ns_p2))
     tiles = _Tiles.of(info, _block_m(info.max_seg_len, TUNING["shrink_block_m"]))
     block_k = 64 if tiles.block_m >= 64 else 128
     if split_k:  # a forced split (tests, benchmarks) gets blocks small enough to honour it
         block_k = min(block_k, max(16, next_pow2(cdiv(in_f, split_k))))
-    r_tiles = cdiv(R, block_r)  # cover R (zeros past the rank), not just this batch's ranks
+    r_tiles = cdiv(R if whole_rank else top_rank, block_r)
     # Split in_features until the launch has a few waves of programs: a long segment alone would
     # otherwise leave most of the GPU idle (the rank dimension gives almost no parallelism).
     busy = tiles.count * cdiv(top_rank, block_r)
@@ -343,11 +346,12 @@ def _expand_launch(
     tiles = _Tiles.of(info, _block_m(info.max_seg_len, TUNING["block_m"]))
     block_n = TUNING["block_n"]
     runs = tiles.block_m <= 16
-    # The rank in steps of at least 16 (the smallest tl.dot K), at most the pool rank: a segment stops
-    # at its slot's rank, and loads past it are masked, so a rank-8 slot of a rank-64 pool reads its
-    # own bytes only.
+    # The rank in steps of at least 16 (the smallest tl.dot K), at most the batch's rank bucket: a
+    # segment stops at its slot's rank, and loads past it are masked, so a rank-8 slot of a rank-64 pool
+    # reads its own bytes only.
     step = TUNING["run_expand_rank_step"] if runs else TUNING["expand_rank_step"]
-    block_k = max(RANK_TILE, min(step, next_pow2(R)))
+    bound = min(R, info.rank_bound) if info.rank_bound > 0 else R  # the batch's rank bucket
+    block_k = max(RANK_TILE, min(step, next_pow2(bound)))
     n_tiles = cdiv(max(widths), block_n)
     warps = TUNING["run_expand_warps"] if runs else TUNING["expand_warps"]
     *b_strides, U = b_page_args(B)
@@ -384,7 +388,9 @@ class _ModulePlan:
     def __init__(self, job: ShrinkJob, weights: LoRAWeights, out_stride: int, pdl: bool) -> None:
         # ``pdl``: the expand follows its shrink on the stream, as a programmatic dependent.
         pdl = pdl_launch(job.x.device, pdl)
-        grid, args, kwargs, self.h_shape, self.h_dtype = _shrink_launch(job, fp32_planes=True, pdl=pdl)
+        grid, args, kwargs, self.h_shape, self.h_dtype = _shrink_launch(
+            job, fp32_planes=True, pdl=pdl, whole_rank=False
+        )
         self.shrink = fast(_sgmv_shrink_kernel).plan(grid, args, kwargs, (0, 1, 2))
         splits, rows, cols = self.h_shape
         grid, args, kwargs = _expand_launch(

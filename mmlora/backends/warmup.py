@@ -3,8 +3,9 @@
 Triton compiles a kernel per set of compile-time constants (and per class of some integer and pointer
 arguments). SGMV and BGMV keep those independent of the batch (its token count, its ranks, its split
 of in_features) except for SGMV's few classes of segment length (decode rows, short runs, runs longer
-than a token tile), so one ``add_lora`` per module shape and per layout class below compiles all of
-their variants; the CUDA-graph capture then runs every (batch bucket, rank bound, row layout) a decode
+than a token tile) and the batch's rank bucket (:func:`mmlora.forward.lora.rank_buckets`: tiles sized
+for the ranks in the batch, not the pool's), so one ``add_lora`` per module shape, rank bucket and
+layout class below compiles all of their variants; the CUDA-graph capture then runs every (batch bucket, rank bound, row layout) a decode
 step can replay. A compile costs about a second; inside a serving run it stalled every request in flight
 (issue 23: rank-8 and mixed-rank runs had 2.6-2.9 s TTFTs).
 """
@@ -16,7 +17,7 @@ from collections.abc import Iterable
 import torch
 
 from mmlora.backends.base import LoRABackend
-from mmlora.forward import LoRABatchInfo, LoRAWeights
+from mmlora.forward import LoRABatchInfo, LoRAWeights, rank_buckets
 
 #: Segment lengths of the warm-up batches: decode rows (BGMV under triton-auto), then one run of
 #: each token-tile class of SGMV (up to 16, 32, 64 tokens, and longer: its tile table), and a mixed
@@ -25,23 +26,24 @@ LAYOUTS: tuple[tuple[int, ...], ...] = ((1, 1), (2,), (17,), (33,), (65,), (1, 1
 
 
 def warm_up_lora_kernels(backend: LoRABackend, weights: Iterable[LoRAWeights], max_tokens: int) -> int:
-    """Run ``backend.add_lora`` on every distinct module shape of ``weights`` (pool views) for each
-    layout of :data:`LAYOUTS` that fits ``max_tokens``; returns the number of calls. Reads slot 0 of
-    the pool (whatever it holds) and writes only scratch outputs."""
+    """Run ``backend.add_lora`` on every distinct module shape of ``weights`` (pool views), for each
+    rank bucket of the pool and each layout of :data:`LAYOUTS` that fits ``max_tokens``; returns the
+    number of calls. Reads slot 0 of the pool (whatever it holds) and writes only scratch outputs."""
     shapes: dict[tuple, LoRAWeights] = {}
     for w in weights:
         shapes.setdefault((tuple(w.A.shape), tuple(w.B.shape), w.A.dtype, tuple(w.slice_offsets)), w)
     calls = 0
     for w in shapes.values():
         info = LoRABatchInfo(max_tokens, w.A.shape[0], w.A.device)
-        info.set_slot_rank(0, w.rank)
-        for lens in LAYOUTS:
-            n_tokens = sum(lens)
-            if n_tokens > max_tokens:
-                continue
-            info.fill(list(lens), [0] * len(lens))
-            x = torch.zeros(n_tokens, w.A.shape[-1], dtype=w.A.dtype, device=w.A.device)
-            out = torch.zeros(n_tokens, w.B.shape[-2], dtype=w.A.dtype, device=w.A.device)
-            backend.add_lora(out, x, w, info)
-            calls += 1
+        for bucket in rank_buckets(w.rank):
+            info.set_slot_rank(0, bucket)  # the batch's rank bound is then this bucket
+            for lens in LAYOUTS:
+                n_tokens = sum(lens)
+                if n_tokens > max_tokens:
+                    continue
+                info.fill(list(lens), [0] * len(lens))
+                x = torch.zeros(n_tokens, w.A.shape[-1], dtype=w.A.dtype, device=w.A.device)
+                out = torch.zeros(n_tokens, w.B.shape[-2], dtype=w.A.dtype, device=w.A.device)
+                backend.add_lora(out, x, w, info)
+                calls += 1
     return calls

@@ -30,12 +30,21 @@ def pool(device: torch.device, slots: int, R: int) -> list[LoRAWeights]:
     return weights * 2  # two "layers" of each shape: warmed once per distinct shape
 
 
-def test_warm_up_runs_each_layout_once_per_distinct_shape() -> None:
+def test_warm_up_runs_each_layout_once_per_distinct_shape_and_rank_bucket() -> None:
     weights = pool(torch.device("cpu"), 3, 8)
     calls = warm_up_lora_kernels(get_backend("torch-gather"), weights, max_tokens=4096)
-    assert calls == len(SHAPES) * len(LAYOUTS)
+    assert calls == len(SHAPES) * len(LAYOUTS)  # a rank-8 pool has one bucket
     fitting = sum(sum(lens) <= 2 for lens in LAYOUTS)
     assert warm_up_lora_kernels(get_backend("torch-gather"), weights, max_tokens=2) == len(SHAPES) * fitting
+    seen: list[int] = []
+
+    class Recording:
+        def add_lora(self, out, x, w, info) -> None:  # noqa: ANN001
+            seen.append(info.rank_bound)
+
+    calls = warm_up_lora_kernels(Recording(), pool(torch.device("cpu"), 3, 64), max_tokens=4096)
+    assert calls == len(SHAPES) * len(LAYOUTS) * 3
+    assert sorted(set(seen)) == [16, 32, 64]  # every bound a batch of a rank-64 pool can have
 
 
 @pytest.mark.gpu

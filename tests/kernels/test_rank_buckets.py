@@ -121,6 +121,10 @@ POOLS = {
     "mix-8-64-qkv": ([8, 64, 8, 64], 64, (32, 16, 16), 64),
     "odd-ranks-gateup": ([1, 17, 33, 64, 16], 64, (24, 24), 48),
     "pool-rank-8": ([8, 3, 8], 8, (40,), 32),
+    # Only small ranks in a rank-64 pool: the batch's bucket (16, or 32) sizes the tiles, and the fused
+    # path leaves h past the bucket unwritten.
+    "small-ranks-in-64": ([8, 16, 1, 13], 64, (32, 16, 16), 64),
+    "up-to-32-in-64": ([17, 8, 32], 64, (24, 24), 48),
 }
 
 
@@ -175,6 +179,51 @@ def test_bgmv_shrink_grid_follows_the_rank_bound_not_the_pool_rank(bound: int) -
 
     plan = _ShrinkPlan(T=8, in_features=4096, n=3, R=64, bound=bound, device=torch.device("cpu"), split_k=1)
     assert plan.block_r == 16 and plan.r_tiles == bound // 16
+
+
+@pytest.mark.parametrize("R,bound", [(64, 16), (64, 32), (64, 64), (16, 16)])
+def test_expand_and_sgmv_shrink_tiles_follow_the_batch_rank_bucket(R: int, bound: int) -> None:
+    """A batch whose ranks fit bucket ``bound`` of a rank-R pool gets the tiles of a rank-``bound`` pool
+    (issue 23: a rank-16 batch of a rank-64 pool ran 2x as long in the BGMV expand with rank-64 tiles)."""
+    from mmlora.backends.triton_bgmv import _expand
+    from mmlora.backends.triton_common import ShrinkJob
+    from mmlora.backends.triton_sgmv import _expand_launch, _shrink_launch
+
+    S, in_f, offs = 2, 64, (0, 32, 64)
+    info = LoRABatchInfo(8, S, torch.device("cpu"), max_lora_rank=R)
+    info.set_slot_rank(0, bound)
+    info.fill([1, 1], [0, 0])
+    assert info.rank_bound == bound
+    A = torch.zeros(S, 2 * R, in_f)
+    w = LoRAWeights(A, torch.zeros(S, 64, R), torch.ones(S, 2), offs)
+    job = ShrinkJob(torch.zeros(2, in_f), A, info, 2, R, True, None)
+    grid, _, kw, shape, _ = _shrink_launch(job, fp32_planes=True, whole_rank=False)
+    assert kw["BLOCK_R"] == min(bound, 64) and shape[2] == 2 * R  # h keeps the pool's layout
+    assert grid[0] % (bound // kw["BLOCK_R"]) == 0
+    whole, *_ = _shrink_launch(job, fp32_planes=True, whole_rank=True)
+    assert whole[0] == grid[0] * (R // bound)  # the public shrink still writes every column up to R
+    _, _, kw = _expand_launch((1, 2 * R, 2 * R), w, info, 64, R)
+    assert kw["BLOCK_K"] == min(bound, 32 if info.max_seg_len <= 16 else 64)
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def plan(grid, args, kwargs, tensor_args):  # noqa: ANN001, ANN202
+        seen.update(kwargs)
+        raise Stop
+
+    import mmlora.backends.triton_bgmv as bgmv
+
+    kernel = bgmv.fast(bgmv._bgmv_expand_kernel)
+    original, kernel.plan = kernel.plan, plan
+    try:
+        with pytest.raises(Stop):
+            _expand(torch.zeros(1, 2, 2 * R), w, info, torch.zeros(2, 64), R, torch.float32)
+    finally:
+        kernel.plan = original
+    assert seen["BLOCK_R"] == min(bound, 32) and seen["BLOCK_N"] == 4096 // seen["BLOCK_R"]
 
 
 def test_triton_auto_captures_runs_graphs_with_half_the_segment_entries() -> None:
