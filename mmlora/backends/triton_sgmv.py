@@ -119,8 +119,8 @@ def _sgmv_shrink_kernel(
     x [T, in] (fp32/fp16/bf16), A [S, N_SLICES * R, in] or paged [S, R / U, N_SLICES * U, in] (x.dtype; unpaged: U = 0),
     h [SPLIT_K, T, N_SLICES * R]
     (x.dtype when SPLIT_K = 1, else fp32 partials). A program covers BLOCK_M tokens x (all slices,
-    BLOCK_R ranks) x one split; every element of h is written: rows of base-only segments and columns
-    past the adapter's rank as zeros. fp32 accumulation. TILED: token tiles come from the tile table
+    BLOCK_R ranks) x one split; every element of h in the R_TILES rank tiles is written: rows of
+    base-only segments and columns past the adapter's rank as zeros. fp32 accumulation. TILED: token tiles come from the tile table
     (tile i: segment tile_seg[i], first token tile_m0[i]) instead of M_TILES per segment.
     """
     if PDL:  # the expand (a programmatic dependent) may start now; it waits before reading h

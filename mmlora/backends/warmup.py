@@ -34,7 +34,7 @@ def warm_up_lora_kernels(backend: LoRABackend, weights: Iterable[LoRAWeights], m
         shapes.setdefault((tuple(w.A.shape), tuple(w.B.shape), w.A.dtype, tuple(w.slice_offsets)), w)
     calls = 0
     for w in shapes.values():
-        info = LoRABatchInfo(max_tokens, w.A.shape[0], w.A.device)
+        info = LoRABatchInfo(max_tokens, w.A.shape[0], w.A.device, max_lora_rank=w.rank)
         for bucket in rank_buckets(w.rank):
             info.set_slot_rank(0, bucket)  # the batch's rank bound is then this bucket
             for lens in LAYOUTS:
