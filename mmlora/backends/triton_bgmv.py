@@ -81,6 +81,10 @@ TUNING = {
     # rank-16 adapters (benchmarks/scripts/lora_pdl_ab.py, 2026-12-03, two rounds): B=64 and 128 (SGMV
     # runs) 0.95-0.97x the replay time, B=32 (BGMV, side-stream split: unchanged) 0.99-1.0x; same tokens.
     "pdl": True,
+    # Sum the shrink's split-K planes into h (x.dtype) with one torch reduction before the expand, so each
+    # expand program loads one plane instead of summing all of them (every program of a token repeats that
+    # sum). Off: not yet timed (written in session 16 for an A/B, ``decode_lora_anatomy.py --mode``).
+    "reduce_partials": False,
 }
 
 
@@ -362,7 +366,7 @@ class TritonBGMVBackend(FusedTritonBackend):
     ) -> None:
         """Partials unzeroed: shrink skips rank padding per slice and expand masks it out. The expand
         follows its shrink on the stream: a programmatic dependent where TUNING["pdl"] asks."""
-        pdl = TUNING["pdl"]
+        pdl = TUNING["pdl"] and not TUNING["reduce_partials"]  # PDL pairs the expand with the shrink only
         self._expand_phase(out, self._shrink_phase(x, weights, info, R, pdl), weights, info, R, x.dtype, pdl)
 
     def _shrink_phase(
@@ -381,4 +385,9 @@ class TritonBGMVBackend(FusedTritonBackend):
         dtype: torch.dtype,
         pdl: bool = False,
     ) -> None:
+        if TUNING["reduce_partials"]:
+            # Columns past a slot's rank hold whatever the unzeroed planes held (even NaN): the expand
+            # drops them by rank, as it does when it sums the planes itself.
+            partials = partials.sum(0, dtype=torch.float32).to(dtype).unsqueeze(0)
+            pdl = False
         _expand(partials, weights, info, out, R, dtype, pdl)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace  # noqa: E402
 
 import pytest  # noqa: E402
 
-from mmlora.backends import get_backend, triton_sgmv  # noqa: E402
+from mmlora.backends import get_backend, triton_bgmv, triton_sgmv  # noqa: E402
 from mmlora.backends.torch_gather import gather_expand, gather_shrink  # noqa: E402
 from mmlora.backends.triton_bgmv import bgmv_expand, bgmv_shrink  # noqa: E402
 from mmlora.backends.triton_sgmv import sgmv_expand, sgmv_shrink  # noqa: E402
@@ -272,12 +272,29 @@ def test_torch_gather_small_cpu_batches_skip_rank_padding(name: str, dtype: torc
 @pytest.mark.parametrize("name", ["decode-distinct-qkv", "prefill-uniform-qkv", "mixed-ranks-1-to-128"])
 def test_rank_padding_is_never_read(backend: str, name: str) -> None:
     """Weights past each adapter's rank poisoned with NaN: none may reach the sum, not even times zero
-    (BGMV's expand loads B's last rank tile up to the pool rank for wide loads and drops the columns past
-    the slot's rank with where()). More mixes in test_rank_buckets.py."""
+    (the expands load B up to the rank rounded up to 16 for wide loads and drop the columns past the
+    slot's rank with where()). More mixes in test_rank_buckets.py."""
     c = make_case(*CPU_CASES[name], dtype=torch.float32, seed=3, pad_value=float("nan"))
     _, want = reference(c)
     out0 = c.out.clone()
     get_backend(backend).add_lora(c.out, c.x, c.weights, c.info)
+    assert_out(c, c.out, want, out0)
+
+
+@pytest.mark.parametrize("split_k", [1, 3])
+@pytest.mark.parametrize("name", ["decode-distinct-qkv", "mixed-ranks-1-to-128", "decode-basemix-qkv"])
+def test_bgmv_with_partials_reduced_before_the_expand(
+    name: str, split_k: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TUNING["reduce_partials"]: the split-K planes summed by torch into h before the expand (an A/B
+    variant) gives the reference too, NaN padding included."""
+    monkeypatch.setitem(triton_bgmv.TUNING, "reduce_partials", True)
+    c = make_case(*CPU_CASES[name], dtype=torch.float32, seed=5, pad_value=float("nan"))
+    _, want = reference(c)
+    out0 = c.out.clone()
+    backend = get_backend("triton-bgmv")
+    monkeypatch.setattr(backend, "split_k", split_k)
+    backend.add_lora(c.out, c.x, c.weights, c.info)
     assert_out(c, c.out, want, out0)
 
 
