@@ -48,6 +48,7 @@ from mmlora.backends.triton_common import (
     offset_args,
     pdl_launch,
     pdl_options,
+    rank_bucket_bound,
     rank_load_bound,
     shrink_entry,
     slice_bound,
@@ -307,7 +308,7 @@ def _expand(
     B, scalings, slice_offsets = weights.B, weights.scalings, weights.slice_offsets
     # The rank tile follows the batch's rank bucket, not the pool rank: a rank-16 batch of a rank-64
     # pool gets the rank-16 pool's tiles (one compile per bucket; the warm-up covers every bucket).
-    bound = min(R, info.rank_bound) if info.rank_bound > 0 else R
+    bound = rank_bucket_bound(info, R)
     block_r = min(next_pow2(bound), max(_block_r(bound), TUNING["expand_rank_tile"] or 0))
     # The launch, planned once per forward and argument layout (the layers share it).
     key = (
@@ -366,7 +367,8 @@ class TritonBGMVBackend(FusedTritonBackend):
     ) -> None:
         """Partials unzeroed: shrink skips rank padding per slice and expand masks it out. The expand
         follows its shrink on the stream: a programmatic dependent where TUNING["pdl"] asks."""
-        pdl = TUNING["pdl"] and not TUNING["reduce_partials"]  # PDL pairs the expand with the shrink only
+        # PDL pairs the expand with the shrink only: not with a reduction between them.
+        pdl = TUNING["pdl"] and not TUNING["reduce_partials"]
         self._expand_phase(out, self._shrink_phase(x, weights, info, R, pdl), weights, info, R, x.dtype, pdl)
 
     def _shrink_phase(
@@ -389,5 +391,4 @@ class TritonBGMVBackend(FusedTritonBackend):
             # Columns past a slot's rank hold whatever the unzeroed planes held (even NaN): the expand
             # drops them by rank, as it does when it sums the planes itself.
             partials = partials.sum(0, dtype=torch.float32).to(dtype).unsqueeze(0)
-            pdl = False
         _expand(partials, weights, info, out, R, dtype, pdl)

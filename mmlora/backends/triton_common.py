@@ -403,6 +403,12 @@ def b_page_args(B: torch.Tensor) -> tuple[int, int, int, int]:
     return B.stride(0), B.stride(1), B.stride(2), B.shape[3]
 
 
+def rank_bucket_bound(info: LoRABatchInfo, R: int) -> int:
+    """The batch's rank bucket (``info.rank_bound``), at most the pool rank R; R for a batch without
+    adapter rows. Launch tiles sized by it are those of a pool of that rank."""
+    return min(R, info.rank_bound) if info.rank_bound > 0 else R
+
+
 @triton.jit
 def a_row_offset(j, r, R, U: tl.constexpr, stride_page, stride_row):
     """Element offset, within a slot, of A's row for rank ``r`` of slice ``j``: row ``j * R + r`` of an

@@ -36,6 +36,7 @@ from mmlora.backends.triton_common import (
     offset_args,
     pdl_launch,
     pdl_options,
+    rank_bucket_bound,
     rank_load_bound,
     select_bound,
     shrink_entry,
@@ -350,8 +351,7 @@ def _expand_launch(
     # segment stops at its slot's rank, and loads past it are masked, so a rank-8 slot of a rank-64 pool
     # reads its own bytes only.
     step = TUNING["run_expand_rank_step"] if runs else TUNING["expand_rank_step"]
-    bound = min(R, info.rank_bound) if info.rank_bound > 0 else R  # the batch's rank bucket
-    block_k = max(RANK_TILE, min(step, next_pow2(bound)))
+    block_k = max(RANK_TILE, min(step, next_pow2(rank_bucket_bound(info, R))))
     n_tiles = cdiv(max(widths), block_n)
     warps = TUNING["run_expand_warps"] if runs else TUNING["expand_warps"]
     *b_strides, U = b_page_args(B)
