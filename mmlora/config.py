@@ -94,7 +94,9 @@ class LoRAConfig:
         "Page the adapter pool by this many ranks (a divisor of max_lora_rank, e.g. 16): an adapter takes "
         "the pages its rank needs (rounded up to a power of two) out of the pool's max_loras_per_batch x "
         "max_lora_rank, so adapters of smaller ranks leave room for more in a batch, and one of at most "
-        "that rank reads one contiguous page. None: a max_lora_rank slot each (unpaged).",
+        "that rank reads one contiguous page. max_lora_rank: a max_lora_rank slot each (unpaged). None "
+        "(default): 16 on CUDA when max_lora_rank is 16 times a power of two above one (32, 64, ...; on "
+        "an H200 rank-16 adapters then run the LoRA kernels of a rank-16 pool), else unpaged.",
     )
     max_loaded_loras: int | None = _f(
         None, "Adapters kept in the host cache (LRU beyond it); defaults to unlimited."

@@ -116,7 +116,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "--lora-page-rank",
         type=int,
         default=None,
-        help="lora_page_rank of the engine: ranks per page of a slot (default: unpaged)",
+        help="lora_page_rank of the engine: ranks per page of a slot (default: the engine's, 16 on CUDA for pool "
+        "ranks of 32, 64, 128 ..., else unpaged; the pool rank: unpaged)",
     )
     p.add_argument(
         "--sweep-rounds",
@@ -480,7 +481,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             # The share of the used adapters' slot bytes that is padding: each holds a pool-rank slot, or
             # in a paged pool the pages its rank needs (a power of two of them).
             own = sum(recorder.adapter_bytes(adapters[i]["rank"]) for i in used)
-            page = getattr(args, "lora_page_rank", None)
+            page = engine.lora_page_rank
             held = [
                 pool_rank if page is None else page * pages_for(adapters[i]["rank"], page, pool_rank // page)
                 for i in used

@@ -47,3 +47,9 @@ class AdapterAPI:
     def lora_backend(self) -> str:
         """The LoRA kernel backend in use (``lora_backend="auto"`` resolved for this device)."""
         return self.lora.backend_name
+
+    @property
+    def lora_page_rank(self) -> int | None:
+        """Ranks per page of the adapter pool, None when unpaged (``lora_page_rank`` resolved for this
+        device)."""
+        return self.lora.page_rank

@@ -24,6 +24,7 @@ from mmlora.distributed.state import tp_group
 from mmlora.forward.lora import LoRABatchInfo, LoRAWeights, rank_buckets, slot_runs
 from mmlora.lora.adapter import LoadedAdapter, load_adapter
 from mmlora.lora.layer import LoRAContext, LoRALinear
+from mmlora.lora.pages import resolve_page_rank
 from mmlora.lora.paths import confine_adapter_path
 from mmlora.lora.pool import LoRAPool
 from mmlora.lora.registry import AdapterEntry, AdapterRegistry
@@ -83,9 +84,9 @@ class LoRAManager:
     ) -> None:
         self.config = config
         self.spec = model.lora_model_spec()  # full sizes: adapters are validated against these
-        slot_ids = LoRAPool.page_count(
-            config.max_loras_per_batch, config.max_lora_rank, config.lora_page_rank
-        )
+        #: Ranks per page of the pool, None when unpaged (``lora_page_rank`` resolved for the device).
+        self.page_rank = resolve_page_rank(config.lora_page_rank, config.max_lora_rank, device)
+        slot_ids = LoRAPool.page_count(config.max_loras_per_batch, config.max_lora_rank, self.page_rank)
         self.info = LoRABatchInfo(max_tokens, slot_ids, device, config.max_lora_rank)
         # The pool holds this tensor-parallel rank's shards (everything at tp_size 1).
         pool_args = (
@@ -100,10 +101,10 @@ class LoRAManager:
         if tp_group().is_parallel and tp_group().rank == 0:
             sharder = AdapterSharder({t.name: _target(model, 0, t.name) for t in self.spec.targets})
             self._pool = ShardedLoRAPool(
-                sharder, *pool_args, on_slot_change=slot_ranks, page_rank=config.lora_page_rank
+                sharder, *pool_args, on_slot_change=slot_ranks, page_rank=self.page_rank
             )
         else:
-            self._pool = LoRAPool(*pool_args, on_slot_change=slot_ranks, page_rank=config.lora_page_rank)
+            self._pool = LoRAPool(*pool_args, on_slot_change=slot_ranks, page_rank=self.page_rank)
         self._offsets = {t.name: t.slice_offsets for t in self._pool.spec.targets}
         # One device (a sharded pool's writes are collectives, kept in step): slot loads beside the forwards.
         if device.type == "cuda" and not tp_group().is_parallel and not config.disable_async_uploads:

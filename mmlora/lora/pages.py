@@ -26,6 +26,27 @@ def pages_for(rank: int, page_rank: int, max_pages: int) -> int:
     return min(pages, max_pages)
 
 
+#: The page rank of a CUDA pool whose ``lora_page_rank`` is not set. H200, Mistral-7B, 32 rank-16 adapters
+#: (benchmarks/results/h200-2026-12-03-session17): in a rank-64 pool paged by 16 the LoRA kernels take the
+#: time of a rank-16 pool's (decode runs 67 against 89 us unpaged, mixed steps 232 against 258), and
+#: serving ran ahead of the unpaged pool in both rounds.
+CUDA_PAGE_RANK = 16
+
+
+def resolve_page_rank(page_rank: int | None, max_rank: int, device: torch.device) -> int | None:
+    """The page rank a pool of ``max_rank`` uses, None when unpaged. A set ``page_rank`` is kept when it
+    divides ``max_rank`` into several pages (``max_rank`` itself: unpaged). Unset: on CUDA,
+    :data:`CUDA_PAGE_RANK` when ``max_rank`` is that times a power of two above one, so every
+    adapter takes a power of two of pages, as the buddy placement assumes; elsewhere unpaged (the CPU
+    path stacks each slot's live ranks, so padding costs it nothing)."""
+    if page_rank is not None:
+        return page_rank if 1 <= page_rank < max_rank and max_rank % page_rank == 0 else None
+    if device.type != "cuda" or max_rank % CUDA_PAGE_RANK:
+        return None
+    pages = max_rank // CUDA_PAGE_RANK
+    return CUDA_PAGE_RANK if pages > 1 and pages & (pages - 1) == 0 else None
+
+
 class PageMap:
     """Which adapter (uid) owns each page, and how many pages each placed adapter's first page starts."""
 

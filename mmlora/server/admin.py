@@ -188,7 +188,7 @@ async def get_model_info(request: Request) -> dict[str, Any]:
         "max_model_len": getattr(eng, "max_model_len", None),
         "max_loras_per_batch": getattr(lora_cfg, "max_loras_per_batch", None),
         "max_lora_rank": getattr(lora_cfg, "max_lora_rank", None),
-        "lora_page_rank": getattr(lora_cfg, "lora_page_rank", None),
+        "lora_page_rank": getattr(eng, "lora_page_rank", None),
         "lora_backend": getattr(eng, "lora_backend", None) or getattr(lora_cfg, "lora_backend", None),
         "loras": await state.loras(),
     }

@@ -320,16 +320,18 @@ def test_a_pool_paged_by_rank_tile_gives_the_unpaged_pools_tokens(tmp_path):
     prompts = ["Hello world", "The quick brown fox", "Paris is", "0123"]
     loras = ["r4", "r8", None, "r6"]
     outs = []
-    for page_rank in (None, 4):
+    for page_rank in (None, 4, 8):  # unset (unpaged on CPU), pages of 4, the pool rank (unpaged)
         eng = mmlora.Engine(
             model=str(base), lora_paths=paths, device="cpu", dtype="float32", max_lora_rank=8,
             lora_page_rank=page_rank,
         )  # fmt: skip
         outs.append([o.output_ids for o in eng.generate(prompts, loras, sampling_params=GREEDY)])
-        if page_rank:
-            A = next(iter(eng.lora._pool.buffers.values()))[0]
-            assert A.dim() == 4 and A.shape[1] == 2  # two pages of 4 ranks a slot
-    assert outs[0] == outs[1]
+        A = next(iter(eng.lora._pool.buffers.values()))[0]
+        assert eng.lora_page_rank == (4 if page_rank == 4 else None)
+        assert A.dim() == (4 if page_rank == 4 else 3)
+        if page_rank == 4:
+            assert A.shape[1] == 2  # two pages of 4 ranks a slot
+    assert outs[0] == outs[1] == outs[2]
     assert len({tuple(ids) for ids in outs[0]}) > 1
 
 

@@ -11,6 +11,7 @@ import torch
 from mmlora.forward.lora import LoRABatchInfo
 from mmlora.lora import staging as staging_module
 from mmlora.lora.adapter import LoadedAdapter, LoRAModuleWeights
+from mmlora.lora.pages import resolve_page_rank
 from mmlora.lora.pool import LoRAPool
 from mmlora.lora.spec import LoRAModelSpec, LoRATarget
 from mmlora.lora.staging import flatten as _flatten
@@ -465,3 +466,22 @@ def test_a_paged_pool_holds_more_adapters_of_small_ranks_and_evicts_to_fit_a_lar
     assert_paged_slot_is(pool, 2, adapter(4, 7.0))
     pool.drop(9)
     assert info.ranks_host[2] == 0 and pool.buffers[(0, "qkv_proj")][0][2].abs().sum() == 0
+
+
+@pytest.mark.parametrize(
+    ("page_rank", "max_rank", "device", "resolved"),
+    [
+        (None, 64, "cuda", 16),  # the default pool on CUDA
+        (None, 32, "cuda", 16),
+        (None, 128, "cuda", 16),
+        (None, 16, "cuda", None),  # one page: unpaged
+        (None, 8, "cuda", None),
+        (None, 48, "cuda", None),  # three pages: not a power of two
+        (None, 64, "cpu", None),  # the CPU path stacks live ranks: never paged unless asked
+        (64, 64, "cuda", None),  # the pool rank itself: unpaged on request
+        (8, 64, "cpu", 8),
+        (32, 64, "cuda", 32),
+    ],
+)
+def test_the_page_rank_a_pool_uses(page_rank, max_rank, device, resolved):
+    assert resolve_page_rank(page_rank, max_rank, torch.device(device)) == resolved
