@@ -10,7 +10,7 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 timeout 200 python -m pytest -q -p no:cacheprovider tests/kernels/test_cuda_graph.py \
   tests/kernels/test_lora_warmup.py tests/unit/test_slot_loads_beside.py tests/models/test_gemma2_vs_peft.py \
-  tests/models/test_qwen2_vl_vs_peft.py tests/models/test_llama_family_vs_peft.py -k "cuda or graph or warm" \
+  tests/models/test_qwen2_vl_vs_peft.py tests/models/test_llama_family_vs_peft.py -k "cuda or graph or warm or triton" \
   > "$out/tests.txt" 2>&1
 echo "tests rc=$? at ${SECONDS} s" | tee "$out/rc.txt"
 tail -3 "$out/tests.txt"
