@@ -32,6 +32,10 @@ STAGE_BLOCK_BYTES = 16 << 20
 # every upload would cost more than the plan saves.
 _LAYOUT_IDS: dict[tuple, int] = {}
 
+#: A strided slot view whose parts along its first dim are contiguous (a paged A view, one part a page)
+#: is copied as that many flat pairs when it has at most this many parts.
+MAX_PAGE_SPLIT = 64
+
 Pair = tuple[torch.Tensor | None, torch.Tensor]  # (slot view or None to skip, host source tensor)
 
 
@@ -173,14 +177,18 @@ class UploadPlan:
             if d is None:
                 continue
             # _foreach_copy_'s multi-tensor kernel takes pairs of one dense layout: flat slot views with
-            # flat chunks; a B view B[slot, rows, :r] below the pool rank is strided, so those pairs go
-            # in a second call, which copies them one by one.
+            # flat chunks. A paged A view A[slot, :k, rows] spans k pages, each part contiguous: k flat
+            # pairs. A B view B[slot, rows, :r] below the pool rank (or a paged one, [out, k, U]) is
+            # strided, so those pairs go in a second call, which copies them one by one (a launch each).
             if d.dim() == 1:
                 flat[0].append(d)
                 flat[1].append(chunk)
+            elif d.shape[0] <= MAX_PAGE_SPLIT and all(part.is_contiguous() for part in d):
+                flat[0].extend(part.view(-1) for part in d)
+                flat[1].extend(chunk.split(d[0].numel()))  # d lists its elements in t's order
             else:
                 strided[0].append(d)
-                strided[1].append(chunk.view(d.shape))  # d lists its elements in t's order
+                strided[1].append(chunk.view(d.shape))
         if sum(n for _, n in scale_pairs) != scale_staging.numel():
             raise ValueError("the adapter's scalings do not match its modules")
         scales: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])

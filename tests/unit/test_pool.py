@@ -485,3 +485,29 @@ def test_a_paged_pool_holds_more_adapters_of_small_ranks_and_evicts_to_fit_a_lar
 )
 def test_the_page_rank_a_pool_uses(page_rank, max_rank, device, resolved):
     assert resolve_page_rank(page_rank, max_rank, torch.device(device)) == resolved
+
+
+def test_a_staged_upload_into_pages_copies_a_views_as_flat_pages():
+    """A staged rank-4 adapter in pages of 2, every element distinct: each A view spans two pages of
+    rows and is copied as one flat pair per page (in the multi-tensor call), B views stay strided, and
+    the slot reads back as the adapter (a page order mix-up would fail)."""
+    torch.manual_seed(0)
+    base = adapter(4, 1.0)
+    weights = {
+        key: dataclasses.replace(
+            w,
+            A=tuple(None if t is None else torch.randn(t.shape) for t in w.A),
+            B=tuple(None if t is None else torch.randn(t.shape) for t in w.B),
+        )
+        for key, w in base.weights.items()
+    }
+    new = dataclasses.replace(base, weights=weights)
+    pool, _ = paged_pool()
+    pool.put_host(2, _flatten(new, pin=False), set())
+    slot = pool.acquire_slot(2, set())
+    assert_paged_slot_is(pool, slot, new)
+    plan = pool._plans[(slot, pool.host[2].staged_layout)]
+    a_tensors = sum(t is not None for w in new.weights.values() for t in w.A)
+    b_tensors = sum(t is not None for w in new.weights.values() for t in w.B)
+    assert len(plan.flat[0]) == 2 * a_tensors and all(d.dim() == 1 for d in plan.flat[0])
+    assert len(plan.strided[0]) == b_tensors
