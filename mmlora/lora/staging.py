@@ -32,10 +32,6 @@ STAGE_BLOCK_BYTES = 16 << 20
 # every upload would cost more than the plan saves.
 _LAYOUT_IDS: dict[tuple, int] = {}
 
-#: A strided slot view whose parts along its first dim are contiguous (a paged A view, one part a page)
-#: is copied as that many flat pairs when it has at most this many parts.
-MAX_PAGE_SPLIT = 64
-
 Pair = tuple[torch.Tensor | None, torch.Tensor]  # (slot view or None to skip, host source tensor)
 
 
@@ -142,6 +138,19 @@ def check_staged(pairs: list[Pair], staged: tuple[torch.Tensor, ...]) -> None:
         raise ValueError("an adapter tensor is not where its staged blocks hold it")
 
 
+def _rows_joined(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
+    """One view of ``a``'s rows then ``b``'s when ``b`` continues ``a`` along its first dim in the same
+    storage (same shape past it, same strides), else None."""
+    if (
+        a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+        or a.shape[1:] != b.shape[1:]
+        or a.stride() != b.stride()
+        or b.storage_offset() != a.storage_offset() + a.shape[0] * a.stride(0)
+    ):
+        return None
+    return a.as_strided((a.shape[0] + b.shape[0], *a.shape[1:]), a.stride(), a.storage_offset())
+
+
 @dataclass
 class UploadPlan:
     """The copies of one staged layout into one slot: each block to its offset in the staging buffer,
@@ -170,25 +179,38 @@ class UploadPlan:
         dtype and total length. ``scale_pairs``: (the slot's scalings view of a module or None to skip,
         its slice count) in the order of ``staged_scalings``, whose length ``scale_staging`` has."""
         check_staged(pairs, staged)
-        chunks = staging.split([t.numel() for _, t in pairs])
         flat: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         strided: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
-        for (d, _), chunk in zip(pairs, chunks):
+        at = 0  # where the pair's chunk starts in ``staging``
+        run_start: int | None = None  # where the last strided pair's chunk starts, if it ends at ``at``
+        for d, t in pairs:
+            chunk = staging[at : at + t.numel()]
+            start, at = at, at + t.numel()
             if d is None:
+                run_start = None
                 continue
             # _foreach_copy_'s multi-tensor kernel takes pairs of one dense layout: flat slot views with
             # flat chunks. A paged A view A[slot, :k, rows] spans k pages, each part contiguous: k flat
             # pairs. A B view B[slot, rows, :r] below the pool rank (or a paged one, [out, k, U]) is
-            # strided, so those pairs go in a second call, which copies them one by one (a launch each).
+            # strided: those go in a second call, which copies them one by one (a launch each), so the
+            # B views of a module's slices, rows back to back, are joined into one.
             if d.dim() == 1:
                 flat[0].append(d)
                 flat[1].append(chunk)
-            elif d.shape[0] <= MAX_PAGE_SPLIT and all(part.is_contiguous() for part in d):
+                run_start = None
+            elif d.dim() == 3 and all(part.is_contiguous() for part in d):  # [pages, U, in]
                 flat[0].extend(part.view(-1) for part in d)
                 flat[1].extend(chunk.split(d[0].numel()))  # d lists its elements in t's order
+                run_start = None
             else:
-                strided[0].append(d)
-                strided[1].append(chunk.view(d.shape))
+                joined = _rows_joined(strided[0][-1], d) if run_start is not None else None
+                if joined is not None:
+                    strided[0][-1] = joined
+                    strided[1][-1] = staging[run_start:at].view(joined.shape)
+                else:
+                    strided[0].append(d)
+                    strided[1].append(chunk.view(d.shape))
+                    run_start = start
         if sum(n for _, n in scale_pairs) != scale_staging.numel():
             raise ValueError("the adapter's scalings do not match its modules")
         scales: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])

@@ -487,27 +487,44 @@ def test_the_page_rank_a_pool_uses(page_rank, max_rank, device, resolved):
     assert resolve_page_rank(page_rank, max_rank, torch.device(device)) == resolved
 
 
-def test_a_staged_upload_into_pages_copies_a_views_as_flat_pages():
-    """A staged rank-4 adapter in pages of 2, every element distinct: each A view spans two pages of
-    rows and is copied as one flat pair per page (in the multi-tensor call), B views stay strided, and
-    the slot reads back as the adapter (a page order mix-up would fail)."""
-    torch.manual_seed(0)
-    base = adapter(4, 1.0)
+def random_adapter(rank: int, seed: int) -> LoadedAdapter:
+    """Every slice of qkv_proj in both layers, every element distinct (a copy in the wrong order fails)."""
+    g = torch.Generator().manual_seed(seed)
     weights = {
-        key: dataclasses.replace(
-            w,
-            A=tuple(None if t is None else torch.randn(t.shape) for t in w.A),
-            B=tuple(None if t is None else torch.randn(t.shape) for t in w.B),
+        (layer, "qkv_proj"): LoRAModuleWeights(
+            A=tuple(torch.randn(rank, 8, generator=g) for _ in range(3)),
+            B=tuple(torch.randn(out, rank, generator=g) for out in (8, 4, 4)),
+            scalings=(2.0, 1.0, 0.5),
         )
-        for key, w in base.weights.items()
+        for layer in range(2)
     }
-    new = dataclasses.replace(base, weights=weights)
+    return LoadedAdapter(path=f"/r/{seed}", rank=rank, weights=weights, config={}, nbytes=0)
+
+
+def test_a_staged_upload_into_pages_copies_few_strided_views():
+    """A staged rank-4 adapter in pages of 2: each A view spans two pages of rows and is copied as one
+    flat pair per page (in the multi-tensor call); a module's B views, rows back to back, are one strided
+    copy; and the slot reads back as the adapter."""
+    new = random_adapter(4, 0)
     pool, _ = paged_pool()
     pool.put_host(2, _flatten(new, pin=False), set())
     slot = pool.acquire_slot(2, set())
     assert_paged_slot_is(pool, slot, new)
     plan = pool._plans[(slot, pool.host[2].staged_layout)]
-    a_tensors = sum(t is not None for w in new.weights.values() for t in w.A)
-    b_tensors = sum(t is not None for w in new.weights.values() for t in w.B)
-    assert len(plan.flat[0]) == 2 * a_tensors and all(d.dim() == 1 for d in plan.flat[0])
-    assert len(plan.strided[0]) == b_tensors
+    assert len(plan.flat[0]) == 2 * 3 * 2 and all(d.dim() == 1 for d in plan.flat[0])  # layers, slices, pages
+    assert [d.shape for d in plan.strided[0]] == [(16, 2, 2)] * 2  # a module's B, [out, pages, U], a layer
+
+
+def test_a_staged_upload_below_the_pool_rank_joins_a_modules_b_views():
+    """A staged rank-2 adapter in an unpaged rank-4 pool: B[slot, rows, :2] is strided; the three slices'
+    views are one copy a layer, and the slot holds the adapter (zeros past its rank)."""
+    new = random_adapter(2, 1)
+    pool, _ = make_pool()
+    pool.put_host(1, _flatten(new, pin=False), set())
+    slot = pool.acquire_slot(1, set())
+    expected = expected_slot(new, 4)
+    for key, (A, B, s) in pool.buffers.items():
+        want_a, want_b, want_s = expected[key]
+        assert torch.equal(A[slot], want_a) and torch.equal(B[slot], want_b) and torch.equal(s[slot], want_s)
+    plan = pool._plans[(slot, pool.host[1].staged_layout)]
+    assert [d.shape for d in plan.strided[0]] == [(16, 2)] * 2
