@@ -11,4 +11,6 @@ if ! command -v chromium >/dev/null 2>&1; then  # for the app's browser test (Pl
 fi
 "$PY" -m ruff check .
 "$PY" -m ruff format --check .
-"$PY" -m pytest -q -p no:cacheprovider "$@"
+# Two test processes, a file's tests in one (module fixtures built once): on the 2-core CI machine (AVX2
+# host, 2026-12-03) the suite took 1,003 s against 1,225-1,408 s in one process.
+"$PY" -m pytest -q -p no:cacheprovider -n auto --maxprocesses 2 --dist loadfile "$@"
