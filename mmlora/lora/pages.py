@@ -26,6 +26,11 @@ def pages_for(rank: int, page_rank: int, max_pages: int) -> int:
     return min(pages, max_pages)
 
 
+def divides_into_pages(max_rank: int, page_rank: int | None) -> bool:
+    """Whether ``page_rank`` pages a pool of ``max_rank`` (it divides it into several pages)."""
+    return page_rank is not None and 1 <= page_rank < max_rank and max_rank % page_rank == 0
+
+
 #: The page rank of a CUDA pool whose ``lora_page_rank`` is not set. H200, Mistral-7B, 32 rank-16 adapters
 #: (benchmarks/results/h200-2026-12-03-session17): in a rank-64 pool paged by 16 the LoRA kernels take the
 #: time of a rank-16 pool's (decode runs 67 against 89 us unpaged, mixed steps 232 against 258), and
@@ -40,7 +45,7 @@ def resolve_page_rank(page_rank: int | None, max_rank: int, device: torch.device
     adapter takes a power of two of pages, as the buddy placement assumes; elsewhere unpaged (the CPU
     path stacks each slot's live ranks, so padding costs it nothing)."""
     if page_rank is not None:
-        return page_rank if 1 <= page_rank < max_rank and max_rank % page_rank == 0 else None
+        return page_rank if divides_into_pages(max_rank, page_rank) else None
     if device.type != "cuda" or max_rank % CUDA_PAGE_RANK:
         return None
     pages = max_rank // CUDA_PAGE_RANK

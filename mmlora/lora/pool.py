@@ -23,7 +23,15 @@ from collections.abc import Callable, Iterable
 import torch
 
 from mmlora.lora.adapter import LoadedAdapter
-from mmlora.lora.pages import PageMap, a_views, b_views, flat_view, one_pair_each, pages_for
+from mmlora.lora.pages import (
+    PageMap,
+    a_views,
+    b_views,
+    divides_into_pages,
+    flat_view,
+    one_pair_each,
+    pages_for,
+)
 from mmlora.lora.spec import LoRAModelSpec
 from mmlora.lora.staging import UploadPlan, pinned, scalings_of
 
@@ -60,7 +68,7 @@ class LoRAPool:
         self.buffers: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         # The pages behind each (layer, target)'s A and B views: [pages, n*U, in] and [pages, out, U].
         self._stores: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
-        paging = self.divides_into_pages(max_rank, page_rank)
+        paging = divides_into_pages(max_rank, page_rank)
         #: Ranks per page and the most pages an adapter takes (1 page of max_rank: the unpaged layout).
         self.page_rank, self.pages = (page_rank, max_rank // page_rank) if paging else (max_rank, 1)
         U, C = self.page_rank, self.pages
@@ -150,14 +158,9 @@ class LoRAPool:
         return self._slot_of.get(uid)
 
     @staticmethod
-    def divides_into_pages(max_rank: int, page_rank: int | None) -> bool:
-        """Whether ``page_rank`` pages a pool of ``max_rank`` (it divides it into several pages)."""
-        return page_rank is not None and 1 <= page_rank < max_rank and max_rank % page_rank == 0
-
-    @classmethod
-    def page_count(cls, adapters: int, max_rank: int, page_rank: int | None) -> int:
+    def page_count(adapters: int, max_rank: int, page_rank: int | None) -> int:
         """Slot ids of a pool holding ``adapters`` adapters of ``max_rank`` (pages when paged)."""
-        return adapters * (max_rank // page_rank if cls.divides_into_pages(max_rank, page_rank) else 1)
+        return adapters * (max_rank // page_rank if divides_into_pages(max_rank, page_rank) else 1)
 
     def _pages_of_rank(self, rank: int) -> int:
         return pages_for(rank, self.page_rank, self.pages)
