@@ -84,7 +84,8 @@ TUNING = {
     "pdl": True,
     # Sum the shrink's split-K planes into h (x.dtype) with one torch reduction before the expand, so each
     # expand program loads one plane instead of summing all of them (every program of a token repeats that
-    # sum). Off: not yet timed (written in session 16 for an A/B, ``decode_lora_anatomy.py --mode``).
+    # sum). Off: H200, decode rows on 32 adapters (benchmarks/results/h200-2026-12-03-session17, c1, two
+    # rounds), rank 16 1.17-1.48x as long (B=32 52 -> 77 us), rank 64 1.05x at B=32 and 0.92-0.96x at B=128.
     "reduce_partials": False,
 }
 
