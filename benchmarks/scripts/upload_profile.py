@@ -13,6 +13,7 @@ import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+from upload_timing import timed_write  # this folder's script, on sys.path as the script's own
 
 import mmlora
 from mmlora.bench.adapters import write_random_adapters
@@ -39,18 +40,7 @@ print(
 
 
 def upload(adapter, slot: int = 0) -> tuple[float, float]:  # noqa: ANN001
-    if cuda:
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-    t0 = time.perf_counter()
-    pool.write_slot(slot, adapter)
-    host = time.perf_counter() - t0
-    if not cuda:
-        return host, float("nan")
-    end.record()
-    end.synchronize()
-    return host, start.elapsed_time(end) / 1e3
+    return timed_write(pool, slot, adapter)
 
 
 if cuda:

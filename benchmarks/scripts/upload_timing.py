@@ -21,27 +21,34 @@ import torch
 
 import mmlora
 from mmlora.bench.adapters import write_random_adapters
+from mmlora.lora.adapter import LoadedAdapter
 from mmlora.lora.pool import LoRAPool
 from mmlora.lora.staging import flatten
+
+
+def timed_write(pool: LoRAPool, slot: int, adapter: LoadedAdapter) -> tuple[float, float]:
+    """(host seconds, GPU seconds: NaN off CUDA) of one ``pool.write_slot(slot, adapter)``."""
+    cuda = pool.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+    t0 = time.perf_counter()
+    pool.write_slot(slot, adapter)
+    host = time.perf_counter() - t0
+    if not cuda:
+        return host, float("nan")
+    end.record()
+    end.synchronize()
+    return host, start.elapsed_time(end) / 1e3
 
 
 def _time_writes(pool: LoRAPool, uid: int, reps: int) -> dict[str, float]:
     slot = pool.acquire_slot(uid, set())
     adapter = pool.host[uid]
-    cuda = pool.device.type == "cuda"
-    host, gpu = [], []
-    for _ in range(reps):
-        if cuda:
-            torch.cuda.synchronize()
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-        t0 = time.perf_counter()
-        pool.write_slot(slot, adapter)
-        host.append(time.perf_counter() - t0)
-        if cuda:
-            e1.record()
-            e1.synchronize()
-            gpu.append(e0.elapsed_time(e1) / 1e3)
+    host, gpu = zip(*(timed_write(pool, slot, adapter) for _ in range(reps)))
+    gpu = [g for g in gpu if g == g]  # NaN off CUDA
+    host = list(host)
     plan = pool._plans.get((slot, adapter.staged_layout)) if adapter.staged_layout is not None else None
     return {
         "host_ms": sorted(host)[len(host) // 2] * 1e3,
