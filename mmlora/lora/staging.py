@@ -198,7 +198,11 @@ class UploadPlan:
                 flat[0].append(d)
                 flat[1].append(chunk)
                 run_start = None
-            elif d.dim() == 3 and all(part.is_contiguous() for part in d):  # [pages, U, in]
+            # [pages, U, in]: its parts share strides, so the first speaks for all. (Iterating every view
+            # unbound paged B views [out, pages, U] into ``out`` parts: building the 128 plans of a
+            # rank-64 SmolLM2 adapter took 21 s on CPU, not 2, and an H200 run loaded 32 rank-64
+            # Mistral-7B adapters in 211 s.)
+            elif d.dim() == 3 and d[0].is_contiguous():
                 flat[0].extend(part.view(-1) for part in d)
                 flat[1].extend(chunk.split(d[0].numel()))  # d lists its elements in t's order
                 run_start = None
