@@ -175,41 +175,19 @@ class FastKernel:
         if runtime is None or _hooked(runtime.launch_enter_hook) or _hooked(runtime.launch_exit_hook):
             self.fn[plan.grid](*values, **plan.kwargs)
             return
-        # The plan's own memo of compiled kernels by what varies between its launches (device, and the
-        # tensors' dtypes and alignment): no hash of the long static key per launch (an eager Mistral-7B
-        # forward launches LoRA plans 256 times).
-        device = _current_device()
-        spec = (device, *[(t.dtype, t.data_ptr() % 16 == 0) for t in tensors])
-        kernel = plan.kernels.get(spec)
-        if kernel is not None:
-            kernel.run(
-                *plan.grid,
-                _current_stream(device),
-                kernel.function,
-                kernel.packed_metadata,
-                None,
-                None,
-                None,
-                *values,
-            )
-            self.direct_launches += 1
-            return
         if plan.static_key is None:  # the first direct launch of this plan keys its fixed arguments
             fixed = list(values)
             for i in plan.tensor_pos:
                 fixed[i] = None  # keyed per launch
             try:
-                plan.static_key = self.launch_key(fixed, plan.options, device)
+                plan.static_key = self.launch_key(fixed, plan.options, torch.cuda.current_device())
             except TypeError:  # an argument kind the key does not cover: Triton decides, every time
                 plan.static_key = _UNKEYABLE
         if plan.static_key is _UNKEYABLE:
             self.fn[plan.grid](*values, **plan.kwargs)
             return
-        key = (plan.static_key, *spec[1:])
-        self._run_keyed(key, plan.grid, values, plan.kwargs, device)
-        kernel = self._compiled.get(key)
-        if kernel is not None:
-            plan.kernels[spec] = kernel
+        key = (plan.static_key, *[(t.dtype, t.data_ptr() % 16 == 0) for t in tensors])
+        self._run_keyed(key, plan.grid, values, plan.kwargs, torch.cuda.current_device())
 
     def _run_keyed(
         self, key: tuple, grid3: tuple[int, int, int], values: list[Any], options: dict, device: int
@@ -244,7 +222,7 @@ class LaunchPlan:
     (the layers of a model share module shapes and the forward's batch). Its key part of the fixed
     arguments is computed once; a launch adds only its tensors' dtypes and alignments."""
 
-    __slots__ = ("grid", "values", "tensor_pos", "options", "kwargs", "static_key", "kernels")
+    __slots__ = ("grid", "values", "tensor_pos", "options", "kwargs", "static_key")
 
     def __init__(
         self,
@@ -262,8 +240,6 @@ class LaunchPlan:
             kwargs,
         )
         self.static_key: tuple[Any, ...] | None = None
-        #: (device, each launch tensor's dtype and 16-byte alignment) -> the compiled kernel launched
-        self.kernels: dict[tuple[Any, ...], Any] = {}
 
 
 _FAST = fast_launch_enabled()
@@ -271,11 +247,6 @@ _FAST = fast_launch_enabled()
 _current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
     lambda device: torch.cuda.current_stream(device).cuda_stream
 )
-
-
-# The current device's index without ``torch.cuda.current_device``'s lazy-init check (a launch site has
-# already used CUDA).
-_current_device = getattr(torch._C, "_cuda_getDevice", None) or (lambda: torch.cuda.current_device())
 
 
 _WRAPPED: dict[Any, FastKernel] = {}

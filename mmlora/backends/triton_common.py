@@ -269,18 +269,11 @@ def check_expand_weights(
     return n, R
 
 
-def weights_layout(weights: LoRAWeights) -> tuple:
-    """Everything launch arithmetic reads of a module's pool views: their shapes and strides and the
-    slice offsets (equal for the same module of every layer)."""
-    A, B = weights.A, weights.B
-    return (A.shape, A.stride(), B.shape, B.stride(), weights.scalings.stride(0), weights.slice_offsets)
-
-
 class _Checked:
     """What a full check of one module's weights established, so that later calls on the same weights
     only compare ``x``, ``out`` and the batch against it (the pool's buffers never change shape)."""
 
-    __slots__ = ("weights", "in_features", "out_features", "rank", "slots", "dtype", "device", "layout")
+    __slots__ = ("weights", "in_features", "out_features", "rank", "slots", "dtype", "device")
 
     def __init__(self, weights: LoRAWeights, rank: int) -> None:
         A, B, scalings = weights.A, weights.B, weights.scalings
@@ -291,8 +284,6 @@ class _Checked:
         self.slots = min(A.shape[0], B.shape[0], scalings.shape[0])
         self.dtype = A.dtype
         self.device = A.device
-        #: What launch arithmetic reads of the weights (launch plans are shared by equal layouts).
-        self.layout = weights_layout(weights)
 
     def accepts(self, out: torch.Tensor, x: torch.Tensor, info: LoRABatchInfo) -> bool:
         """True only where check_shrink_args and check_expand_weights would pass (never less strict):
@@ -361,11 +352,6 @@ class FusedTritonBackend(LoRABackend):
             checked.clear()
         checked[id(weights)] = _Checked(weights, R)
         return R
-
-    def layout_of(self, weights: LoRAWeights) -> tuple:
-        """:func:`weights_layout` of ``weights``, as their validation recorded it."""
-        seen = self._checked.get(id(weights))
-        return seen.layout if seen is not None and seen.weights is weights else weights_layout(weights)
 
     def start_lora(
         self, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo

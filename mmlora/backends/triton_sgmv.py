@@ -383,15 +383,11 @@ class _ModulePlan:
     a model share module shapes and the forward's batch, so every layer after the first launches these
     with its own x, A, B, scalings and out, skipping the launch arithmetic."""
 
-    __slots__ = ("shrink", "expand", "h_shape", "h_dtype", "h")
+    __slots__ = ("shrink", "expand", "h_shape", "h_dtype")
 
     def __init__(self, job: ShrinkJob, weights: LoRAWeights, out_stride: int, pdl: bool) -> None:
         # ``pdl``: the expand follows its shrink on the stream, as a programmatic dependent.
         pdl = pdl_launch(job.x.device, pdl)
-        #: ``_fused``'s h planes, allocated by the forward's first layer and reused by the others: a layer's
-        #: shrink writes them only after the previous layer's expand (a plain launch, many kernels later
-        #: on the same stream, or on the side stream after that layer's join) has read them.
-        self.h: torch.Tensor | None = None
         grid, args, kwargs, self.h_shape, self.h_dtype = _shrink_launch(
             job, fp32_planes=True, pdl=pdl, whole_rank=False
         )
@@ -406,20 +402,23 @@ class _ModulePlan:
     def of(
         x: torch.Tensor,
         weights: LoRAWeights,
-        layout: tuple,
         info: LoRABatchInfo,
         R: int,
         out_stride: int,
         split_k: int | None,
         pdl: bool,
     ) -> _ModulePlan:
-        """The plan for this module shape (``layout``: the weights' ``weights_layout``) and an out of row
-        stride ``out_stride`` in this forward (made once, shared by the layers)."""
+        """The plan for this module shape and an out of row stride ``out_stride`` in this forward (made
+        once, shared by the layers)."""
+        A, B, scalings = weights.A, weights.B, weights.scalings
         # Everything the launch arithmetic reads of this call, but the batch (the plan is per forward).
-        key = ("sgmv_module", x.shape[1], x.stride(0), x.dtype, layout, out_stride, R, split_k, pdl)
+        key = (
+            "sgmv_module", x.shape[1], x.stride(0), x.dtype, A.shape, A.stride(), B.shape, B.stride(),
+            scalings.stride(0), weights.slice_offsets, out_stride, R, split_k, pdl,
+        )  # fmt: skip
         plan = info.host_derived.get(key)
         if plan is None:
-            job = ShrinkJob(x, weights.A, info, weights.n_slices, R, True, split_k)
+            job = ShrinkJob(x, A, info, weights.n_slices, R, True, split_k)
             plan = info.host_derived[key] = _ModulePlan(job, weights, out_stride, pdl)
         return plan
 
@@ -455,12 +454,8 @@ class TritonSGMVBackend(FusedTritonBackend):
     ) -> None:
         """Shrink knows the slice count, so it skips rank padding per slice; its planes are always fp32
         (expand rounds h to x.dtype), so the kernels' signatures do not depend on the batch."""
-        plan = _ModulePlan.of(
-            x, weights, self.layout_of(weights), info, R, out.stride(0), self.split_k, TUNING["pdl"]
-        )
-        h = plan.h
-        if h is None:
-            h = plan.h = torch.empty(plan.h_shape, dtype=plan.h_dtype, device=x.device)
+        plan = _ModulePlan.of(x, weights, info, R, out.stride(0), self.split_k, TUNING["pdl"])
+        h = torch.empty(plan.h_shape, dtype=plan.h_dtype, device=x.device)
         fast(_sgmv_shrink_kernel).launch_plan(plan.shrink, (x, weights.A, h))
         fast(_sgmv_expand_kernel).launch_plan(plan.expand, (h, weights.B, out, weights.scalings))
 
@@ -477,9 +472,7 @@ class TritonSGMVBackend(FusedTritonBackend):
         """start_lora's first phase: the shrink alone (plain launches: the expand will follow the base
         GEMM, not this shrink). The plan assumes a contiguous ``out`` [T, out_features], as the base
         layer returns; :meth:`_expand_phase` plans again for any other."""
-        plan = _ModulePlan.of(
-            x, weights, self.layout_of(weights), info, R, weights.B.shape[-2], self.split_k, False
-        )
+        plan = _ModulePlan.of(x, weights, info, R, weights.B.shape[-2], self.split_k, False)
         h = torch.empty(plan.h_shape, dtype=plan.h_dtype, device=x.device)
         fast(_sgmv_shrink_kernel).launch_plan(plan.shrink, (x, weights.A, h))
         return h, plan

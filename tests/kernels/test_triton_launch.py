@@ -90,7 +90,6 @@ class _StandIn:
 def direct(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(tl_launch, "_FAST", True)
     monkeypatch.setattr(tl_launch.torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(tl_launch, "_current_device", lambda: 0)
     monkeypatch.setattr(tl_launch, "_current_stream", lambda device: 1234)
 
 
@@ -135,15 +134,9 @@ def test_plans_launch_their_tensors_with_the_same_keys(direct) -> None:  # noqa:
         and call[9].data_ptr() == buf[16:24].data_ptr()
         and call[10:] == (32, 5, 64)
     )
-    k.launch_plan(plan, (buf[32:40],))  # again: from the plan's own memo of kernels
-    assert len(fn.compiled[0].calls) == 2 and fn.compiled[0].calls[1][9].data_ptr() == buf[32:40].data_ptr()
     k.launch_plan(plan, (buf[1:9],))  # misaligned: through Triton again
     k.launch_plan(plan, (buf.float()[:8],))  # another dtype: through Triton again
-    assert len(fn.via_triton) == 3 and k.direct_launches == 2
-    k.launch_plan(plan, (buf[1:9],))  # the misaligned kernel, now known: direct
-    k.launch_plan(plan, (buf[3:11],))
-    assert len(fn.via_triton) == 3 and k.direct_launches == 4
-    assert len(fn.compiled[1].calls) == 2 and fn.compiled[1].calls[1][9].data_ptr() == buf[3:11].data_ptr()
+    assert len(fn.via_triton) == 3 and k.direct_launches == 1
 
 
 def test_missing_arguments_and_foreign_kinds(direct) -> None:  # noqa: ANN001
