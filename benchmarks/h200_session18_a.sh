@@ -10,10 +10,5 @@ set -u
 out=${1:?output folder}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
-for a in 32 0; do
-  timeout 75 python benchmarks/scripts/mixed_step_profile.py --adapters $a --chunk 512 --steps 8 \
-    > "$out/mixed_a$a.txt" 2>&1
-  echo "profile a=$a rc=$? at ${SECONDS} s" | tee -a "$out/rc.txt"
-  grep "step wall" "$out/mixed_a$a.txt"
-done
+bash benchmarks/h200_mixed_profiles.sh "$out"
 BUDGET=$((570 - SECONDS)) bash benchmarks/h200_uploads.sh "$out/uploads"

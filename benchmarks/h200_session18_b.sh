@@ -20,12 +20,7 @@ echo "tests rc=$rc at ${SECONDS} s" | tee "$out/rc.txt"
 tail -3 "$out/tests.txt"
 grep -E "^(FAILED|ERROR)" "$out/tests.txt" | head -20
 if [ "$rc" -ne 0 ] && [ "$rc" -ne 124 ]; then tail -60 "$out/tests.txt"; exit 1; fi
-for a in 32 0; do
-  timeout 75 python benchmarks/scripts/mixed_step_profile.py --adapters $a --chunk 512 --steps 8 \
-    > "$out/mixed_a$a.txt" 2>&1
-  echo "profile a=$a rc=$? at ${SECONDS} s" | tee -a "$out/rc.txt"
-  grep "step wall" "$out/mixed_a$a.txt"
-done
+bash benchmarks/h200_mixed_profiles.sh "$out"
 timeout $((570 - SECONDS)) python -m mmlora.bench serving --model dummy:mistral-7b-v0.3 --num-adapters 32 \
   --num-requests 192 --hf-batch 0 --allow-compiles --rank-mixes 8 16 64 8,64 --pool-rank 64 --sweep-rounds 2 \
   --out "$out/mixes" > "$out/mixes.log" 2>&1
