@@ -70,6 +70,13 @@ TUNING = {
     "run_expand_rank_step": 32,
     "max_split_k": 16,
     "waves": 2,
+    # Shrinks over 16-token tiles (decode runs, as decode graphs replay them): in_features per step of
+    # the loop, and waves aimed for; None: as above (128; ``waves``). Not yet swept on a GPU: session 8's
+    # one-knob sweep (waves 1-16 for all shrinks) had the runs layout 80.7-90.8 us with waves=4 best and
+    # never varied the step, and decode runs take about 2.6x their bytes floor (session 17), down's shrink
+    # 13 us against about 4.
+    "run_shrink_block_k": None,
+    "run_waves": None,
     # Batches of at least this many tokens run the shrink on the side stream beside the base GEMM
     # (``splits_work``); None: never. H200, prefill forwards of 1024-2048 tokens over 32 rank-16 adapters
     # (benchmarks/scripts/lora_prefill_side_ab.py, 2026-12-03, three rounds): 1.00-1.03x the GPU time of
@@ -296,14 +303,17 @@ def _shrink_launch(
     ns_p2 = next_pow2(n)
     block_r = min(max(16, next_pow2(top_rank)), max(16, 128 // ns_p2))
     tiles = _Tiles.of(info, _block_m(info.max_seg_len, TUNING["shrink_block_m"]))
-    block_k = 64 if tiles.block_m >= 64 else 128
+    runs = tiles.block_m <= 16
+    block_k = (TUNING["run_shrink_block_k"] if runs else None) or (64 if tiles.block_m >= 64 else 128)
     if split_k:  # a forced split (tests, benchmarks) gets blocks small enough to honour it
         block_k = min(block_k, max(16, next_pow2(cdiv(in_f, split_k))))
     r_tiles = cdiv(R if whole_rank else top_rank, block_r)
     # Split in_features until the launch has a few waves of programs: a long segment alone would
     # otherwise leave most of the GPU idle (the rank dimension gives almost no parallelism).
     busy = tiles.count * cdiv(top_rank, block_r)
-    k_per_split, split = split_k_plan(in_f, block_k, busy, x.device, split_k, TUNING)
+    waves = TUNING["run_waves"] if runs else None
+    tuning = TUNING if waves is None else {**TUNING, "waves": waves}
+    k_per_split, split = split_k_plan(in_f, block_k, busy, x.device, split_k, tuning)
     dtype = x.dtype if split == 1 and not fp32_planes else torch.float32
     # Planes padded to 16 rows: their stride keeps the same divisibility for every batch.
     shape = (split, -(-T // 16) * 16, n * R)

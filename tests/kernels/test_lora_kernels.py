@@ -298,6 +298,21 @@ def test_bgmv_with_partials_reduced_before_the_expand(
     assert_out(c, c.out, want, out0)
 
 
+@pytest.mark.parametrize("block_k,waves", [(256, None), (512, 8), (None, 8)])
+@pytest.mark.parametrize("name", ["decode-wide-in-qkv", "prefill-zipf-single", "decode-distinct-qkv"])
+def test_sgmv_run_shrink_knobs(name: str, block_k: int | None, waves: int | None, monkeypatch) -> None:  # noqa: ANN001
+    """SGMV's own shrink knobs for 16-token tiles (``run_shrink_block_k``, ``run_waves``; off by default,
+    for a GPU sweep) give the reference too, NaN padding included."""
+    monkeypatch.setitem(triton_sgmv.TUNING, "run_shrink_block_k", block_k)
+    monkeypatch.setitem(triton_sgmv.TUNING, "run_waves", waves)
+    c = make_case(*CPU_CASES[name], dtype=torch.float32, seed=7, pad_value=float("nan"))
+    assert c.info.max_seg_len <= 16  # the batches these knobs apply to
+    _, want = reference(c)
+    out0 = c.out.clone()
+    get_backend("triton-sgmv").add_lora(c.out, c.x, c.weights, c.info)
+    assert_out(c, c.out, want, out0)
+
+
 @pytest.mark.parametrize(
     "name,picked", [("decode-basemix-qkv", "triton-bgmv"), ("prefill-uniform-qkv", "triton-sgmv")]
 )
