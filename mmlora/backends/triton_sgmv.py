@@ -77,6 +77,10 @@ TUNING = {
     # 13 us against about 4.
     "run_shrink_block_k": None,
     "run_waves": None,
+    # Expands over 16-token tiles load their out tile and scaling before the rank loop (EARLY_OUT), in
+    # flight with the B tile: a small expand is a chain of dependent loads (segment, slot, rank, B, h, out)
+    # and takes about 5 us whatever its bytes (o's: 5.0 us for 6 MB, session 17). Off: not yet timed.
+    "run_expand_early_out": False,
     # Batches of at least this many tokens run the shrink on the side stream beside the base GEMM
     # (``splits_work``); None: never. H200, prefill forwards of 1024-2048 tokens over 32 rank-16 adapters
     # (benchmarks/scripts/lora_prefill_side_ab.py, 2026-12-03, three rounds): 1.00-1.03x the GPU time of
@@ -184,6 +188,7 @@ def _sgmv_expand_kernel(
     M_TILES, N_TILES,
     N_SLICES: tl.constexpr, U: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr, PREC: tl.constexpr, TILED: tl.constexpr, PDL: tl.constexpr,
+    EARLY_OUT: tl.constexpr,
 ):  # fmt: skip
     """Expand, all slices in one launch: for segment i with slot w[i] >= 0 and slice j:
     ``y[s[i]:s[i+1], o[j]:o[j+1]] += h[s[i]:s[i+1], j*R:j*R+r] @ B[w[i], o[j]:o[j+1], :r].T * sc[w[i], j]``.
@@ -194,7 +199,8 @@ def _sgmv_expand_kernel(
     in place), r = ranks[w[i]]. A program covers BLOCK_M tokens x BLOCK_N columns of one slice and
     loops over the rank only up to r; fp32 accumulation. TILED: token tiles from the tile table, as in
     shrink. PDL: launched as a programmatic dependent of the shrink, it loads its B tile first and waits
-    for the shrink only before it reads h.
+    for the shrink only before it reads h. EARLY_OUT: the out tile and the scaling are loaded before the
+    rank loop, in flight with the B tile, rather than after it.
     """
     pid = tl.program_id(0)
     pid_n = pid % (N_SLICES * N_TILES)
@@ -213,6 +219,11 @@ def _sgmv_expand_kernel(
     offs_n = n0 + tl.arange(0, BLOCK_N)
     m_ok = offs_m < seg_end
     n_ok = offs_n < hi
+    o_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    o_mask = m_ok[:, None] & n_ok[None, :]
+    if EARLY_OUT:  # out was written before the shrink started, so even a PDL launch may read it now
+        prev = tl.load(o_ptrs, mask=o_mask)
+        scale = tl.load(scal_ptr + slot * stride_ss + s)
     rank = tl.load(ranks_ptr + slot)
     bound = rank_load_bound(rank, R)
     b_base = b_ptr + slot.to(tl.int64) * stride_bs + offs_n * stride_bn
@@ -238,12 +249,11 @@ def _sgmv_expand_kernel(
             ht = ht.to(tl.float32)
             bt = bt.to(tl.float32)
         acc = tl.dot(ht, bt, acc, input_precision=PREC)
-    scale = tl.load(scal_ptr + slot * stride_ss + s)
-    # The out tile is loaded last: loading it before the loop (to overlap latencies) measured slower
-    # on an H200 (register pressure), 2026-11-30.
-    o_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-    o_mask = m_ok[:, None] & n_ok[None, :]
-    prev = tl.load(o_ptrs, mask=o_mask)
+    if not EARLY_OUT:
+        # The out tile is loaded last by default: loading it before the loop (to overlap latencies)
+        # measured slower on an H200 (register pressure, 32-token tiles), 2026-11-30.
+        scale = tl.load(scal_ptr + slot * stride_ss + s)
+        prev = tl.load(o_ptrs, mask=o_mask)
     tl.store(o_ptrs, (prev.to(tl.float32) + acc * scale).to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
@@ -372,8 +382,8 @@ def _expand_launch(
     )  # fmt: skip
     kwargs = dict(
         N_SLICES=n, U=U, BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=dot_upcast(B.dtype),
-        PREC="ieee" if B.dtype == torch.float32 else "tf32", TILED=tiles.tiled, num_warps=warps,
-        **pdl_options(pdl),
+        PREC="ieee" if B.dtype == torch.float32 else "tf32", TILED=tiles.tiled,
+        EARLY_OUT=runs and TUNING["run_expand_early_out"], num_warps=warps, **pdl_options(pdl),
     )  # fmt: skip
     return (tiles.count * n * n_tiles,), args, kwargs
 
