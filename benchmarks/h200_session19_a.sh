@@ -3,8 +3,8 @@
 # minutes:
 #  1. The decode-runs LoRA anatomy (rank-16 adapters in the default rank-64 pool paged by 16) with SGMV's
 #     knobs for 16-token tiles swept as modes (off by default): run_waves 4 and 8, run_shrink_block_k 256
-#     and 512, run_expand_early_out. Session 17 c1: 67.1 us over the four projections at B=128, down's
-#     shrink 13 us against about 4 us of bytes, o's expand 5.0 us for 6 MB.
+#     and 512, run_shrink_stages 4 and 5, run_expand_early_out. Session 17 c1: 67.1 us over the four
+#     projections at B=128, down's shrink 13 us against about 4 us of bytes, o's expand 5.0 us for 6 MB.
 #  2. Issue 13's serving command, 8 / 32 / 1000 adapters with the decode micro-benchmark, two rounds, on the
 #     default pool (paged by 16 since 62cea95; no done-when run has used it yet).
 # Usage: bash benchmarks/h200_session19_a.sh OUTDIR
@@ -15,7 +15,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 timeout 150 python benchmarks/scripts/decode_lora_anatomy.py --cases decode-runs --rank 16 --pool-rank 64 \
   --page-rank 16 --mode w4:run_waves=4 w8:run_waves=8 bk256:run_shrink_block_k=256 \
   bk512:run_shrink_block_k=512 bk256w4:run_shrink_block_k=256,run_waves=4 eo:run_expand_early_out=true \
-  all:run_shrink_block_k=256,run_waves=4,run_expand_early_out=true \
+  s4:run_shrink_stages=4 s5:run_shrink_stages=5 all:run_shrink_block_k=256,run_waves=4,run_expand_early_out=true \
   --out "$out/runs_knobs.json" > "$out/runs_knobs.txt" 2>&1
 echo "anatomy rc=$? at ${SECONDS} s" | tee "$out/rc.txt"
 grep "==" "$out/runs_knobs.txt"

@@ -77,6 +77,9 @@ TUNING = {
     # 13 us against about 4.
     "run_shrink_block_k": None,
     "run_waves": None,
+    # ... and the software pipeline's depth of their in_features loop (None: Triton's default): few programs
+    # each stream a long loop there, so loads in flight per program bound the bandwidth.
+    "run_shrink_stages": None,
     # Expands over 16-token tiles load their out tile and scaling before the rank loop (EARLY_OUT), in
     # flight with the B tile: a small expand is a chain of dependent loads (segment, slot, rank, B, h, out)
     # and takes about 5 us whatever its bytes (o's: 5.0 us for 6 MB, session 17). Off: not yet timed.
@@ -338,6 +341,9 @@ def _shrink_launch(
         UPCAST=dot_upcast(x.dtype), PREC="ieee" if x.dtype == torch.float32 else "tf32", TILED=tiles.tiled,
         PDL=pdl, num_warps=TUNING["shrink_warps"],
     )  # fmt: skip
+    stages = TUNING["run_shrink_stages"] if runs else None
+    if stages is not None:
+        kwargs["num_stages"] = stages
     return (tiles.count * split * r_tiles,), args, kwargs, shape, dtype
 
 

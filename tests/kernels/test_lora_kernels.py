@@ -298,14 +298,17 @@ def test_bgmv_with_partials_reduced_before_the_expand(
     assert_out(c, c.out, want, out0)
 
 
-@pytest.mark.parametrize("block_k,waves,early_out", [(256, None, True), (512, 8, False), (None, 8, True)])
+@pytest.mark.parametrize(
+    "block_k,waves,early_out,stages", [(256, None, True, 4), (512, 8, False, None), (None, 8, True, 2)]
+)
 @pytest.mark.parametrize("name", ["decode-wide-in-qkv", "prefill-zipf-single", "decode-distinct-qkv"])
 def test_sgmv_run_knobs(
-    name: str, block_k: int | None, waves: int | None, early_out: bool, monkeypatch
+    name: str, block_k: int | None, waves: int | None, early_out: bool, stages: int | None, monkeypatch
 ) -> None:  # noqa: ANN001
-    """SGMV's own knobs for 16-token tiles (``run_shrink_block_k``, ``run_waves``,
+    """SGMV's own knobs for 16-token tiles (``run_shrink_block_k``, ``run_waves``, ``run_shrink_stages``,
     ``run_expand_early_out``; off by default, for a GPU sweep) give the reference too, NaN padding
     included."""
+    monkeypatch.setitem(triton_sgmv.TUNING, "run_shrink_stages", stages)
     monkeypatch.setitem(triton_sgmv.TUNING, "run_shrink_block_k", block_k)
     monkeypatch.setitem(triton_sgmv.TUNING, "run_waves", waves)
     monkeypatch.setitem(triton_sgmv.TUNING, "run_expand_early_out", early_out)
