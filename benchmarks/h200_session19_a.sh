@@ -1,26 +1,25 @@
 #!/usr/bin/env bash
-# Prepared in session 18 (CPU only, not yet run on a GPU) for the next session's first H200 call, under 9.5
+# Prepared in session 18 (CPU only, not yet run on a GPU) for the next session's first H200 call, about 5
 # minutes:
-#  1. The decode-runs LoRA anatomy (rank-16 adapters in the default rank-64 pool paged by 16) with SGMV's
-#     knobs for 16-token tiles swept as modes (off by default): run_waves 4 and 8, run_shrink_block_k 256
-#     and 512, run_shrink_stages 4 and 5, run_expand_early_out. Session 17 c1: 67.1 us over the four
-#     projections at B=128, down's shrink 13 us against about 4 us of bytes, o's expand 5.0 us for 6 MB.
-#  2. Issue 13's serving command, 8 / 32 / 1000 adapters with the decode micro-benchmark, two rounds, on the
-#     default pool (paged by 16 since 62cea95; no done-when run has used it yet).
+#  1. GPU test of SGMV's knobs for 16-token tiles against the reference (tests/kernels/test_lora_kernels.py).
+#  2. The decode-runs LoRA anatomy (rank-16 adapters in the default rank-64 pool paged by 16) with those
+#     knobs swept as modes (off by default): run_waves 4 and 8, run_shrink_block_k 256 and 512,
+#     run_shrink_stages 4 and 5, run_expand_early_out. Session 17 c1: 67.1 us over the four projections at
+#     B=128, down's shrink 13 us against about 4 us of bytes, o's expand 5.0 us for 6 MB.
+# Then benchmarks/h200_session19_b.sh: issue 13's serving command.
 # Usage: bash benchmarks/h200_session19_a.sh OUTDIR
 set -u
 out=${1:?output folder}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
-timeout 150 python benchmarks/scripts/decode_lora_anatomy.py --cases decode-runs --rank 16 --pool-rank 64 \
+timeout 60 python -m pytest -q -p no:cacheprovider tests/kernels/test_lora_kernels.py -k run_knobs \
+  > "$out/tests.txt" 2>&1
+echo "tests rc=$? at ${SECONDS} s" | tee "$out/rc.txt"
+tail -2 "$out/tests.txt"
+timeout 240 python benchmarks/scripts/decode_lora_anatomy.py --cases decode-runs --rank 16 --pool-rank 64 \
   --page-rank 16 --mode w4:run_waves=4 w8:run_waves=8 bk256:run_shrink_block_k=256 \
   bk512:run_shrink_block_k=512 bk256w4:run_shrink_block_k=256,run_waves=4 eo:run_expand_early_out=true \
   s4:run_shrink_stages=4 s5:run_shrink_stages=5 all:run_shrink_block_k=256,run_waves=4,run_expand_early_out=true \
   --out "$out/runs_knobs.json" > "$out/runs_knobs.txt" 2>&1
-echo "anatomy rc=$? at ${SECONDS} s" | tee "$out/rc.txt"
+echo "anatomy rc=$? at ${SECONDS} s" | tee -a "$out/rc.txt"
 grep "==" "$out/runs_knobs.txt"
-timeout $((570 - SECONDS)) python -m mmlora.bench serving --model dummy:mistral-7b-v0.3 --num-adapters 8 32 1000 \
-  --num-requests 192 --hf-batch 0 --micro-batch 32 128 --sweep-rounds 2 --out "$out/serving" \
-  > "$out/serving.log" 2>&1
-echo "serving rc=$? at ${SECONDS} s" | tee -a "$out/rc.txt"
-grep "mmlora \|base-only\|decode step\|replay" "$out/serving.log" | sed 's/.*run\/s\]//' | head -40
