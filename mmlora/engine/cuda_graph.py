@@ -223,11 +223,6 @@ class CudaGraphRunner:
                     for _ in range(2):  # compile Triton kernels, build RoPE tables, settle the allocator
                         self._forward(bs)
                 torch.cuda.current_stream(self.device).wait_stream(stream)
-                # Filled again, which empties what backends derived from it (launch plans, and any buffer
-                # one keeps): those are made anew inside the capture, from the graph's pool, not taken
-                # from the warm-up's general allocator that frees them at the next fill while the graph
-                # still writes them (most likely what crashed session 18's c2, whose plans kept a buffer).
-                self.lora.prepare_capture(bs, bound, layout)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
                     logits = self._forward(bs)
