@@ -17,8 +17,6 @@ once.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 from torch import Tensor
 
 from mmlora.backends.registry import register_backend
@@ -26,9 +24,7 @@ from mmlora.backends.triton_common import (
     FusedTritonBackend,
     ShrinkJob,
     a_page_args,
-    a_row_offset,
     b_page_args,
-    b_rank_offset,
     cdiv,
     check_expand_args,
     dot_upcast,
@@ -37,11 +33,10 @@ from mmlora.backends.triton_common import (
     pdl_launch,
     pdl_options,
     rank_bucket_bound,
-    rank_load_bound,
-    select_bound,
     shrink_entry,
     split_k_plan,
 )
+from mmlora.backends.triton_sgmv_kernels import _sgmv_expand_kernel, _sgmv_shrink_kernel
 from mmlora.forward.lora import RANK_TILE, LoRABatchInfo, LoRAWeights
 from mmlora.triton_launch import fast
 
@@ -94,170 +89,6 @@ TUNING = {
     # runs) 0.95-0.97x the replay time, B=32 (BGMV, side-stream split: unchanged) 0.99-1.0x; same tokens.
     "pdl": True,
 }
-
-
-#: Integer arguments that change with the batch: compiled generically (Triton would otherwise build a
-#: variant per value class, e.g. 1 or a multiple of 16, inside a serving run).
-#: Not among them: K_PER_SPLIT (a multiple of BLOCK_K, always) and the plane stride (planes are padded
-#: to 16 rows): their divisibility by 16 is what lets the loads be vectorised. A run on an H200 with
-#: them (and BGMV's) unspecialised had 20-38% slower decode steps (2026-12-01; BGMV is unchanged since).
-_SHRINK_BATCH_INTS = ("M_TILES", "SPLIT_K")
-_EXPAND_BATCH_INTS = ("SPLIT_K", "M_TILES")
-
-
-@triton.jit
-def _tile(
-    tile, seg_indptr_ptr, tile_seg_ptr, tile_m0_ptr, M_TILES, BLOCK_M: tl.constexpr, TILED: tl.constexpr
-):
-    """(segment, first token) of token tile ``tile``: from the tile table, or M_TILES tiles per segment."""
-    if TILED:
-        seg = tl.load(tile_seg_ptr + tile)
-        m0 = tl.load(tile_m0_ptr + tile)
-    else:
-        seg = tile // M_TILES
-        m0 = tl.load(seg_indptr_ptr + seg) + (tile % M_TILES) * BLOCK_M
-    return seg, m0
-
-
-@triton.jit(do_not_specialize=_SHRINK_BATCH_INTS)
-def _sgmv_shrink_kernel(
-    x_ptr, a_ptr, h_ptr, seg_indptr_ptr, weight_indices_ptr, ranks_ptr, tile_seg_ptr, tile_m0_ptr,
-    in_features, R, K_PER_SPLIT, stride_xm, stride_as, stride_ap, stride_ar, stride_hs, stride_hm,
-    M_TILES, R_TILES, SPLIT_K,
-    N_SLICES: tl.constexpr, NS_P2: tl.constexpr, SKIP_PAD: tl.constexpr, U: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, PREC: tl.constexpr, TILED: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
-    """Shrink, split over in_features: for segment i with slot w[i] >= 0 and split k:
-    ``h[k, s[i]:s[i+1]] = x[s[i]:s[i+1], Kk] @ A[w[i], :, Kk].T`` (sum over k gives the shrink).
-
-    x [T, in] (fp32/fp16/bf16), A [S, N_SLICES * R, in] or paged [S, R / U, N_SLICES * U, in] (x.dtype; unpaged: U = 0),
-    h [SPLIT_K, T, N_SLICES * R]
-    (x.dtype when SPLIT_K = 1, else fp32 partials). A program covers BLOCK_M tokens x (all slices,
-    BLOCK_R ranks) x one split; every element of h in the R_TILES rank tiles is written: rows of
-    base-only segments and columns past the adapter's rank as zeros. fp32 accumulation. TILED: token tiles come from the tile table
-    (tile i: segment tile_seg[i], first token tile_m0[i]) instead of M_TILES per segment.
-    """
-    if PDL:  # the expand (a programmatic dependent) may start now; it waits before reading h
-        tl.extra.cuda.gdc_launch_dependents()
-    pid = tl.program_id(0)
-    pid_r = pid % R_TILES
-    sp = (pid // R_TILES) % SPLIT_K
-    seg, m0 = _tile(
-        pid // (R_TILES * SPLIT_K), seg_indptr_ptr, tile_seg_ptr, tile_m0_ptr, M_TILES, BLOCK_M, TILED
-    )
-    seg_end = tl.load(seg_indptr_ptr + seg + 1)
-    if m0 >= seg_end:
-        return
-    slot = tl.load(weight_indices_ptr + seg)
-    if SKIP_PAD:
-        rank = tl.load(ranks_ptr + tl.maximum(slot, 0))
-    else:
-        rank = R
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    m_ok = offs_m < seg_end
-    j = tl.arange(0, NS_P2 * BLOCK_R)
-    r = pid_r * BLOCK_R + j % BLOCK_R
-    col = (j // BLOCK_R) * R + r
-    col_ok = (j // BLOCK_R < N_SLICES) & (r < R)
-    h_ptrs = h_ptr + sp * stride_hs + offs_m[:, None] * stride_hm + col[None, :]
-    h_mask = m_ok[:, None] & col_ok[None, :]
-    if (slot < 0) | (pid_r * BLOCK_R >= rank):
-        tl.store(h_ptrs, tl.zeros((BLOCK_M, NS_P2 * BLOCK_R), dtype=h_ptr.dtype.element_ty), mask=h_mask)
-        return
-    w_ok = col_ok & (r < rank)
-    a_base = a_ptr + slot.to(tl.int64) * stride_as + a_row_offset(j // BLOCK_R, r, R, U, stride_ap, stride_ar)
-    acc = tl.zeros((BLOCK_M, NS_P2 * BLOCK_R), dtype=tl.float32)
-    k_lo = sp * K_PER_SPLIT
-    k_hi = tl.minimum(k_lo + K_PER_SPLIT, in_features)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        k_ok = kk < k_hi
-        xt = tl.load(
-            x_ptr + offs_m[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0
-        )
-        at = tl.load(a_base[None, :] + kk[:, None], mask=w_ok[None, :] & k_ok[:, None], other=0.0)
-        if UPCAST:
-            xt = xt.to(tl.float32)
-            at = at.to(tl.float32)
-        acc = tl.dot(xt, at, acc, input_precision=PREC)
-    tl.store(h_ptrs, acc.to(h_ptr.dtype.element_ty), mask=h_mask)
-
-
-@triton.jit(do_not_specialize=_EXPAND_BATCH_INTS)
-def _sgmv_expand_kernel(
-    h_ptr, b_ptr, out_ptr, scal_ptr, seg_indptr_ptr, weight_indices_ptr, ranks_ptr, tile_seg_ptr, tile_m0_ptr,
-    R, SPLIT_K, stride_hs, stride_hm, stride_bs, stride_bp, stride_bn, stride_om, stride_ss, o0, o1, o2, o3, o4,
-    M_TILES, N_TILES,
-    N_SLICES: tl.constexpr, U: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, PREC: tl.constexpr, TILED: tl.constexpr, PDL: tl.constexpr,
-    EARLY_OUT: tl.constexpr,
-):  # fmt: skip
-    """Expand, all slices in one launch: for segment i with slot w[i] >= 0 and slice j:
-    ``y[s[i]:s[i+1], o[j]:o[j+1]] += h[s[i]:s[i+1], j*R:j*R+r] @ B[w[i], o[j]:o[j+1], :r].T * sc[w[i], j]``.
-
-    h [SPLIT_K, T, N_SLICES * R]: shrink's split-K planes, summed here and rounded to B's dtype (x.dtype,
-    as PEFT keeps h), B [S, out, R] or paged [S, R / U, out, U] (unpaged: U = 0),
-    scalings [S, N_SLICES] fp32, out [T, out] (any float dtype, updated
-    in place), r = ranks[w[i]]. A program covers BLOCK_M tokens x BLOCK_N columns of one slice and
-    loops over the rank only up to r; fp32 accumulation. TILED: token tiles from the tile table, as in
-    shrink. PDL: launched as a programmatic dependent of the shrink, it loads its B tile first and waits
-    for the shrink only before it reads h. EARLY_OUT: the out tile and the scaling are loaded before the
-    rank loop, in flight with the B tile, rather than after it.
-    """
-    pid = tl.program_id(0)
-    pid_n = pid % (N_SLICES * N_TILES)
-    seg, m0 = _tile(
-        pid // (N_SLICES * N_TILES), seg_indptr_ptr, tile_seg_ptr, tile_m0_ptr, M_TILES, BLOCK_M, TILED
-    )
-    s = pid_n // N_TILES
-    lo = select_bound(s, o0, o1, o2, o3, o4)
-    hi = select_bound(s + 1, o0, o1, o2, o3, o4)
-    n0 = lo + (pid_n % N_TILES) * BLOCK_N
-    seg_end = tl.load(seg_indptr_ptr + seg + 1)
-    slot = tl.load(weight_indices_ptr + seg)
-    if (n0 >= hi) | (m0 >= seg_end) | (slot < 0):
-        return
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    m_ok = offs_m < seg_end
-    n_ok = offs_n < hi
-    o_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-    o_mask = m_ok[:, None] & n_ok[None, :]
-    if EARLY_OUT:  # out was written before the shrink started, so even a PDL launch may read it now
-        prev = tl.load(o_ptrs, mask=o_mask)
-        scale = tl.load(scal_ptr + slot * stride_ss + s)
-    rank = tl.load(ranks_ptr + slot)
-    bound = rank_load_bound(rank, R)
-    b_base = b_ptr + slot.to(tl.int64) * stride_bs + offs_n * stride_bn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, rank, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        k_ok = kk < bound  # vector loads; h is 0 past the rank, B's padding is dropped below
-        bt = tl.load(
-            b_base[None, :] + b_rank_offset(kk, U, stride_bp)[:, None],
-            mask=n_ok[None, :] & k_ok[:, None],
-            other=0.0,
-        )
-        bt = tl.where((kk < rank)[:, None], bt, 0.0)
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-        h_ptrs = h_ptr + offs_m[:, None] * stride_hm + (s * R + kk)[None, :]
-        h_mask = m_ok[:, None] & k_ok[None, :]
-        hsum = tl.load(h_ptrs, mask=h_mask, other=0.0).to(tl.float32)
-        for sp in range(1, SPLIT_K):
-            hsum += tl.load(h_ptrs + sp * stride_hs, mask=h_mask, other=0.0).to(tl.float32)
-        ht = hsum.to(b_ptr.dtype.element_ty)  # exact when SPLIT_K == 1 (h is already in x.dtype)
-        if UPCAST:
-            ht = ht.to(tl.float32)
-            bt = bt.to(tl.float32)
-        acc = tl.dot(ht, bt, acc, input_precision=PREC)
-    if not EARLY_OUT:
-        # The out tile is loaded last by default: loading it before the loop (to overlap latencies)
-        # measured slower on an H200 (register pressure, 32-token tiles), 2026-11-30.
-        scale = tl.load(scal_ptr + slot * stride_ss + s)
-        prev = tl.load(o_ptrs, mask=o_mask)
-    tl.store(o_ptrs, (prev.to(tl.float32) + acc * scale).to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
 def _block_m(max_seg_len: int, cap: int) -> int:
