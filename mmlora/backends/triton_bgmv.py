@@ -35,6 +35,7 @@ import triton.language as tl
 from torch import Tensor
 
 from mmlora.backends.registry import register_backend
+from mmlora.backends.triton_checks import check_expand_args
 from mmlora.backends.triton_common import (
     FusedTritonBackend,
     ShrinkJob,
@@ -43,7 +44,6 @@ from mmlora.backends.triton_common import (
     b_page_args,
     b_rank_offset,
     cdiv,
-    check_expand_args,
     next_pow2,
     offset_args,
     pdl_launch,

@@ -20,13 +20,13 @@ import torch
 from torch import Tensor
 
 from mmlora.backends.registry import register_backend
+from mmlora.backends.triton_checks import check_expand_args
 from mmlora.backends.triton_common import (
     FusedTritonBackend,
     ShrinkJob,
     a_page_args,
     b_page_args,
     cdiv,
-    check_expand_args,
     dot_upcast,
     next_pow2,
     offset_args,
