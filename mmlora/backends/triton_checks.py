@@ -1,6 +1,6 @@
 """Argument checks of the Triton LoRA backends: clear errors for what the kernels cannot take (shapes,
-dtypes, devices, ranks past the pool's, a CPU without Triton's interpreter), and ``_Checked``, the memo
-that lets later calls on the same pool weights compare only the per-call half."""
+dtypes, devices, ranks past the pool's, a CPU without Triton's interpreter), and ``CheckedWeights``, the
+memo that lets later calls on the same pool weights compare only the per-call half."""
 
 from __future__ import annotations
 
@@ -146,7 +146,7 @@ def check_expand_weights(
     return n, R
 
 
-class _Checked:
+class CheckedWeights:
     """What a full check of one module's weights established, so that later calls on the same weights
     only compare ``x``, ``out`` and the batch against it (the pool's buffers never change shape)."""
 

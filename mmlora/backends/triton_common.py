@@ -21,7 +21,7 @@ from mmlora.backends.base import LoRABackend
 from mmlora.backends.triton_checks import (
     KERNELS_INTERPRETED,
     MAX_SLICES,
-    _Checked,
+    CheckedWeights,
     check_expand_weights,
     check_shrink_args,
 )
@@ -155,7 +155,7 @@ class FusedTritonBackend(LoRABackend):
     _MAX_CHECKED = 4096  # modules remembered (a model has a few hundred; tests make many)
 
     def __init__(self) -> None:
-        self._checked: dict[int, _Checked] = {}  # id(weights) -> what its full check found
+        self._checked: dict[int, CheckedWeights] = {}  # id(weights) -> what its full check found
 
     def add_lora(self, out: torch.Tensor, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo) -> None:
         if not info.has_lora:
@@ -177,7 +177,7 @@ class FusedTritonBackend(LoRABackend):
         check_expand_weights(n * R, x.dtype, weights, info, out)
         if len(checked) >= self._MAX_CHECKED:
             checked.clear()
-        checked[id(weights)] = _Checked(weights, R)
+        checked[id(weights)] = CheckedWeights(weights, R)
         return R
 
     def start_lora(
