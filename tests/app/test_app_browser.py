@@ -25,6 +25,9 @@ import pytest
 
 pytest.importorskip("gradio", reason="the app needs gradio: pip install gradio")
 sync_api = pytest.importorskip("playwright.sync_api", reason="the browser test needs: pip install playwright")
+# expect()'s own default is 5 s: a refusal took longer on the 2-core CI host with the suite's other process
+# busy (2026-12-03). The waits end as soon as the page shows what is expected. (A global: set once.)
+sync_api.expect.set_options(timeout=30_000)
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
@@ -152,9 +155,6 @@ def open_page(browser: Any, app: LiveApp) -> Any:
     """A new tab in its own context: a separate Gradio session."""
     page = browser.new_context(viewport={"width": 1400, "height": 1100}).new_page()
     page.set_default_timeout(30_000)
-    # expect()'s own default is 5 s: a refusal took longer on the 2-core CI host with the suite's other
-    # process busy (2026-12-03). The waits end as soon as the page shows what is expected.
-    sync_api.expect.set_options(timeout=30_000)
     page.goto(app.url)
     return page
 
