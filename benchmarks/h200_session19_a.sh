@@ -23,3 +23,10 @@ timeout 240 python benchmarks/scripts/decode_lora_anatomy.py --cases decode-runs
   --out "$out/runs_knobs.json" > "$out/runs_knobs.txt" 2>&1
 echo "anatomy rc=$? at ${SECONDS} s" | tee -a "$out/rc.txt"
 grep "==" "$out/runs_knobs.txt"
+# 3. The kernel and launch tests over the modules moved in session 18 (triton_sgmv_kernels.py,
+#    triton_checks.py), not yet run on a GPU since the move.
+timeout 220 python -m pytest -q -rfE -p no:cacheprovider tests/kernels/test_triton_launch.py \
+  tests/kernels/test_lora_pdl.py tests/kernels/test_lora_paged.py tests/kernels/test_rank_buckets.py \
+  > "$out/moved_tests.txt" 2>&1
+echo "moved-module tests rc=$? at ${SECONDS} s" | tee -a "$out/rc.txt"
+tail -3 "$out/moved_tests.txt"
