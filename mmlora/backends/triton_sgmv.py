@@ -79,6 +79,11 @@ TUNING = {
     # flight with the B tile: a small expand is a chain of dependent loads (segment, slot, rank, B, h, out)
     # and takes about 5 us whatever its bytes (o's: 5.0 us for 6 MB, session 17). Off: not yet timed.
     "run_expand_early_out": False,
+    # Expands over 16-token tiles with column tiles grouped by this many per program (None or 1: one tile
+    # a program), where the batch's rank bucket fits one BLOCK_K step of at most 64: h and the scaling are
+    # loaded once and B / out streamed through a loop ``run_expand_group_stages`` deep. Off: not yet timed.
+    "run_expand_group": None,
+    "run_expand_group_stages": 2,
     # Batches of at least this many tokens run the shrink on the side stream beside the base GEMM
     # (``splits_work``); None: never. H200, prefill forwards of 1024-2048 tokens over 32 rank-16 adapters
     # (benchmarks/scripts/lora_prefill_side_ab.py, 2026-12-03, three rounds): 1.00-1.03x the GPU time of
@@ -208,8 +213,12 @@ def _expand_launch(
     # segment stops at its slot's rank, and loads past it are masked, so a rank-8 slot of a rank-64 pool
     # reads its own bytes only.
     step = TUNING["run_expand_rank_step"] if runs else TUNING["expand_rank_step"]
-    block_k = max(RANK_TILE, min(step, next_pow2(rank_bucket_bound(info, R))))
-    n_tiles = cdiv(max(widths), block_n)
+    bucket = max(RANK_TILE, next_pow2(rank_bucket_bound(info, R)))
+    block_k = min(step, bucket)
+    group = (TUNING["run_expand_group"] or 1) if runs and bucket <= 64 else 1
+    if group > 1:
+        block_k = bucket  # the whole rank in one step: h is loaded once for the group
+    n_tiles = cdiv(cdiv(max(widths), block_n), group)
     warps = TUNING["run_expand_warps"] if runs else TUNING["expand_warps"]
     *b_strides, U = b_page_args(B)
     args = (
@@ -220,7 +229,8 @@ def _expand_launch(
     kwargs = dict(
         N_SLICES=n, U=U, BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=dot_upcast(B.dtype),
         PREC="ieee" if B.dtype == torch.float32 else "tf32", TILED=tiles.tiled,
-        EARLY_OUT=runs and TUNING["run_expand_early_out"], num_warps=warps, **pdl_options(pdl),
+        EARLY_OUT=runs and TUNING["run_expand_early_out"], N_GROUP=group,
+        GROUP_STAGES=TUNING["run_expand_group_stages"] if group > 1 else 1, num_warps=warps, **pdl_options(pdl),
     )  # fmt: skip
     return (tiles.count * n * n_tiles,), args, kwargs
 

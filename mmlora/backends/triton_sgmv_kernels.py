@@ -103,7 +103,7 @@ def _sgmv_expand_kernel(
     M_TILES, N_TILES,
     N_SLICES: tl.constexpr, U: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr, PREC: tl.constexpr, TILED: tl.constexpr, PDL: tl.constexpr,
-    EARLY_OUT: tl.constexpr,
+    EARLY_OUT: tl.constexpr, N_GROUP: tl.constexpr, GROUP_STAGES: tl.constexpr,
 ):  # fmt: skip
     """Expand, all slices in one launch: for segment i with slot w[i] >= 0 and slice j:
     ``y[s[i]:s[i+1], o[j]:o[j+1]] += h[s[i]:s[i+1], j*R:j*R+r] @ B[w[i], o[j]:o[j+1], :r].T * sc[w[i], j]``.
@@ -115,7 +115,10 @@ def _sgmv_expand_kernel(
     loops over the rank only up to r; fp32 accumulation. TILED: token tiles from the tile table, as in
     shrink. PDL: launched as a programmatic dependent of the shrink, it loads its B tile first and waits
     for the shrink only before it reads h. EARLY_OUT: the out tile and the scaling are loaded before the
-    rank loop, in flight with the B tile, rather than after it.
+    rank loop, in flight with the B tile, rather than after it. N_GROUP > 1 (BLOCK_K covering every rank
+    of the batch, so there is no rank loop): a program covers N_GROUP consecutive column tiles of its
+    slice, N_TILES counting such groups; it loads h and the scaling once, then streams B and out tile by
+    tile (a loop GROUP_STAGES deep), so a small expand is no longer one chain of dependent loads per tile.
     """
     pid = tl.program_id(0)
     pid_n = pid % (N_SLICES * N_TILES)
@@ -125,10 +128,17 @@ def _sgmv_expand_kernel(
     s = pid_n // N_TILES
     lo = select_bound(s, o0, o1, o2, o3, o4)
     hi = select_bound(s + 1, o0, o1, o2, o3, o4)
-    n0 = lo + (pid_n % N_TILES) * BLOCK_N
+    n0 = lo + (pid_n % N_TILES) * (N_GROUP * BLOCK_N)
     seg_end = tl.load(seg_indptr_ptr + seg + 1)
     slot = tl.load(weight_indices_ptr + seg)
     if (n0 >= hi) | (m0 >= seg_end) | (slot < 0):
+        return
+    if N_GROUP > 1:
+        _expand_group(
+            h_ptr, b_ptr, out_ptr, scal_ptr, ranks_ptr, slot, s, m0, seg_end, n0, hi, R, SPLIT_K,
+            stride_hs, stride_hm, stride_bs, stride_bp, stride_bn, stride_om, stride_ss,
+            N_GROUP, U, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PREC, PDL, GROUP_STAGES,
+        )  # fmt: skip
         return
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -170,3 +180,46 @@ def _sgmv_expand_kernel(
         scale = tl.load(scal_ptr + slot * stride_ss + s)
         prev = tl.load(o_ptrs, mask=o_mask)
     tl.store(o_ptrs, (prev.to(tl.float32) + acc * scale).to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+@triton.jit
+def _expand_group(
+    h_ptr, b_ptr, out_ptr, scal_ptr, ranks_ptr, slot, s, m0, seg_end, n0, hi, R, SPLIT_K,
+    stride_hs, stride_hm, stride_bs, stride_bp, stride_bn, stride_om, stride_ss,
+    N_GROUP: tl.constexpr, U: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr,
+    GROUP_STAGES: tl.constexpr,
+):  # fmt: skip
+    """The expand's N_GROUP column tiles from ``n0`` (within ``[.., hi)``) for one token tile of one slot
+    and slice, its whole rank in one BLOCK_K step (see ``_sgmv_expand_kernel``)."""
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < seg_end
+    rank = tl.load(ranks_ptr + slot)
+    kk = tl.arange(0, BLOCK_K)
+    k_ok = kk < rank_load_bound(rank, R)
+    scale = tl.load(scal_ptr + slot * stride_ss + s)
+    b_rows = b_ptr + slot.to(tl.int64) * stride_bs + b_rank_offset(kk, U, stride_bp)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    h_ptrs = h_ptr + offs_m[:, None] * stride_hm + (s * R + kk)[None, :]
+    h_mask = m_ok[:, None] & k_ok[None, :]
+    hsum = tl.load(h_ptrs, mask=h_mask, other=0.0).to(tl.float32)
+    for sp in range(1, SPLIT_K):
+        hsum += tl.load(h_ptrs + sp * stride_hs, mask=h_mask, other=0.0).to(tl.float32)
+    ht = hsum.to(b_ptr.dtype.element_ty)  # h rounded to x.dtype, as in the rank loop's path
+    if UPCAST:
+        ht = ht.to(tl.float32)
+    for t in tl.range(0, N_GROUP, num_stages=GROUP_STAGES):
+        offs_n = n0 + t * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < hi
+        bt = tl.load(
+            b_rows[:, None] + offs_n[None, :] * stride_bn, mask=n_ok[None, :] & k_ok[:, None], other=0.0
+        )
+        bt = tl.where((kk < rank)[:, None], bt, 0.0)  # B's padding past the rank may hold anything
+        if UPCAST:
+            bt = bt.to(tl.float32)
+        o_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+        o_mask = m_ok[:, None] & n_ok[None, :]
+        prev = tl.load(o_ptrs, mask=o_mask)
+        acc = tl.dot(ht, bt, input_precision=PREC)
+        tl.store(o_ptrs, (prev.to(tl.float32) + acc * scale).to(out_ptr.dtype.element_ty), mask=o_mask)

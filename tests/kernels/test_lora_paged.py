@@ -15,7 +15,7 @@ if not torch.cuda.is_available():  # must precede the first triton import of the
 import pytest  # noqa: E402
 from test_lora_kernels import CPU_CASES, HAS_CUDA, assert_out, make_case, reference, reference_fast  # noqa: E402
 
-from mmlora.backends import get_backend  # noqa: E402
+from mmlora.backends import get_backend, triton_sgmv  # noqa: E402
 from mmlora.forward.lora import LoRAWeights, page_weights, unpage_a, unpage_b  # noqa: E402
 
 BACKENDS = ["torch-gather", "triton-sgmv", "triton-bgmv", "triton-auto", "triton-fused"]
@@ -53,6 +53,21 @@ def test_paged_pool_matches_the_reference(backend: str, name: str, U: int) -> No
     weights = paged_weights(c.A, c.B, c.scalings, c.offsets, U)
     out0 = c.out.clone()
     get_backend(backend).add_lora(c.out, c.x, weights, c.info)
+    assert_out(c, c.out, want, out0)
+
+
+@pytest.mark.parametrize(
+    "name,U", [("decode-distinct-qkv", 8), ("decode-distinct-qkv", 4), ("decode-zipf-single", 2)]
+)
+def test_sgmv_expand_groups_on_a_paged_pool(name: str, U: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SGMV's grouped expand for decode runs (``run_expand_group``) reads B through its pages."""
+    monkeypatch.setitem(triton_sgmv.TUNING, "block_n", 16)
+    monkeypatch.setitem(triton_sgmv.TUNING, "run_expand_group", 3)
+    c = make_case(*CPU_CASES[name], dtype=torch.float32, seed=13, pad_value=float("nan"))
+    _, want = reference(c)
+    weights = paged_weights(c.A, c.B, c.scalings, c.offsets, U)
+    out0 = c.out.clone()
+    get_backend("triton-sgmv").add_lora(c.out, c.x, weights, c.info)
     assert_out(c, c.out, want, out0)
 
 
