@@ -80,9 +80,14 @@ TUNING = {
     # and takes about 5 us whatever its bytes (o's: 5.0 us for 6 MB, session 17). Off: not yet timed.
     "run_expand_early_out": False,
     # Expands over 16-token tiles with column tiles grouped by this many per program (None or 1: one tile
-    # a program), where the batch's rank bucket fits one BLOCK_K step of at most 64: h and the scaling are
-    # loaded once and B / out streamed through a loop ``run_expand_group_stages`` deep. Off: not yet timed.
-    "run_expand_group": None,
+    # a program), where the batch's rank bucket fits one ``run_expand_rank_step``: h and the scaling are
+    # loaded once and B / out streamed through a loop ``run_expand_group_stages`` deep. H200, decode runs
+    # of rank-16 adapters in the default pool (benchmarks/scripts/decode_lora_anatomy.py, 2026-12-03, two
+    # rounds, four cases): groups of 2 0.93-0.97x as long as none (B=128 on 31 runs 65.5 -> 63.2 us, B=256
+    # on 128 runs 91.3 -> 84.9 us), 4 1.0-1.08x (gate_up's expand faster, o's and down's slower: fewer
+    # programs), 8 and 16 1.13-1.8x; in serving (32 adapters, two rounds) the decode graphs' GPU span
+    # 4.98 -> 4.88 s against base-only's 3.9 s.
+    "run_expand_group": 2,
     "run_expand_group_stages": 2,
     # Batches of at least this many tokens run the shrink on the side stream beside the base GEMM
     # (``splits_work``); None: never. H200, prefill forwards of 1024-2048 tokens over 32 rank-16 adapters
@@ -213,11 +218,9 @@ def _expand_launch(
     # segment stops at its slot's rank, and loads past it are masked, so a rank-8 slot of a rank-64 pool
     # reads its own bytes only.
     step = TUNING["run_expand_rank_step"] if runs else TUNING["expand_rank_step"]
-    bucket = max(RANK_TILE, next_pow2(rank_bucket_bound(info, R)))
-    block_k = min(step, bucket)
-    group = (TUNING["run_expand_group"] or 1) if runs and bucket <= 64 else 1
-    if group > 1:
-        block_k = bucket  # the whole rank in one step: h is loaded once for the group
+    block_k = min(step, max(RANK_TILE, next_pow2(rank_bucket_bound(info, R))))
+    # Grouped only where the whole rank is one step (so h is loaded once for the group).
+    group = (TUNING["run_expand_group"] or 1) if runs and block_k >= rank_bucket_bound(info, R) else 1
     n_tiles = cdiv(cdiv(max(widths), block_n), group)
     warps = TUNING["run_expand_warps"] if runs else TUNING["expand_warps"]
     *b_strides, U = b_page_args(B)
