@@ -96,6 +96,18 @@ def _sgmv_shrink_kernel(
     tl.store(h_ptrs, acc.to(h_ptr.dtype.element_ty), mask=h_mask)
 
 
+@triton.jit
+def _h_tile(h_ptr, offs_m, m_ok, cols, cols_ok, SPLIT_K, stride_hs, stride_hm, dtype: tl.constexpr):
+    """h [BLOCK_M, len(cols)] summed over shrink's SPLIT_K planes and rounded to ``dtype`` (x.dtype, as PEFT
+    keeps h; exact when SPLIT_K == 1, where h is already in x.dtype); 0 outside the masks."""
+    ptrs = h_ptr + offs_m[:, None] * stride_hm + cols[None, :]
+    mask = m_ok[:, None] & cols_ok[None, :]
+    hsum = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    for sp in range(1, SPLIT_K):
+        hsum += tl.load(ptrs + sp * stride_hs, mask=mask, other=0.0).to(tl.float32)
+    return hsum.to(dtype)
+
+
 @triton.jit(do_not_specialize=_EXPAND_BATCH_INTS)
 def _sgmv_expand_kernel(
     h_ptr, b_ptr, out_ptr, scal_ptr, seg_indptr_ptr, weight_indices_ptr, ranks_ptr, tile_seg_ptr, tile_m0_ptr,
@@ -164,12 +176,9 @@ def _sgmv_expand_kernel(
         bt = tl.where((kk < rank)[:, None], bt, 0.0)
         if PDL:
             tl.extra.cuda.gdc_wait()
-        h_ptrs = h_ptr + offs_m[:, None] * stride_hm + (s * R + kk)[None, :]
-        h_mask = m_ok[:, None] & k_ok[None, :]
-        hsum = tl.load(h_ptrs, mask=h_mask, other=0.0).to(tl.float32)
-        for sp in range(1, SPLIT_K):
-            hsum += tl.load(h_ptrs + sp * stride_hs, mask=h_mask, other=0.0).to(tl.float32)
-        ht = hsum.to(b_ptr.dtype.element_ty)  # exact when SPLIT_K == 1 (h is already in x.dtype)
+        ht = _h_tile(
+            h_ptr, offs_m, m_ok, s * R + kk, k_ok, SPLIT_K, stride_hs, stride_hm, b_ptr.dtype.element_ty
+        )
         if UPCAST:
             ht = ht.to(tl.float32)
             bt = bt.to(tl.float32)
@@ -201,12 +210,7 @@ def _expand_group(
     b_rows = b_ptr + slot.to(tl.int64) * stride_bs + b_rank_offset(kk, U, stride_bp)
     if PDL:
         tl.extra.cuda.gdc_wait()
-    h_ptrs = h_ptr + offs_m[:, None] * stride_hm + (s * R + kk)[None, :]
-    h_mask = m_ok[:, None] & k_ok[None, :]
-    hsum = tl.load(h_ptrs, mask=h_mask, other=0.0).to(tl.float32)
-    for sp in range(1, SPLIT_K):
-        hsum += tl.load(h_ptrs + sp * stride_hs, mask=h_mask, other=0.0).to(tl.float32)
-    ht = hsum.to(b_ptr.dtype.element_ty)  # h rounded to x.dtype, as in the rank loop's path
+    ht = _h_tile(h_ptr, offs_m, m_ok, s * R + kk, k_ok, SPLIT_K, stride_hs, stride_hm, b_ptr.dtype.element_ty)
     if UPCAST:
         ht = ht.to(tl.float32)
     for t in tl.range(0, N_GROUP, num_stages=GROUP_STAGES):

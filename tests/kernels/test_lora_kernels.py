@@ -328,7 +328,7 @@ GROUP_CASES = [
     ("decode-zipf-single", torch.float32),
     ("decode-basemix-qkv", torch.float32),
     ("decode-wide-in-qkv", torch.float32),
-    ("mixed-ranks-1-to-128", torch.float32),  # rank bucket 128: past the group path's 64, so not grouped
+    ("mixed-ranks-1-to-128", torch.float32),  # rank bucket 128: more than one rank step, so not grouped
 ]
 
 
