@@ -64,17 +64,53 @@ class PageMap:
     ) -> tuple[int, set[int]] | None:
         """(first page, uids to evict) of an aligned window of ``pages`` pages: the first free one, else
         the one whose owners are all ``evictable`` and whose most recent use (``age``, larger is newer)
-        is oldest; None when every window holds an adapter that may not be evicted."""
-        best: tuple[int, int, set[int]] | None = None
-        for start in range(0, len(self.owner) - pages + 1, pages):
-            owners = {u for u in self.owner[start : start + pages] if u is not None}
-            if not owners:
-                return start, set()
-            if all(evictable(u) for u in owners):
-                newest = max(age(u) for u in owners)
-                if best is None or newest < best[0]:
-                    best = (newest, start, owners)
-        return None if best is None else (best[1], best[2])
+        is oldest, the first such window on ties; None when every window holds an adapter that may not be
+        evicted.
+
+        The scheduler asks this for every adapter it loads, twice (can it, then where), and prefetches
+        ask too: with a full pool of 512 one-page adapters a scan of every window cost about 0.5 ms, so
+        one-page windows are chosen over the placed adapters instead, and each owner's verdict and age are
+        asked once per call."""
+        owner = self.owner
+        if None in owner:  # a free window, if any, wins: look for one only where a page is free
+            if pages == 1:
+                return owner.index(None), set()
+            for start in range(0, len(owner) - pages + 1, pages):
+                if owner[start] is None and owner[start : start + pages].count(None) == pages:
+                    return start, set()
+        if pages == 1:
+            # Every page is owned: the window of page p has the one owner of p, and an adapter's first
+            # page is the first window it owns.
+            best: tuple[int, int, int] | None = None
+            for first in self.count:
+                uid = owner[first]
+                if evictable(uid):
+                    key = (age(uid), first, uid)
+                    if best is None or key < best:
+                        best = key
+            return None if best is None else (best[1], {best[2]})
+        # Each placed adapter's age, or None where it may not be evicted: asked once per adapter.
+        verdict = {
+            owner[first]: age(owner[first]) if evictable(owner[first]) else None for first in self.count
+        }
+        chosen: tuple[int, int] | None = None  # (newest age in the window, its first page)
+        for start in range(0, len(owner) - pages + 1, pages):
+            newest = None
+            for uid in owner[start : start + pages]:
+                if uid is None:
+                    continue
+                stamp = verdict[uid]
+                if stamp is None:
+                    break
+                if newest is None or stamp > newest:
+                    newest = stamp
+            else:
+                if chosen is None or newest < chosen[0]:
+                    chosen = (newest, start)
+        if chosen is None:
+            return None
+        start = chosen[1]
+        return start, {u for u in owner[start : start + pages] if u is not None}
 
     def take(self, first: int, pages: int, uid: int) -> None:
         self.owner[first : first + pages] = [uid] * pages
