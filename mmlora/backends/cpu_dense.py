@@ -13,7 +13,7 @@ the shrink's FLOPs; SmolLM2 with four rank-8 adapters adds 2-10% columns to each
 stacked weight stands in for the base layer's own packed copy (the layer frees that one), so the module
 keeps one packed weight; a batch without adapter rows reads the first ``out`` columns.
 
-After it, where the C kernels are built (:mod:`mmlora.backends.cpu_kernels`), :meth:`ShrinkFused.add_expand`
+After it, where the C kernels are built (:mod:`mmlora.backends.cpu_kernels`, expand: :mod:`mmlora.backends.cpu_expand`), :meth:`ShrinkFused.add_expand`
 adds each row's own slot's expand in one call (no mask, no multiply by the other slots' zero blocks, no
 separate add); elsewhere the caller masks the shrink and multiplies by the packed expand matrix.
 """
@@ -24,7 +24,7 @@ import dataclasses
 
 import torch
 
-from mmlora.backends import cpu_kernels
+from mmlora.backends import cpu_expand, cpu_kernels
 from mmlora.backends.onednn import pack_weight
 from mmlora.forward.lora import LoRABatchInfo, LoRAWeights
 
@@ -64,13 +64,13 @@ def live_weights(weights: LoRAWeights, ranks: list[int]) -> tuple[torch.Tensor, 
 
 
 def expand_rows(info: LoRABatchInfo, n_slices: int) -> torch.Tensor:
-    """:func:`mmlora.backends.cpu_kernels.expand_rows` of the batch's tokens (each token's first live
+    """:func:`mmlora.backends.cpu_expand.expand_rows` of the batch's tokens (each token's first live
     column and rank), made once per forward (``info.host_derived``)."""
     key = ("expand-rows", n_slices)
     rows = info.host_derived.get(key)
     if rows is None:
         slots = [s for n, s in zip(info.seg_lens_host, info.seg_slots_host) for _ in range(n)]
-        rows = cpu_kernels.expand_rows(slots, info.ranks_host, n_slices)
+        rows = cpu_expand.expand_rows(slots, info.ranks_host, n_slices)
         info.host_derived[key] = rows
     return rows
 
@@ -104,7 +104,7 @@ class ShrinkFused:
     WA       packed [out + K, in]: the base weight, then the K live rank rows of every slot's A
     bias     [out + K] (the base bias, zeros past it) or None
     E, eoff  the live expand matrix [K, out], compact (each row only its slice's columns, a slot's
-             rows one run: :func:`cpu_kernels.compact_expand`) for :meth:`add_expand`;
+             rows one run: :func:`cpu_expand.compact_expand`) for :meth:`add_expand`;
              :meth:`packed_expand` unfolds and packs it once for the torch path
     offsets  int64 [n_slices + 1]: the slice offsets
     """
@@ -122,7 +122,7 @@ class ShrinkFused:
     offsets: torch.Tensor
     row_slices: list[int]
     _E_packed: torch.Tensor | None = None
-    _expand_call: cpu_kernels.ExpandCall | None = None
+    _expand_call: cpu_expand.ExpandCall | None = None
 
     def packed_expand(self) -> torch.Tensor | None:
         """packed [out, K]: the expand matrix transposed for ``packed_matmul`` (None when K is 0), made on
@@ -139,10 +139,10 @@ class ShrinkFused:
         """``yk`` [T, out + K] from the stacked GEMM: add each adapter row's expand of its own slot's
         shrink columns to its first ``out`` columns, in place, in one C call; True when done, False
         where the C kernels are off or not built (the caller then masks and multiplies)."""
-        if not self.live_rows or not cpu_kernels.available() or yk.dtype not in cpu_kernels.EXPAND_DTYPES:
+        if not self.live_rows or not cpu_kernels.available() or yk.dtype not in cpu_expand.EXPAND_DTYPES:
             return False
         if self._expand_call is None:
-            self._expand_call = cpu_kernels.ExpandCall(self.E, self.eoff, self.offsets, self.out_features)
+            self._expand_call = cpu_expand.ExpandCall(self.E, self.eoff, self.offsets, self.out_features)
         self._expand_call(yk, expand_rows(info, n_slices))
         return True
 
@@ -177,8 +177,8 @@ class ShrinkFused:
         with torch.no_grad():
             WA = pack_weight(torch.cat([weight.detach(), A_live.to(weight.dtype)]))
             stacked_bias = None if bias is None else torch.cat([bias.detach(), bias.new_zeros(K)])
-            row_slices = cpu_kernels.live_row_slices(weights.n_slices, ranks)
-            E, eoff = cpu_kernels.compact_expand(
+            row_slices = cpu_expand.live_row_slices(weights.n_slices, ranks)
+            E, eoff = cpu_expand.compact_expand(
                 W_live.to(weight.dtype), row_slices, list(weights.slice_offsets)
             )
         offsets = torch.tensor(weights.slice_offsets, dtype=torch.int64)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mmlora.backends import cpu_kernels
+from mmlora.backends import cpu_expand, cpu_kernels
 from mmlora.backends.cpu_dense import live_rows
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="the C kernels are not built here")
@@ -28,7 +28,7 @@ def _expand_ref(y, h, E, slots, ranks, offs):  # noqa: ANN001, ANN202
     return out
 
 
-@pytest.mark.parametrize("dtype", cpu_kernels.EXPAND_DTYPES)
+@pytest.mark.parametrize("dtype", cpu_expand.EXPAND_DTYPES)
 @pytest.mark.parametrize(
     ("rows", "widths", "ranks"),
     [(16, (256, 64, 64), [8, 16, 4, 1]), (13, (96, 96), [8, 2, 8]), (1, (80,), [16]), (70, (40,), [3, 0, 5])],
@@ -48,11 +48,11 @@ def test_lora_expand_matches_float64(rows: int, widths: tuple[int, ...], ranks: 
     y, h = yk[:, :out], yk[:, out:]
     want = _expand_ref(y, h, E, slots, ranks, offs)
     before = yk.clone()
-    row_slices = cpu_kernels.live_row_slices(len(widths), ranks)
-    Ec, eoff = cpu_kernels.compact_expand(E, row_slices, offs)
+    row_slices = cpu_expand.live_row_slices(len(widths), ranks)
+    Ec, eoff = cpu_expand.compact_expand(E, row_slices, offs)
     assert Ec.numel() == sum(offs[i + 1] - offs[i] for i in row_slices)
-    rows = cpu_kernels.expand_rows(slots, ranks, len(widths))
-    cpu_kernels.lora_expand(y, h, Ec, eoff, rows, torch.tensor(offs))
+    rows = cpu_expand.expand_rows(slots, ranks, len(widths))
+    cpu_expand.lora_expand(y, h, Ec, eoff, rows, torch.tensor(offs))
     atol, rtol = TOL[dtype]
     torch.testing.assert_close(y.double(), want, atol=atol, rtol=rtol)
     assert torch.equal(yk[:, out:], before[:, out:])  # h is read, never written
@@ -64,18 +64,18 @@ def test_expand_rows_follow_the_live_row_layout() -> None:
     """A token's first column is where :func:`live_rows` puts its slot's first rank row."""
     ranks, n = [4, 0, 8, 2], 3
     rows = live_rows(n, 8, ranks).tolist()
-    got = cpu_kernels.expand_rows([2, -1, 0, 3], ranks, n).tolist()
+    got = cpu_expand.expand_rows([2, -1, 0, 3], ranks, n).tolist()
     assert got == [[rows.index(2 * n * 8), 8], [-1, 0], [0, 4], [rows.index(3 * n * 8), 2]]
 
 
 def test_lora_expand_refuses_mismatched_tensors() -> None:
     y, h = torch.zeros(2, 8), torch.zeros(2, 4)
-    E, eoff = cpu_kernels.compact_expand(torch.zeros(4, 8), [0] * 4, [0, 8])
-    rows, offs = cpu_kernels.expand_rows([0, 0], [4], 1), torch.tensor([0, 8])
+    E, eoff = cpu_expand.compact_expand(torch.zeros(4, 8), [0] * 4, [0, 8])
+    rows, offs = cpu_expand.expand_rows([0, 0], [4], 1), torch.tensor([0, 8])
     with pytest.raises(ValueError, match="dtypes"):
-        cpu_kernels.lora_expand(y, h.double(), E, eoff, rows, offs)
+        cpu_expand.lora_expand(y, h.double(), E, eoff, rows, offs)
     with pytest.raises(ValueError, match="shapes"):
-        cpu_kernels.lora_expand(y, h, E, eoff[:3], rows, offs)
+        cpu_expand.lora_expand(y, h, E, eoff[:3], rows, offs)
 
 
 def test_without_a_compiler_the_kernels_are_off(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
@@ -92,8 +92,8 @@ def test_the_fused_path_expands_through_the_kernel(monkeypatch: pytest.MonkeyPat
     from mmlora.forward.lora import LoRABatchInfo, LoRAWeights
 
     calls = []
-    real = cpu_kernels.ExpandCall.__call__
-    monkeypatch.setattr(cpu_kernels.ExpandCall, "__call__", lambda *a: calls.append(1) or real(*a))
+    real = cpu_expand.ExpandCall.__call__
+    monkeypatch.setattr(cpu_expand.ExpandCall, "__call__", lambda *a: calls.append(1) or real(*a))
     g = torch.Generator().manual_seed(0)
     A, B = torch.randn(2, 8, 32, generator=g), torch.randn(2, 64, 8, generator=g)
     w = LoRAWeights(A, B, torch.ones(2, 1), (0, 64))

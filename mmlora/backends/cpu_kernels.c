@@ -1,0 +1,234 @@
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__x86_64__) && defined(__AVX512F__)
+/* glibc's libmvec has vector expf (_ZGV*v_expf); its header announces them only under full fast-math. */
+#pragma omp declare simd notinbranch
+float expf(float);
+#endif
+
+static inline float bf2f(uint16_t v) { uint32_t u = (uint32_t)v << 16; float f; memcpy(&f, &u, 4); return f; }
+static inline float id_f(float x) { return x; }
+static inline uint16_t f2bf(float f) {  /* round to nearest even, as torch rounds fp32 to bf16 */
+    uint32_t u; memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* For each row t with rows[2t] >= 0 (its slot's first column in h / row in E) and rank r = rows[2t+1]:
+   for each slice i: acc = h[t, s + i*r : s + (i+1)*r] @ E[s + i*r : s + (i+1)*r, offs[i]:offs[i+1]],
+   then y[t, offs[i]:offs[i+1]] += round(acc) (bf16: the delta rounded, then the sum, as torch's
+   y += h @ E). E is compact: row k holds only its slice's columns, at element eoff[k] (a slot's rows
+   are one contiguous run). Up to EXPAND_GROUP rows of one slot go together, so each E row is loaded
+   once for all of them; the sum runs over j for EXPAND_CHUNK columns at a time, held in registers. The
+   (group, slice, half of the columns) items are shared out over `threads` OpenMP threads. */
+#define EXPAND_CHUNK 32
+#define EXPAND_GROUP 4
+#define LORA_EXPAND(NAME, T, LOAD, STORE)                                                                 \
+void NAME(int64_t Tn, const T *h, int64_t ldh, T *y, int64_t ldy, const T *E, const int64_t *eoff,         \
+          const int32_t *rows, int64_t n_slices, const int64_t *offs, int64_t threads) {                   \
+    char done[Tn > 0 ? Tn : 1];                                                                            \
+    int64_t grp[Tn > 0 ? Tn : 1][EXPAND_GROUP], ngrp = 0;                                                  \
+    memset(done, 0, sizeof(done));                                                                         \
+    for (int64_t t0 = 0; t0 < Tn; t0++) {                                                                  \
+        if (done[t0] || rows[2 * t0] < 0 || rows[2 * t0 + 1] <= 0) continue;                               \
+        int64_t ng = 0;                                                                                    \
+        for (int64_t t = t0; t < Tn && ng < EXPAND_GROUP; t++)                                             \
+            if (!done[t] && rows[2 * t] == rows[2 * t0]) { grp[ngrp][ng++] = t; done[t] = 1; }             \
+        for (; ng < EXPAND_GROUP; ng++) grp[ngrp][ng] = -1;  /* padding: h taken as 0, not stored */       \
+        ngrp++;                                                                                            \
+    }                                                                                                      \
+    const int64_t items = ngrp * n_slices * 2;                                                             \
+    _Pragma("omp parallel for schedule(static) num_threads(threads) if(items > 2)")                        \
+    for (int64_t it = 0; it < items; it++) {                                                               \
+        const int64_t *gp = grp[it / (n_slices * 2)], i = (it / 2) % n_slices, half = it % 2;              \
+        const int64_t s = rows[2 * gp[0]], r = rows[2 * gp[0] + 1], col = s + i * r, lo = offs[i];         \
+        const int64_t mid = lo + (offs[i + 1] - lo) / 2 / EXPAND_CHUNK * EXPAND_CHUNK;                     \
+        const int64_t c0 = half ? mid : lo, hi = half ? offs[i + 1] : mid;                                 \
+        float hv[EXPAND_GROUP][r];                                                                         \
+        for (int g = 0; g < EXPAND_GROUP; g++)                                                             \
+            for (int64_t j = 0; j < r; j++) hv[g][j] = gp[g] < 0 ? 0.0f : LOAD(h[gp[g] * ldh + col + j]);  \
+        int64_t c = c0;                                                                                    \
+        for (; c + EXPAND_CHUNK <= hi; c += EXPAND_CHUNK) {                                                \
+            float a[EXPAND_GROUP][EXPAND_CHUNK] = {{0}};                                                   \
+            for (int64_t j = 0; j < r; j++) {                                                              \
+                const T *e = E + eoff[col + j] + (c - lo);                                                 \
+                for (int g = 0; g < EXPAND_GROUP; g++) {                                                   \
+                    const float hg = hv[g][j];                                                             \
+                    for (int cc = 0; cc < EXPAND_CHUNK; cc++) a[g][cc] += hg * LOAD(e[cc]);                \
+                }                                                                                          \
+            }                                                                                              \
+            for (int g = 0; g < EXPAND_GROUP && gp[g] >= 0; g++) {                                         \
+                T *yt = y + gp[g] * ldy + c;                                                               \
+                for (int cc = 0; cc < EXPAND_CHUNK; cc++)                                                  \
+                    yt[cc] = STORE(LOAD(yt[cc]) + LOAD(STORE(a[g][cc])));                                  \
+            }                                                                                              \
+        }                                                                                                  \
+        for (; c < hi; c++)                                                                                \
+            for (int g = 0; g < EXPAND_GROUP && gp[g] >= 0; g++) {                                         \
+                float a = 0.0f;                                                                            \
+                for (int64_t j = 0; j < r; j++) a += hv[g][j] * LOAD(E[eoff[col + j] + (c - lo)]);         \
+                T *yt = y + gp[g] * ldy + c;                                                               \
+                *yt = STORE(LOAD(*yt) + LOAD(STORE(a)));                                                   \
+            }                                                                                              \
+    }                                                                                                      \
+}
+LORA_EXPAND(lora_expand_f32, float, id_f, id_f)
+LORA_EXPAND(lora_expand_bf16, uint16_t, bf2f, f2bf)
+
+/* Decode attention over the paged cache, one query token per request, fp32 arithmetic.
+   q, out [B, Hq, D]; kc, vc [blocks * bs, Hkv, D]; tables [B, max_blocks] int32; seq_lens [B] int32.
+   Query head qh reads KV head qh / (Hq / Hkv). Request b attends to keys j in [lo, L), L = seq_lens[b],
+   lo = max(0, L - window) (window 0: no window); key j lives in cache row tables[b, j / bs] * bs + j % bs.
+   out = softmax(scale * q . k_j) @ v_j; zeros where there is no key. One request per thread; each cache row
+   (every KV head of a position) is read once, contiguously. scratch: threads rows of stride >= Hq * max L. */
+#define PREFETCH 8
+#define DECODE_ATTENTION(NAME, T, LOAD, STORE)                                                              \
+static inline __attribute__((always_inline)) void NAME##_body(                                             \
+          int64_t B, int64_t Hq, int64_t Hkv, const int64_t D, const T *q, T *out, const T *kc,            \
+          const T *vc, const int32_t *tables, int64_t max_blocks, int64_t bs, const int32_t *seq_lens,     \
+          int64_t window, float scale, float *scratch, int64_t stride, int threads) {                      \
+    const int64_t G = Hq / Hkv, W = Hkv * D;  /* a cache row: every KV head of one position */             \
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")                                      \
+    for (int64_t b = 0; b < B; b++) {                                                                      \
+        const int64_t L = seq_lens[b], lo = (window > 0 && L > window) ? L - window : 0, n = L - lo;       \
+        const int32_t *table = tables + b * max_blocks;                                                    \
+        float qf[Hq * D], acc[Hq * D], kf[W], inv[Hq];                                                     \
+        float *sc0 = scratch + (int64_t)omp_get_thread_num() * stride;  /* [Hq, n] scores */               \
+        const T *qb = q + b * Hq * D;                                                                      \
+        T *ob = out + b * Hq * D;                                                                          \
+        for (int64_t i = 0; i < Hq * D; i++) { qf[i] = LOAD(qb[i]); acc[i] = 0.0f; }                       \
+        if (n <= 0) { for (int64_t i = 0; i < Hq * D; i++) ob[i] = STORE(0.0f); continue; }                \
+        int64_t rows[n];  /* element offset of each key's cache row */                                     \
+        for (int64_t j = 0, blk = lo / bs, off = lo % bs; j < n; j++) {                                    \
+            rows[j] = ((int64_t)table[blk] * bs + off) * W;                                                \
+            if (++off == bs) { off = 0; blk++; }                                                           \
+        }                                                                                                  \
+        for (int64_t j = 0; j < n; j++) {                                                                  \
+            /* the cache is cold (a step streams every weight between two layers' calls): fetch the K  */  \
+            /* row PREFETCH keys ahead, across pages, and the V row the second pass reads              */  \
+            if (j + PREFETCH < n)                                                                          \
+                for (int64_t i = 0; i < W; i += 64 / (int64_t)sizeof(T))                                   \
+                    __builtin_prefetch(kc + rows[j + PREFETCH] + i);                                       \
+            for (int64_t i = 0; i < W; i += 64 / (int64_t)sizeof(T)) __builtin_prefetch(vc + rows[j] + i); \
+            const T *kp = kc + rows[j];                                                                    \
+            for (int64_t i = 0; i < W; i++) kf[i] = LOAD(kp[i]);                                           \
+            for (int64_t qh = 0; qh < Hq; qh++) {                                                          \
+                const float *qg = qf + qh * D, *kh = kf + (qh / G) * D;                                    \
+                float dot = 0.0f;                                                                          \
+                for (int64_t d = 0; d < D; d++) dot += qg[d] * kh[d];                                      \
+                sc0[qh * n + j] = dot * scale;                                                             \
+            }                                                                                              \
+        }                                                                                                  \
+        for (int64_t qh = 0; qh < Hq; qh++) {                                                              \
+            float *sc = sc0 + qh * n, m = sc[0], sum = 0.0f;                                               \
+            for (int64_t j = 1; j < n; j++) m = sc[j] > m ? sc[j] : m;                                     \
+            for (int64_t j = 0; j < n; j++) sc[j] = expf(sc[j] - m);                                       \
+            for (int64_t j = 0; j < n; j++) sum += sc[j];                                                  \
+            inv[qh] = 1.0f / sum;                                                                          \
+        }                                                                                                  \
+        for (int64_t j = 0; j < n; j++) {                                                                  \
+            const T *vp = vc + rows[j];                                                                    \
+            for (int64_t i = 0; i < W; i++) kf[i] = LOAD(vp[i]);                                           \
+            for (int64_t qh = 0; qh < Hq; qh++) {                                                          \
+                const float p = sc0[qh * n + j], *vh = kf + (qh / G) * D;                                  \
+                float *ag = acc + qh * D;                                                                  \
+                for (int64_t d = 0; d < D; d++) ag[d] += p * vh[d];                                        \
+            }                                                                                              \
+        }                                                                                                  \
+        for (int64_t qh = 0; qh < Hq; qh++)                                                                \
+            for (int64_t d = 0; d < D; d++) ob[qh * D + d] = STORE(acc[qh * D + d] * inv[qh]);             \
+    }                                                                                                      \
+}                                                                                                          \
+void NAME(int64_t B, int64_t Hq, int64_t Hkv, int64_t D, const T *q, T *out, const T *kc, const T *vc,     \
+          const int32_t *tables, int64_t max_blocks, int64_t bs, const int32_t *seq_lens, int64_t window,   \
+          float scale, float *scratch, int64_t stride, int64_t threads) {                                  \
+    /* head dims 64 and 128 compiled with D known */                                                       \
+    if (D == 64)                                                                                           \
+        NAME##_body(B, Hq, Hkv, 64, q, out, kc, vc, tables, max_blocks, bs, seq_lens, window, scale,       \
+                    scratch, stride, (int)threads);                                                        \
+    else if (D == 128)                                                                                     \
+        NAME##_body(B, Hq, Hkv, 128, q, out, kc, vc, tables, max_blocks, bs, seq_lens, window, scale,      \
+                    scratch, stride, (int)threads);                                                        \
+    else                                                                                                   \
+        NAME##_body(B, Hq, Hkv, D, q, out, kc, vc, tables, max_blocks, bs, seq_lens, window, scale,        \
+                    scratch, stride, (int)threads);                                                        \
+}
+
+DECODE_ATTENTION(decode_attention_f32, float, id_f, id_f)
+DECODE_ATTENTION(decode_attention_bf16, uint16_t, bf2f, f2bf)
+
+/* K/V rows of this step into their cache slots: kc[slots[t]] = k[t], vc[slots[t]] = v[t] (W = Hkv * D
+   elements a row; k and v rows of stride ldk, ldv; slots < 0 skipped). */
+void store_kv_rows(int64_t Tn, int64_t W, int64_t esize, const char *k, int64_t ldk, const char *v,
+                   int64_t ldv, char *kc, char *vc, const int64_t *slots) {
+    for (int64_t t = 0; t < Tn; t++) {
+        if (slots[t] < 0) continue;
+        memcpy(kc + slots[t] * W * esize, k + t * ldk * esize, W * esize);
+        memcpy(vc + slots[t] * W * esize, v + t * ldv * esize, W * esize);
+    }
+}
+
+/* RMSNorm as Llama computes it, with the residual add of the fused decoder layers. Per row of x [rows, N]
+   (row stride ldx): s = x + r (rounded to T; stored to s when r is given, else s is x), then
+   y = w * round_T(s * (1 / sqrt(mean(s^2) + eps))), statistics in fp32. */
+#define RMS_NORM(NAME, T, LOAD, STORE)                                                                     \
+void NAME(int64_t rows, int64_t N, const T *x, int64_t ldx, const T *r, int64_t ldr, const T *w, T *y,      \
+          T *s, float eps) {                                                                               \
+    for (int64_t i = 0; i < rows; i++) {                                                                   \
+        const T *xi = x + i * ldx;                                                                         \
+        T *si = s + i * N, *yi = y + i * N;                                                                \
+        float sumsq = 0.0f;                                                                                \
+        if (r) {                                                                                           \
+            const T *ri = r + i * ldr;                                                                     \
+            for (int64_t c = 0; c < N; c++) {                                                              \
+                const T sv = STORE(LOAD(xi[c]) + LOAD(ri[c]));                                             \
+                const float v = LOAD(sv);                                                                  \
+                si[c] = sv;                                                                                \
+                sumsq += v * v;                                                                            \
+            }                                                                                              \
+            xi = si;                                                                                       \
+        } else {                                                                                           \
+            for (int64_t c = 0; c < N; c++) { const float v = LOAD(xi[c]); sumsq += v * v; }               \
+        }                                                                                                  \
+        const float inv = 1.0f / sqrtf(sumsq / (float)N + eps);                                            \
+        for (int64_t c = 0; c < N; c++) yi[c] = STORE(LOAD(w[c]) * LOAD(STORE(LOAD(xi[c]) * inv)));        \
+    }                                                                                                      \
+}
+RMS_NORM(rms_norm_f32, float, id_f, id_f)
+RMS_NORM(rms_norm_bf16, uint16_t, bf2f, f2bf)
+
+/* Neox rotary of q [T, Hq, D] (row stride ldq, heads contiguous) and k [T, Hk, D] (ldk) by cos, sin [T, D]
+   into qo [T, Hq, D], ko [T, Hk, D] (contiguous): o = round(x * cos) + round(rot(x) * sin), rounded, with
+   rot(x) = [-x2 | x1]; the products are not fused into the sum, so fp32 matches torch bit for bit. */
+#define ROTARY(NAME, T, LOAD, STORE)                                                                       \
+__attribute__((optimize("fp-contract=off"))) /* each product rounded, as torch's: bit for bit in fp32 */    \
+static void NAME##_rows(int64_t Tn, int64_t H, int64_t D, const T *x, int64_t ldx, const T *cs,      \
+                               const T *sn, T *o) {                                                        \
+    const int64_t half = D / 2;                                                                            \
+    for (int64_t t = 0; t < Tn; t++)                                                                       \
+        for (int64_t h = 0; h < H; h++) {                                                                  \
+            const T *xh = x + t * ldx + h * D, *c = cs + t * D, *sv = sn + t * D;                          \
+            T *oh = o + (t * H + h) * D;                                                                   \
+            for (int64_t d = 0; d < half; d++) {                                                           \
+                const float a = LOAD(STORE(LOAD(xh[d]) * LOAD(c[d])));                                     \
+                const float b = LOAD(STORE(-LOAD(xh[d + half]) * LOAD(sv[d])));                            \
+                oh[d] = STORE(a + b);                                                                      \
+            }                                                                                              \
+            for (int64_t d = half; d < D; d++) {                                                           \
+                const float a = LOAD(STORE(LOAD(xh[d]) * LOAD(c[d])));                                     \
+                const float b = LOAD(STORE(LOAD(xh[d - half]) * LOAD(sv[d])));                             \
+                oh[d] = STORE(a + b);                                                                      \
+            }                                                                                              \
+        }                                                                                                  \
+}                                                                                                          \
+void NAME(int64_t Tn, int64_t Hq, int64_t Hk, int64_t D, const T *q, int64_t ldq, const T *k, int64_t ldk,  \
+          const T *cs, const T *sn, T *qo, T *ko) {                                                        \
+    NAME##_rows(Tn, Hq, D, q, ldq, cs, sn, qo);                                                            \
+    NAME##_rows(Tn, Hk, D, k, ldk, cs, sn, ko);                                                            \
+}
+ROTARY(rotary_f32, float, id_f, id_f)
+ROTARY(rotary_bf16, uint16_t, bf2f, f2bf)
