@@ -89,7 +89,8 @@ class LoRAPool:
                 self.buffers[(layer, t.name)] = (A, B, scalings)
                 self._stores[(layer, t.name)] = (A_pages, B_pages)
         self.slot_uid: list[int | None] = [None] * num_slots
-        self._views: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        self._ab_views: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self._scale_views: dict[int, list[torch.Tensor]] = {}
         self._staging_buffer: torch.Tensor | None = None
         self._scale_staging_buffer: torch.Tensor | None = None
         # (slot, staged layout id) -> its upload plan, LRU; plans hold views of the staging buffer.
@@ -263,20 +264,28 @@ class LoRAPool:
         """Zero a slot's weights: the pages its last write filled (a tensor-parallel worker's pool knows
         them this way too); its bookkeeping is the caller's."""
         self._settle(slot)
-        for views in self._slot_views(slot, self._written_pages.pop(slot, 1)):
-            torch._foreach_zero_(views)
+        torch._foreach_zero_(self._slot_ab_views(slot, self._written_pages.pop(slot, 1)))
+        torch._foreach_zero_(self._slot_scale_views(slot))
         self._slot_filled[slot] = 0
         self._on_slot_change(slot, 0)
 
-    def _slot_views(self, slot: int, pages: int = 1) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The views of ``pages`` pages from ``slot`` of every A and B buffer (one dtype) and of the slot's
-        scalings (fp32), made once per (slot, pages): two lists that multi-tensor kernels zero in one
-        launch each (a mixed-dtype list takes their per-tensor path)."""
-        views = self._views.get((slot, pages))
+    def _slot_ab_views(self, slot: int, pages: int = 1) -> list[torch.Tensor]:
+        """The views of ``pages`` pages from ``slot`` of every A and B buffer (one dtype: multi-tensor
+        kernels zero a list of them in one launch), made once per (slot, pages). Asked only where a slot
+        is zeroed: making them costs about 1 ms (a Mistral-7B pool: 256 views), and a paged pool's slots
+        are many (512 in issue 13's runs), so a first upload into each would pay it."""
+        views = self._ab_views.get((slot, pages))
         if views is None:
-            ab = [t[slot : slot + pages] for A, B in self._stores.values() for t in (A, B)]
-            views = (ab, [sc[slot] for _, _, sc in self.buffers.values()])
-            self._views[(slot, pages)] = views
+            views = self._ab_views[(slot, pages)] = [
+                t[slot : slot + pages] for A, B in self._stores.values() for t in (A, B)
+            ]
+        return views
+
+    def _slot_scale_views(self, slot: int) -> list[torch.Tensor]:
+        """The views of ``slot``'s scalings (fp32) in every module's buffer, made once per slot."""
+        views = self._scale_views.get(slot)
+        if views is None:
+            views = self._scale_views[slot] = [sc[slot] for _, _, sc in self.buffers.values()]
         return views
 
     def _staging(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -363,7 +372,7 @@ class LoRAPool:
         # touches every (layer, module) buffer: ~1,300 launches, 17 ms of host time per Mistral-7B
         # adapter on an H200 before; issue 13).
         pages = self._written_pages[slot] = self._pages_of_rank(adapter.rank)
-        ab_views, scale_views = self._slot_views(slot, pages)
+        scale_views = self._slot_scale_views(slot)
         scalings = scalings_of(adapter) if adapter.staged is not None else None
         plan = (
             self._plan(slot, adapter, scalings)
@@ -371,7 +380,7 @@ class LoRAPool:
             else None
         )
         if plan is None or plan.filled < pages * self._page_elems:  # else every element is overwritten
-            torch._foreach_zero_(ab_views)
+            torch._foreach_zero_(self._slot_ab_views(slot, pages))
         torch._foreach_zero_(scale_views)
         if plan is not None:
             plan.run(adapter.staged, scalings)
@@ -413,7 +422,8 @@ class LoRAPool:
             self._settle(slot)
         self.buffers.clear()
         self._stores.clear()
-        self._views.clear()
+        self._ab_views.clear()
+        self._scale_views.clear()
         self._staging_buffer = self._scale_staging_buffer = None
         self._plans.clear()
         self.host.clear()
