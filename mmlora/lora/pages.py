@@ -166,3 +166,36 @@ def one_pair_each(adapter: LoadedAdapter, U: int, pages: int) -> bool:
 def flat_view(view: torch.Tensor) -> torch.Tensor:
     """A view flat where it is contiguous (multi-tensor copies pair it with a flat staging chunk)."""
     return view.view(-1) if view.is_contiguous() else view
+
+
+def slot_pairs(
+    buffers: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    offsets: dict[str, tuple[int, ...]],
+    slot: int,
+    adapter: LoadedAdapter,
+    U: int,
+    pages: int,
+) -> list[tuple[torch.Tensor | None, torch.Tensor]]:
+    """(slot view, or None for a module the pool does not hold; source) for every A and B tensor of
+    ``adapter`` in ``slot`` of a pool's ``buffers`` ((layer, target) -> (A, B, scalings); ``offsets``:
+    each target's slice offsets; ``U``, ``pages``: its page rank and pages per slot): A then B of every
+    slice, module by module in the adapter's order (a staged adapter's block order). A slot view is flat
+    where contiguous, so multi-tensor copies pair it with a flat chunk of a staging buffer; a B view below
+    the pool rank (B[slot, rows, :r]) is strided. A view lists its elements in its source's order (a paged
+    view spans pages). In a paged pool, a rank above one page and not a whole number of pages takes one
+    pair per page (see :func:`one_pair_each`)."""
+    pairs: list[tuple[torch.Tensor | None, torch.Tensor]] = []
+    for key, w in adapter.weights.items():
+        bufs = buffers.get(key)
+        if bufs is None:
+            pairs += [(None, t) for t in (*w.A, *w.B) if t is not None]
+            continue
+        A, B = bufs[0][slot], bufs[1][slot]
+        offs = offsets[key[1]]
+        for i, t in enumerate(w.A):
+            if t is not None:
+                pairs += [(flat_view(d), s) for d, s in a_views(A, i, t, U, pages)]
+        for i, t in enumerate(w.B):
+            if t is not None:
+                pairs += [(flat_view(d), s) for d, s in b_views(B, offs[i], offs[i + 1], t, U, pages)]
+    return pairs

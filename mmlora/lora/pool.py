@@ -25,15 +25,13 @@ import torch
 from mmlora.lora.adapter import LoadedAdapter
 from mmlora.lora.pages import (
     PageMap,
-    a_views,
-    b_views,
     divides_into_pages,
-    flat_view,
     one_pair_each,
     pages_for,
+    slot_pairs,
 )
 from mmlora.lora.spec import LoRAModelSpec
-from mmlora.lora.staging import UploadPlan, pinned, scalings_of
+from mmlora.lora.staging import UploadPlan, copy_scalings, pinned, scalings_of
 
 logger = logging.getLogger(__name__)
 
@@ -314,32 +312,6 @@ class LoRAPool:
         if buf is not None and self.upload_stream is not None:
             buf.record_stream(self.upload_stream)
 
-    def _pairs(self, slot: int, adapter: LoadedAdapter) -> list[tuple[torch.Tensor | None, torch.Tensor]]:
-        """(slot view, or None for a module the pool does not hold; source) for every A and B tensor of
-        ``adapter``: A then B of every slice, module by module in the adapter's order (a staged adapter's
-        block order). A slot view is flat where contiguous, so multi-tensor copies pair it with a flat
-        chunk of a staging buffer; a B view below the pool rank (B[slot, rows, :r]) is strided. A view
-        lists its elements in its source's order (a paged view spans pages). In a paged pool, a rank
-        above one page and not a whole number of pages takes one pair per page (see :func:`~mmlora.lora.pages.one_pair_each`)."""
-        pairs: list[tuple[torch.Tensor | None, torch.Tensor]] = []
-        for key, w in adapter.weights.items():
-            bufs = self.buffers.get(key)
-            if bufs is None:
-                pairs += [(None, t) for t in (*w.A, *w.B) if t is not None]
-                continue
-            A, B = bufs[0][slot], bufs[1][slot]
-            offsets = self._offsets[key[1]]
-            for i, t in enumerate(w.A):
-                if t is not None:
-                    pairs += [(flat_view(d), s) for d, s in a_views(A, i, t, self.page_rank, self.pages)]
-            for i, t in enumerate(w.B):
-                if t is not None:
-                    pairs += [
-                        (flat_view(d), s)
-                        for d, s in b_views(B, offsets[i], offsets[i + 1], t, self.page_rank, self.pages)
-                    ]
-        return pairs
-
     def _plan(self, slot: int, adapter: LoadedAdapter, scalings: torch.Tensor) -> UploadPlan:
         """The upload plan of a staged adapter (``scalings``: its ``staging.scalings_of``) into ``slot``:
         cached per (slot, layout) when the adapter was staged by ``staging.flatten`` (which sets its
@@ -359,7 +331,13 @@ class LoRAPool:
             (self.buffers[k][2][slot] if k in self.buffers else None, len(w.scalings))
             for k, w in adapter.weights.items()
         ]
-        plan = UploadPlan.build(self._pairs(slot, adapter), staged, staging, scale_pairs, scale_staging)
+        plan = UploadPlan.build(
+            slot_pairs(self.buffers, self._offsets, slot, adapter, self.page_rank, self.pages),
+            staged,
+            staging,
+            scale_pairs,
+            scale_staging,
+        )
         if adapter.staged_layout is not None:
             self._plans[key] = plan
             while len(self._plans) > self._max_plans:
@@ -386,31 +364,14 @@ class LoRAPool:
             plan.run(adapter.staged, scalings)
             filled = plan.filled
         else:
-            pairs = self._pairs(slot, adapter)
+            pairs = slot_pairs(self.buffers, self._offsets, slot, adapter, self.page_rank, self.pages)
             kept = [(d, t.reshape(d.shape)) for d, t in pairs if d is not None]  # shards may be strided
             if kept:
                 torch._foreach_copy_([d for d, _ in kept], [t for _, t in kept], non_blocking=True)
             filled = sum(t.numel() for d, t in pairs if d is not None)
-            self._write_scalings(slot, adapter, scale_views)
+            copy_scalings(self.buffers, scale_views, adapter, self.device)
         self._slot_filled[slot] = filled  # A and B
         self._on_slot_change(slot, adapter.rank)
-
-    def _write_scalings(self, slot: int, adapter: LoadedAdapter, scale_views: list[torch.Tensor]) -> None:
-        """An unstaged adapter's scalings into ``slot``: all in one host tensor (pinned on CUDA) and one
-        host-to-device copy, then one multi-tensor copy on the device (a copy per module from the host is
-        a launch each)."""
-        scale_dst: list[torch.Tensor] = []
-        scale_values: list[float] = []
-        for key, view in zip(self.buffers, scale_views):
-            w = adapter.weights.get(key)
-            if w is not None:
-                scale_dst.append(view)
-                scale_values += [float(sc) if a is not None else 0.0 for a, sc in zip(w.A, w.scalings)]
-        if scale_dst:
-            values = torch.tensor(scale_values, dtype=torch.float32)
-            if self.device.type == "cuda":
-                values = values.pin_memory().to(self.device, non_blocking=True)
-            torch._foreach_copy_(scale_dst, list(values.split([t.numel() for t in scale_dst])))
 
     @property
     def slots_used(self) -> int:

@@ -16,6 +16,7 @@ layout id, so the pool builds one :class:`UploadPlan` per (slot, layout) and rep
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -236,3 +237,26 @@ class UploadPlan:
         for dst, src in (self.flat, self.strided, self.scales):
             if dst:
                 torch._foreach_copy_(dst, src, non_blocking=True)
+
+
+def copy_scalings(
+    keys: Iterable[tuple[int, str]],
+    scale_views: list[torch.Tensor],
+    adapter: LoadedAdapter,
+    device: torch.device,
+) -> None:
+    """An unstaged adapter's scalings into a slot's ``scale_views`` (one per module, in the order of
+    ``keys``): all in one host tensor (pinned on CUDA) and one host-to-device copy, then one multi-tensor
+    copy on the device (a copy per module from the host is a launch each)."""
+    scale_dst: list[torch.Tensor] = []
+    scale_values: list[float] = []
+    for key, view in zip(keys, scale_views):
+        w = adapter.weights.get(key)
+        if w is not None:
+            scale_dst.append(view)
+            scale_values += [float(sc) if a is not None else 0.0 for a, sc in zip(w.A, w.scalings)]
+    if scale_dst:
+        values = torch.tensor(scale_values, dtype=torch.float32)
+        if device.type == "cuda":
+            values = values.pin_memory().to(device, non_blocking=True)
+        torch._foreach_copy_(scale_dst, list(values.split([t.numel() for t in scale_dst])))
