@@ -390,6 +390,9 @@ def _roofline_lines(roof: dict[str, Any], bandwidth_gb_s: float) -> list[str]:
         f"    {roof['decode_steps']} decode steps: {roof['mean_decode_step_ms']:.1f} ms each (wall) against "
         f"a floor of {roof['mean_decode_floor_ms']:.1f} ms = {roof['fraction_of_roofline']:.0%} of the "
         f"roofline; {roof['prefill_steps']} prefill steps {roof['prefill_seconds']:.2f} s",
+        f"    compute ceiling: the widest layer GEMM at {roof['gemm_rows']} rows runs at "
+        f"{roof['gemm_gflop_s']:.0f} GFLOP/s (weight in cache), so a step's GEMMs take at least "
+        f"{roof['mean_decode_compute_floor_ms']:.1f} ms = {roof['fraction_of_compute_floor']:.0%} of a step",
         *format_profile(roof["profile"]),
     ]
 

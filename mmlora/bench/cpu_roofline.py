@@ -12,6 +12,13 @@ without another process on the other core), while a fp32 decode step takes about
 Session 11's bench took the better of two samples minutes apart, and its roofline share swung between
 0.21 and 0.35 from run to run. The roofline is a bound, so it takes the fastest the memory was seen to
 deliver around the run; every sample is kept in the result.
+
+The compute ceiling is reported beside it (the done-when check stays the bytes roofline): a decode step
+of B rows multiplies every weight by B rows, ``2 B`` FLOPs a parameter, at no more than the rate the
+decode path's own GEMM reaches with its weight hot in cache (:func:`gemm_flop_rate`, the model's widest
+layer GEMM at the run's mean batch). On issue 21's 2-core EPYC an fp32 step of 16 rows takes longer at
+that rate than its bytes take at the copy bandwidth (session 20: 21.6 against 14.1 ms): the step is
+compute-bound, and the bytes roofline share is capped well below 1.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from mmlora.backends.onednn import onednn_linear_available, pack_weight, packed_matmul
 from mmlora.bench.serving_parts import StepRecorder, weight_bytes
 from mmlora.engine.cpu_decode import cpu_bf16_flags
 
@@ -46,6 +54,48 @@ def copy_bandwidth_samples(copies: int = BANDWIDTH_COPIES, nbytes: int = BANDWID
         dst.copy_(src)
         samples.append(2 * nbytes / (time.perf_counter() - t0))
     return samples
+
+
+#: Timed calls of :func:`gemm_flop_rate` (the best counts).
+GEMM_RATE_CALLS = 50
+
+
+def gemm_flop_rate(
+    rows: int, in_features: int, out_features: int, dtype: torch.dtype, calls: int = GEMM_RATE_CALLS
+) -> float:
+    """FLOP/s of ``x [rows, in] @ W.T`` for W [out, in] in ``dtype``, as the CPU decode path runs it (a
+    oneDNN packed matmul where this torch has one, else ``F.linear``), W hot in cache: the best of
+    ``calls`` timed calls after a few untimed ones; torch's threads."""
+    gen = torch.Generator().manual_seed(0)
+    w = (torch.randn(out_features, in_features, generator=gen) * 0.02).to(dtype)
+    x = torch.randn(rows, in_features, generator=gen).to(dtype)
+    if onednn_linear_available():
+        packed = pack_weight(w, rows)
+
+        def gemm() -> torch.Tensor:
+            return packed_matmul(x, packed)
+    else:
+
+        def gemm() -> torch.Tensor:
+            return torch.nn.functional.linear(x, w)
+
+    with torch.no_grad():
+        for _ in range(5):
+            gemm()
+        best = float("inf")
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            gemm()
+            best = min(best, time.perf_counter() - t0)
+    return 2 * rows * in_features * out_features / best
+
+
+def _widest_gemm(model: torch.nn.Module) -> tuple[int, int]:
+    """(in, out) of the model's largest 2-D layer weight (the lm_head and the embedding left out)."""
+    head = {id(model.lm_head.weight), id(model.model.embed_tokens.weight)}
+    shapes = [p.shape for p in model.parameters() if p.dim() == 2 and id(p) not in head]
+    out_f, in_f = max(shapes, key=lambda s: s[0] * s[1])
+    return in_f, out_f
 
 
 def _is_decode(sched: Any) -> bool:
@@ -105,6 +155,11 @@ def measure_decode_roofline(engine: Any, generate: Callable[[], Any]) -> dict[st
     steps = recorder.steps
     actual = sum(s[0] for s in steps)
     floor = sum(recorder.floor_seconds(ctx, ranks, bandwidth) for _, _, ctx, ranks in steps)
+    # The compute ceiling: every parameter a step reads is multiplied by each of its rows.
+    params = recorder.weights * 8 // torch.finfo(dtype).bits
+    mean_rows = max(1, round(sum(s[1] for s in steps) / max(len(steps), 1)))
+    rate = gemm_flop_rate(mean_rows, *_widest_gemm(engine.model), dtype)
+    compute_floor = sum(2 * rows * params / rate for _, rows, _, _ in steps)
     return {
         "dtype": str(dtype).removeprefix("torch."),
         "weight_bytes": recorder.weights,
@@ -115,6 +170,10 @@ def measure_decode_roofline(engine: Any, generate: Callable[[], Any]) -> dict[st
         "mean_decode_step_ms": 1e3 * actual / max(len(steps), 1),
         "mean_decode_floor_ms": 1e3 * floor / max(len(steps), 1),
         "fraction_of_roofline": floor / actual if actual else 0.0,
+        "gemm_gflop_s": rate / 1e9,
+        "gemm_rows": mean_rows,
+        "mean_decode_compute_floor_ms": 1e3 * compute_floor / max(len(steps), 1),
+        "fraction_of_compute_floor": compute_floor / actual if actual else 0.0,
         "bandwidth_gb_s": bandwidth / 1e9,
         "bandwidth_samples_gb_s": {
             "just_before": [b / 1e9 for b in before],

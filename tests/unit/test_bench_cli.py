@@ -176,7 +176,14 @@ def test_cpu_cli_on_a_tiny_checkpoint(tmp_path, capsys):
         == roof["bandwidth_gb_s"]
         == max(samples["just_before"] + samples["just_after"])
     )
-    assert "mixed adapters / own base-only" in capsys.readouterr().out
+    # the compute ceiling: 2 FLOPs per fp32 parameter (4 bytes) per row of each 3-row decode step, at the
+    # probed GEMM rate; a bound, so under the steps' own time
+    assert roof["gemm_rows"] == 3 and roof["gemm_gflop_s"] > 0
+    per_step = 2 * 3 * (roof["weight_bytes"] / 4) / (roof["gemm_gflop_s"] * 1e9)
+    assert roof["mean_decode_compute_floor_ms"] == pytest.approx(1e3 * per_step, rel=1e-6)
+    assert 0 < roof["fraction_of_compute_floor"] < 1
+    out = capsys.readouterr().out
+    assert "mixed adapters / own base-only" in out and "compute ceiling" in out
 
 
 def test_cpu_bf16_flags_read_from_cpuinfo(tmp_path):
