@@ -68,9 +68,9 @@ class PageMap:
         evicted.
 
         The scheduler asks this for every adapter it loads, twice (can it, then where), and prefetches
-        ask too: with a full pool of 512 one-page adapters a scan of every window cost about 0.5 ms, so
-        one-page windows are chosen over the placed adapters instead, and each owner's verdict and age are
-        asked once per call."""
+        ask too: with a full pool of 512 one-page adapters a scan that built each window's owner set and
+        asked its owners again per window took about 0.5 ms; each adapter's verdict and age are asked once
+        per call here (about 0.15 ms)."""
         owner = self.owner
         if None in owner:  # a free window, if any, wins: look for one only where a page is free
             if pages == 1:
@@ -78,17 +78,6 @@ class PageMap:
             for start in range(0, len(owner) - pages + 1, pages):
                 if owner[start] is None and owner[start : start + pages].count(None) == pages:
                     return start, set()
-        if pages == 1:
-            # Every page is owned: the window of page p has the one owner of p, and an adapter's first
-            # page is the first window it owns.
-            best: tuple[int, int, int] | None = None
-            for first in self.count:
-                uid = owner[first]
-                if evictable(uid):
-                    key = (age(uid), first, uid)
-                    if best is None or key < best:
-                        best = key
-            return None if best is None else (best[1], {best[2]})
         # Each placed adapter's age, or None where it may not be evicted: asked once per adapter.
         verdict = {
             owner[first]: age(owner[first]) if evictable(owner[first]) else None for first in self.count

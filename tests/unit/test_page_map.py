@@ -46,10 +46,8 @@ def test_choose_matches_a_scan_of_every_window(seed: int) -> None:
     busy = {u for u in uids if rng.random() < rng.choice([0.0, 0.3, 0.9])}
     # Ages as a pool's clock gives them (distinct), or with ties, which go to the first window.
     ages = {u: rng.randrange(0, 3 if seed % 2 else 10**6) for u in uids}
-    asked: list[int] = []
 
     def evictable(u: int) -> bool:
-        asked.append(u)
         return u not in busy
 
     for pages in (1, 2, 4, 8):

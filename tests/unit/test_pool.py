@@ -553,3 +553,15 @@ def test_building_paged_upload_plans_splits_only_a_views_by_page(monkeypatch):
     assert parts == [2] * (2 * 2 * 3)
     slot = pool.acquire_slot(2, set())
     assert_paged_slot_is(pool, slot, new)
+
+
+def test_upload_bytes_from_staged_blocks_equal_the_tensors_own():
+    from mmlora.bench.breakdown import adapter_upload_bytes
+
+    plain = adapter(4, 1.0)
+    staged = staging_module.flatten(plain, pin=False)
+    assert staged is not None and staged.staged is not None
+    # qkv per layer: A 2 x (4 x 8), B (8 x 4) + (4 x 4), fp32, two layers
+    want = 2 * (2 * 4 * 8 + 8 * 4 + 4 * 4) * 4
+    assert adapter_upload_bytes(plain) == want
+    assert adapter_upload_bytes(staged) == want
