@@ -6,10 +6,11 @@ of the other slots with a mask (:func:`slot_mask`): a fixed, small number of cal
 the adapters and however the rows group into segments.
 
 :class:`ShrinkFused` goes one step further: the base weight and the live rows of A stacked as one
-oneDNN-packed ``[W; A_live]``, so that the base GEMM computes the shrink too (``K`` more output columns
-beside ``out``). Inside a forward a oneDNN call costs about 25 us on issue 21's 2-core EPYC where it
-computes about 8 (its weights and descriptors come back cold after the other modules' GEMMs), more than
-the shrink's FLOPs; SmolLM2 with four rank-8 adapters adds 2-10% columns to each base GEMM instead. The
+packed ``[W; A_live]`` (:func:`~mmlora.backends.onednn.pack_weight`), so that the base GEMM computes the
+shrink too (``K`` more output columns beside ``out``). Inside a forward a oneDNN call cost about 25 us on
+issue 21's 2-core EPYC where it computes about 8 (the C panel GEMM that replaced it there still about 7 us),
+more than the shrink's FLOPs; SmolLM2 with four rank-8 adapters adds 2-10% columns to each base GEMM
+instead. The
 stacked weight stands in for the base layer's own packed copy (the layer frees that one), so the module
 keeps one packed weight; a batch without adapter rows reads the first ``out`` columns.
 

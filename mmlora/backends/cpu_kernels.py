@@ -8,11 +8,13 @@ is the call, not the arithmetic. Where one C loop does what several torch calls 
 - :func:`rms_norm` (with the residual add) and :func:`rotary`: the arithmetic of the torch references in
   :mod:`mmlora.layers.fused_ops` in one pass each;
 - a LoRA module's expand and add, reading only each row's own slot: its Python side is
-  :mod:`mmlora.backends.cpu_expand`.
+  :mod:`mmlora.backends.cpu_expand`;
+- the decode step's thin GEMMs over weights prepacked in column panels (``cpu_gemm.c``): its Python side
+  is :mod:`mmlora.backends.cpu_gemm`.
 
 The source (``cpu_kernels.c``) is compiled once per machine (``cc -O3 -march=native``, about two seconds) into
 ``$MMLORA_CACHE_DIR`` (default ``~/.cache/mmlora``) and loaded with ctypes; no torch headers. Only the
-attention and the expand run on several threads (OpenMP, as many as torch uses): the library links
+attention, the expand and the GEMM run on several threads (OpenMP, as many as torch uses): the library links
 ``libgomp.so.1``, which in a torch process resolves to the copy torch loaded, so both share one thread
 pool; the other kernels are a few microseconds of work and run on the calling thread. Where there is no compiler, the
 build fails, the CPU is not x86-64 / aarch64, or ``MMLORA_CPU_KERNELS=0``, :func:`available` is False and
@@ -34,8 +36,9 @@ from pathlib import Path
 
 import torch
 
-#: The kernels' C source (``cpu_kernels.c`` beside this module; package data).
-_SOURCE = (Path(__file__).parent / "cpu_kernels.c").read_text()
+#: The kernels' C source: ``cpu_kernels.c`` and then ``cpu_gemm.c`` (beside this module; package data), one
+#: library.
+_SOURCE = "\n".join((Path(__file__).parent / name).read_text() for name in ("cpu_kernels.c", "cpu_gemm.c"))
 
 # fast-math lets the dot products and sums vectorize (reassociated) and expf go through glibc's vector
 # math (libmvec); NaN and inf keep their meaning (-fno-finite-math-only). It is given when compiling

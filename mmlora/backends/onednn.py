@@ -1,13 +1,17 @@
-"""oneDNN prepacked matmuls on CPU: the primitive under ``PackedLinear`` and torch-gather's CPU decode path.
+"""Prepacked matmuls on CPU: the primitive under ``PackedLinear`` and torch-gather's CPU decode path.
 
 A CPU decode step is a few hundred thin GEMMs. ``F.linear`` / ``mm`` hand the plain row-major weight to
-the BLAS on every call, which re-blocks it each time; oneDNN can take the weight already in its blocked
-layout (:func:`pack_weight`, once) and multiply with it directly (:func:`packed_matmul`).
+the BLAS on every call, which re-blocks it each time; a prepacked weight is blocked once
+(:func:`pack_weight`) and multiplied directly (:func:`packed_matmul`). Two implementations sit behind that
+pair: the C panel GEMM of :mod:`mmlora.backends.cpu_gemm` where the C kernels are built (fp32, and bf16 on
+CPUs with AVX-512 BF16), else oneDNN's prepacked linear. oneDNN costs about 25 us a call before it
+computes; on issue 21's 2-core EPYC a SmolLM2 decode forward took 0.76-0.80x the time with the C GEMM
+(``benchmarks/scripts/cpu_gemm_ab.py``: fp32 57.6 -> 45.5 ms, bf16 50.1 -> 37.9 ms, interleaved).
 
 oneDNN builds and caches one primitive per input row count, about 0.5 MB each (measured: 2,048 distinct
 row counts through four layers grew RSS by 1 GB). So only inputs of at most :data:`PACKED_MAX_ROWS` rows
 take the packed path (decode-sized, where it pays), padded up to a power of two: a handful of primitives
-per weight shape, all built in the first steps.
+per weight shape, all built in the first steps. The C GEMM takes any row count as it comes.
 
 bf16 pays only where the CPU multiplies it natively (AVX-512 BF16 or AMX-BF16); elsewhere torch converts
 bf16 to fp32 in software. :func:`packable_dtypes` says which dtypes pay on this CPU.
@@ -16,10 +20,16 @@ bf16 to fp32 in software. :func:`packable_dtypes` says which dtypes pay on this 
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 import torch
 
+from mmlora.backends import cpu_gemm
+
+#: Weights packed from now on go to the C panel GEMM where it is built (``MMLORA_CPU_GEMM=0``: oneDNN's);
+#: A/B scripts flip it before building an engine.
+PANEL_GEMM = os.environ.get("MMLORA_CPU_GEMM", "1") != "0"
 #: Inputs of more rows are not packed; fewer are padded to the next power of two (see above).
 PACKED_MAX_ROWS = 64
 #: /proc/cpuinfo flags that mean native bf16 dot products.
@@ -53,9 +63,13 @@ def packable_dtypes() -> tuple[torch.dtype, ...]:
     return (torch.float32, torch.bfloat16) if cpu_bf16_flags() else (torch.float32,)
 
 
-def pack_weight(weight: torch.Tensor, batch_size: int | None = None) -> torch.Tensor:
-    """``weight`` [out, in] (CPU, fp32/bf16) in oneDNN's blocked layout: an opaque tensor for
-    :func:`packed_matmul` (``batch_size``: the row count to tune the layout for, None: any)."""
+def pack_weight(weight: torch.Tensor, batch_size: int | None = None) -> torch.Tensor | cpu_gemm.PanelWeight:
+    """``weight`` [out, in] (CPU, fp32/bf16) packed for :func:`packed_matmul`: for the C panel GEMM
+    (:mod:`mmlora.backends.cpu_gemm`) where it is built for the dtype and :data:`PANEL_GEMM` is on, else
+    in oneDNN's blocked layout, an opaque tensor (``batch_size``: the row count to tune it for, None: any).
+    Either has the weight's ``dtype``."""
+    if PANEL_GEMM and weight.dtype in cpu_gemm.dtypes() and weight.device.type == "cpu":
+        return cpu_gemm.pack(weight)
     with torch.no_grad():
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_size)
 
@@ -74,8 +88,10 @@ def pad_rows(x: torch.Tensor) -> torch.Tensor:
 
 def packed_matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W.T + bias`` for x [rows, in] with ``0 < rows <= PACKED_MAX_ROWS``, W packed by
-    :func:`pack_weight` (same dtype as x); returns [rows, out]. Rows are padded with zeros up to a power
-    of two (their outputs dropped), which leaves the real rows' values unchanged."""
+    :func:`pack_weight` (same dtype as x); returns [rows, out]. For oneDNN, rows are padded with zeros up
+    to a power of two (their outputs dropped), which leaves the real rows' values unchanged."""
+    if type(packed) is cpu_gemm.PanelWeight:
+        return cpu_gemm.matmul_unchecked(x if x.stride(-1) == 1 else x.contiguous(), packed, bias)
     rows = x.shape[0]
     out = torch.ops.mkldnn._linear_pointwise(pad_rows(x), packed, bias, "none", [], "")
     return out if out.shape[0] == rows else out[:rows]

@@ -147,7 +147,7 @@ class TorchGatherBackend(LoRABackend):
         info: LoRABatchInfo | None,
     ) -> torch.Tensor | None:
         """x [T, in] on CPU (a packable dtype, no autograd recording): ``x @ W.T + bias`` plus the batch's
-        LoRA delta, the base GEMM and every slot's shrink as one oneDNN matmul over the module's stacked
+        LoRA delta, the base GEMM and every slot's shrink as one packed matmul over the module's stacked
         ``[W; A_live]`` (:class:`~mmlora.backends.cpu_dense.ShrinkFused`); returns [T, out] (a view of
         [T, out + K]: the last K columns are the shrink). Then ``h = shrink * mask`` (each row's own
         slot) and one more matmul adds ``h @ expand``. A batch without adapter rows (``info`` None or
@@ -279,7 +279,7 @@ class _DenseWeights:
     B: torch.Tensor  # the module's B view, to tell a reused data pointer from the cached module
     key: tuple  # A's, B's and the scalings' version counters, the slot ranks and packing when built
     packed: bool
-    A: torch.Tensor  # the live rows of A [K, in] (packed: oneDNN's layout, for packed_matmul)
+    A: torch.Tensor  # the live rows of A [K, in] (packed by pack_weight, for packed_matmul)
     W: torch.Tensor  # the expand matrix's live rows [K, out] (packed: its transpose, for packed_matmul)
 
 

@@ -1,8 +1,7 @@
-"""PackedLinear: an ``nn.Linear`` whose weight can be prepacked once for oneDNN on CPU.
+"""PackedLinear: an ``nn.Linear`` whose weight can be prepacked once on CPU (for the C panel GEMM, else oneDNN).
 
 The packed matmul and when it pays (row counts, dtypes) are :mod:`mmlora.backends.onednn`'s; ``python -m
-mmlora.bench cpu`` measures what it gains. The packed copy is an opaque oneDNN tensor kept beside the
-parameter (not in the state dict): the parameter stays the truth that checkpoints load into, sharding
+mmlora.bench cpu`` measures what it gains. The packed copy is kept beside the parameter (not in the state dict): the parameter stays the truth that checkpoints load into, sharding
 cuts and tied embeddings share. A packed copy is used only where it gives the same answer as
 ``F.linear``: CPU inputs of the packed dtype, no autograd, and a parameter unchanged since it was packed
 (a later write repacks on the next call). Inputs of more than ``PACKED_MAX_ROWS`` rows (prefill) go
@@ -28,8 +27,7 @@ PACKED_DTYPES = (torch.float32,)
 
 
 class PackedLinear(nn.Linear):
-    """``y = x W^T + b``, through a oneDNN-prepacked ``W`` after :meth:`prepack` (CPU, fp32), else
-    ``F.linear``."""
+    """``y = x W^T + b``, through a prepacked ``W`` after :meth:`prepack` (CPU, fp32), else ``F.linear``."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -43,7 +41,7 @@ class PackedLinear(nn.Linear):
         return self._packed is not None
 
     def prepack(self, batch_size: int | None = None, dtypes: tuple[torch.dtype, ...] = PACKED_DTYPES) -> bool:
-        """Pack the weight for oneDNN (``batch_size``: the row count to tune the layout for, None: any);
+        """Pack the weight (:func:`~mmlora.backends.onednn.pack_weight`; ``batch_size``: the row count to tune the layout for, None: any);
         True when packed, False where not possible (device, a dtype not in ``dtypes``, torch build)."""
         w = self.weight
         self._packed = None

@@ -134,8 +134,11 @@ def test_packed_bf16_matches_f_linear_where_asked(rows: int) -> None:
 @needs_onednn
 def test_packed_path_takes_decode_rows_in_power_of_two_buckets(monkeypatch: pytest.MonkeyPatch) -> None:
     """oneDNN caches a primitive (about 0.5 MB) per row count: only a few bucketed counts may reach it,
-    prefill-sized inputs included."""
+    prefill-sized inputs included (packed for oneDNN, not the C panel GEMM)."""
     import mmlora.layers.packed_linear as packed_linear
+    from mmlora.backends import onednn
+
+    monkeypatch.setattr(onednn, "PANEL_GEMM", False)
 
     seen: list[int] = []
     real = torch.ops.mkldnn._linear_pointwise
