@@ -1,4 +1,5 @@
-"""CPU decode steps against their roofline, and a torch.profiler per-op profile of one decode step.
+"""CPU decode steps against their roofline, and a torch.profiler per-op profile of one decode step (the C
+kernels' calls shown as ``mmlora_c::`` ranges beside the torch ops).
 
 Used by ``python -m mmlora.bench cpu``. A decode step must read every weight once and each request's
 K/V so far; its floor is those bytes (:class:`mmlora.bench.serving_parts.StepRecorder`) over the copy
@@ -23,13 +24,16 @@ compute-bound, and the bytes roofline share is capped well below 1.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
+from mmlora.backends import cpu_expand, cpu_gemm, cpu_kernels
 from mmlora.backends.onednn import onednn_linear_available, pack_weight, packed_matmul
 from mmlora.bench.serving_parts import StepRecorder, weight_bytes
 from mmlora.engine.cpu_decode import cpu_bf16_flags
@@ -127,7 +131,7 @@ def measure_decode_roofline(engine: Any, generate: Callable[[], Any]) -> dict[st
         if decode:
             seen["decode"] += 1
         if decode and seen["decode"] == PROFILED_DECODE_STEP and not profiled:
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
+            with c_kernels_traced(), profile(activities=[ProfilerActivity.CPU]) as prof:
                 out = recorded(sched)
             recorder.pending = None
             profiled.update(_profile_summary(prof, len(sched)))
@@ -183,6 +187,42 @@ def measure_decode_roofline(engine: Any, generate: Callable[[], Any]) -> dict[st
         "prefill_seconds": sum(prefill_seconds),
         "profile": profiled,
     }
+
+
+#: The C kernels' Python entry points (module or class, attribute), which the profiled step wraps in
+#: ``record_function`` ranges: torch.profiler sees torch ops only, and these are ctypes calls.
+C_ENTRY_POINTS = (
+    (cpu_gemm, "matmul_unchecked"),
+    (cpu_kernels, "decode_attention_unchecked"),
+    (cpu_kernels, "store_kv_unchecked"),
+    (cpu_kernels, "rms_norm_unchecked"),
+    (cpu_kernels, "rotary_unchecked"),
+    (cpu_expand.ExpandCall, "__call__"),
+)
+
+
+@contextlib.contextmanager
+def c_kernels_traced() -> Iterator[None]:
+    """Each of :data:`C_ENTRY_POINTS` runs inside a ``record_function("mmlora_c::<name>")`` range while
+    inside; restored after."""
+    saved = [(owner, name, getattr(owner, name)) for owner, name in C_ENTRY_POINTS]
+
+    def traced(fn: Callable, label: str) -> Callable:
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with record_function(label):
+                return fn(*args, **kwargs)
+
+        return call
+
+    for owner, name, fn in saved:
+        label = f"mmlora_c::{'lora_expand' if name == '__call__' else name.removesuffix('_unchecked')}"
+        setattr(owner, name, traced(fn, label))
+    try:
+        yield
+    finally:
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
 
 
 def _profile_summary(prof: Any, batch: int, rows: int = 15) -> dict[str, Any]:

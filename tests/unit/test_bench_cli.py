@@ -186,6 +186,28 @@ def test_cpu_cli_on_a_tiny_checkpoint(tmp_path, capsys):
     assert "mixed adapters / own base-only" in out and "compute ceiling" in out
 
 
+def test_profiled_step_shows_the_c_kernels():
+    """torch.profiler sees torch ops only: inside c_kernels_traced the C kernels' ctypes calls appear as
+    mmlora_c:: ranges, with their own time; outside it the entry points are the plain functions again."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from mmlora.backends import cpu_gemm, cpu_kernels
+    from mmlora.bench.cpu_roofline import C_ENTRY_POINTS, c_kernels_traced
+
+    if not cpu_gemm.dtypes():
+        pytest.skip("the C kernels are not built here")
+    before = [getattr(owner, name) for owner, name in C_ENTRY_POINTS]
+    w, x = cpu_gemm.pack(torch.randn(64, 32)), torch.randn(4, 32)
+    with c_kernels_traced(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        cpu_gemm.matmul_unchecked(x, w)
+        cpu_kernels.rms_norm_unchecked(x, torch.ones(32), 1e-6)
+    events = {e.key: e for e in prof.key_averages()}
+    assert events["mmlora_c::matmul"].count == 1 and events["mmlora_c::rms_norm"].count == 1
+    assert events["mmlora_c::matmul"].self_cpu_time_total > 0
+    assert [getattr(owner, name) for owner, name in C_ENTRY_POINTS] == before
+
+
 def test_cpu_bf16_flags_read_from_cpuinfo(tmp_path):
     from mmlora.engine.cpu_decode import cpu_bf16_flags
 
