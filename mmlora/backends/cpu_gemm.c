@@ -53,13 +53,14 @@ static float *gemm_pack_rows(int64_t M, int64_t K, const float *x, int64_t ldx) 
     const int64_t blocks = (M + GEMM_MR - 1) / GEMM_MR;
     float *xp = gemm_buffer(0, blocks * K * GEMM_MR);
     if (!xp) return NULL;
-    for (int64_t b = 0; b < blocks; b++)
-        for (int64_t r = 0; r < GEMM_MR; r++) {
-            const int64_t m = b * GEMM_MR + r;
-            float *xb = xp + b * K * GEMM_MR + r;
-            if (m >= M) for (int64_t k = 0; k < K; k++) xb[k * GEMM_MR] = 0.0f;
-            else for (int64_t k = 0; k < K; k++) xb[k * GEMM_MR] = x[m * ldx + k];
-        }
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t rows = M - b * GEMM_MR < GEMM_MR ? M - b * GEMM_MR : GEMM_MR;
+        const float *xr = x + b * GEMM_MR * ldx;
+        float *xb = xp + b * K * GEMM_MR;
+        /* k outer: each output line written whole, the rows read along */
+        for (int64_t k = 0; k < K; k++)
+            for (int64_t r = 0; r < GEMM_MR; r++) xb[k * GEMM_MR + r] = r < rows ? xr[r * ldx + k] : 0.0f;
+    }
     return xp;
 }
 
@@ -136,15 +137,13 @@ int64_t gemm_bf16(int64_t M, int64_t N, int64_t K, const uint16_t *x, int64_t ld
     uint32_t *xp = gemm_buffer(1, blocks * K2 * 16);  /* xp[b, kk, r]: the pair (x[m, 2kk], x[m, 2kk+1]) */
     if (!xp) return -1;
     for (int64_t b = 0; b < blocks; b++)
-        for (int64_t r = 0; r < 16; r++) {
-            const int64_t m = b * 16 + r;
-            uint32_t *xb = xp + b * K2 * 16 + r;
-            for (int64_t kk = 0; kk < K2; kk++) {
+        for (int64_t kk = 0; kk < K2; kk++)  /* kk outer: each output line written whole */
+            for (int64_t r = 0; r < 16; r++) {
+                const int64_t m = b * 16 + r;
                 const uint32_t lo = m < M ? x[m * ldx + 2 * kk] : 0;
                 const uint32_t hi = m < M && 2 * kk + 1 < K ? x[m * ldx + 2 * kk + 1] : 0;
-                xb[kk * 16] = lo | hi << 16;
+                xp[(b * K2 + kk) * 16 + r] = lo | hi << 16;
             }
-        }
     _Pragma("omp parallel for schedule(static) num_threads(threads) if(panels > 1)")
     for (int64_t p = 0; p < panels; p++) {
         const uint16_t *Pp = P + p * K2 * 32, *bp = bias ? bias + p * 16 : NULL;
