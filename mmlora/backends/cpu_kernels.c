@@ -295,3 +295,21 @@ void NAME(int64_t Tn, int64_t Hq, int64_t Hk, int64_t D, const T *q, int64_t ldq
 }
 ROTARY(rotary_f32, float, id_f, id_f)
 ROTARY(rotary_bf16, uint16_t, bf2f, f2bf)
+
+/* SiLU-and-multiply over gate_up rows x [rows, 2I] = [g | u] (row stride ldx) into y [rows, I]: y = round(round(
+   silu(g)) * u), silu(a) = a / (1 + exp(-a)) in fp32, as torch's F.silu(g) * u rounds (bf16: each op's result
+   rounded to bf16). Rows shared over `threads` OpenMP threads. */
+#define SILU_AND_MUL(NAME, T, LOAD, STORE)                                                                 \
+void NAME(int64_t rows, int64_t I, const T *x, int64_t ldx, T *y, int64_t threads) {                       \
+    _Pragma("omp parallel for schedule(static) num_threads(threads) if(rows > 1 && rows * I >= 8192)")     \
+    for (int64_t t = 0; t < rows; t++) {                                                                   \
+        const T *g = x + t * ldx, *u = g + I;                                                              \
+        T *yt = y + t * I;                                                                                 \
+        for (int64_t c = 0; c < I; c++) {                                                                  \
+            const float a = LOAD(g[c]);                                                                    \
+            yt[c] = STORE(LOAD(STORE(a / (1.0f + expf(-a)))) * LOAD(u[c]));                                \
+        }                                                                                                  \
+    }                                                                                                      \
+}
+SILU_AND_MUL(silu_and_mul_f32, float, id_f, id_f)
+SILU_AND_MUL(silu_and_mul_bf16, uint16_t, bf2f, f2bf)

@@ -5,8 +5,8 @@ is the call, not the arithmetic. Where one C loop does what several torch calls 
 
 - :func:`decode_attention`: one decode token per request over the paged KV cache, read in place (and
   :func:`store_kv_unchecked`: the step's K/V rows into their slots, one call for both);
-- :func:`rms_norm` (with the residual add) and :func:`rotary`: the arithmetic of the torch references in
-  :mod:`mmlora.layers.fused_ops` in one pass each;
+- :func:`rms_norm` (with the residual add), :func:`rotary` and :func:`silu_and_mul`: the arithmetic of the
+  torch references in :mod:`mmlora.layers.fused_ops` in one pass each;
 - a LoRA module's expand and add, reading only each row's own slot: its Python side is
   :mod:`mmlora.backends.cpu_expand`;
 - the decode step's thin GEMMs over weights prepacked in column panels (``cpu_gemm.c``): its Python side
@@ -108,6 +108,9 @@ def _library() -> ctypes.CDLL | None:
     for name in ("rotary_f32", "rotary_bf16"):
         fn = getattr(dll, name)
         fn.argtypes, fn.restype = [_I64] * 4 + [_PTR, _I64, _PTR, _I64] + [_PTR] * 4, None
+    for name in ("silu_and_mul_f32", "silu_and_mul_bf16"):
+        fn = getattr(dll, name)
+        fn.argtypes, fn.restype = [_I64, _I64, _PTR, _I64, _PTR, _I64], None
     return dll
 
 
@@ -255,7 +258,7 @@ def rms_norm(
     return rms_norm_unchecked(x, weight, eps, residual)
 
 
-def _rows_view(t: torch.Tensor) -> torch.Tensor | None:
+def rows_view(t: torch.Tensor) -> torch.Tensor | None:
     """``t`` as [rows, N] without a copy where its rows share one stride and its columns are unit stride."""
     if t.stride(-1) != 1:
         return None
@@ -268,7 +271,7 @@ def rms_norm_unchecked(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`rms_norm` without its checks (shapes and dtypes right by construction)."""
     N = x.shape[-1]
-    x2 = _rows_view(x)
+    x2 = rows_view(x)
     if x2 is None:
         x2 = x.reshape(-1, N).contiguous()
     rows = x2.shape[0]
@@ -278,7 +281,7 @@ def rms_norm_unchecked(
     if residual is None:
         fn(rows, N, x2.data_ptr(), x2.stride(0), None, 0, weight.data_ptr(), y.data_ptr(), y.data_ptr(), eps)
         return y
-    r2 = _rows_view(residual)
+    r2 = rows_view(residual)
     if r2 is None:
         r2 = residual.reshape(-1, N).contiguous()
     s = torch.empty(x.shape, dtype=x.dtype)
@@ -338,3 +341,25 @@ def rotary_unchecked(
     fn(T, Hq, k.shape[1], D, q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), cos.data_ptr(),
        sin.data_ptr(), qo.data_ptr(), ko.data_ptr())  # fmt: skip
     return qo, ko
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` over gate_up [..., 2I] = [gate | up] (CPU, a dtype of :data:`ELEMENTWISE_DTYPES`,
+    unit column stride, rows of one stride), as :func:`mmlora.layers.fused_ops.silu_and_mul_ref` rounds it;
+    returns a new [..., I]. Needs :func:`available`."""
+    if gate_up.dtype not in ELEMENTWISE_DTYPES or gate_up.shape[-1] % 2 or rows_view(gate_up) is None:
+        raise ValueError(f"silu_and_mul: gate_up {tuple(gate_up.shape)} {gate_up.dtype} (unit column stride)")
+    if not available():
+        raise RuntimeError("silu_and_mul: the CPU kernels are off or could not be built here")
+    return silu_and_mul_unchecked(gate_up)
+
+
+def silu_and_mul_unchecked(gate_up: torch.Tensor) -> torch.Tensor:
+    """:func:`silu_and_mul` without its checks."""
+    x2 = rows_view(gate_up)
+    I = gate_up.shape[-1] // 2  # noqa: E741 (the intermediate size, as the docstring names it)
+    y = torch.empty(*gate_up.shape[:-1], I, dtype=gate_up.dtype)
+    lib = _library()
+    fn = lib.silu_and_mul_f32 if gate_up.dtype == torch.float32 else lib.silu_and_mul_bf16
+    fn(x2.shape[0], I, x2.data_ptr(), x2.stride(0), y.data_ptr(), torch.get_num_threads())
+    return y

@@ -108,8 +108,11 @@ def _is_decode(sched: Any) -> bool:
     )
 
 
-def measure_decode_roofline(engine: Any, generate: Callable[[], Any]) -> dict[str, Any]:
+def measure_decode_roofline(
+    engine: Any, generate: Callable[[], Any], profile_step: bool = True
+) -> dict[str, Any]:
     """Run ``generate`` once with each forward of ``engine`` timed; decode steps against their floor.
+    ``profile_step`` False: no step is profiled (every decode step counts).
 
     The bandwidth is the best of :func:`copy_bandwidth_samples` taken just before and just after the
     run (see the module docstring). Returns the decode steps' summed
@@ -130,7 +133,7 @@ def measure_decode_roofline(engine: Any, generate: Callable[[], Any]) -> dict[st
         decode = _is_decode(sched)
         if decode:
             seen["decode"] += 1
-        if decode and seen["decode"] == PROFILED_DECODE_STEP and not profiled:
+        if profile_step and decode and seen["decode"] == PROFILED_DECODE_STEP and not profiled:
             with c_kernels_traced(), profile(activities=[ProfilerActivity.CPU]) as prof:
                 out = recorded(sched)
             recorder.pending = None

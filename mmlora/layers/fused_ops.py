@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mmlora.backends import cpu_kernels
 from mmlora.backends.triton_common import cdiv, next_pow2
 from mmlora.triton_launch import fast
 
@@ -359,10 +360,20 @@ def gelu_tanh_and_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up [..., 2I] -> ``silu(gate) * up`` [..., I] in gate_up's dtype. Triton on CUDA, torch elsewhere."""
+    """gate_up [..., 2I] -> ``silu(gate) * up`` [..., I] in gate_up's dtype. Triton on CUDA; on CPU one C call
+    where the kernels are built (fp32 / bf16, no autograd: :func:`mmlora.backends.cpu_kernels.silu_and_mul`),
+    else torch."""
     if gate_up.is_cuda:
         return silu_and_mul_triton(gate_up)
     _check_gate_up("silu_and_mul", gate_up)
+    if (
+        gate_up.device.type == "cpu"
+        and gate_up.dtype in cpu_kernels.ELEMENTWISE_DTYPES
+        and not (torch.is_grad_enabled() and gate_up.requires_grad)
+        and cpu_kernels.available()
+        and cpu_kernels.rows_view(gate_up) is not None
+    ):
+        return cpu_kernels.silu_and_mul_unchecked(gate_up)
     return silu_and_mul_ref(gate_up)
 
 

@@ -149,7 +149,7 @@ def test_cpu_cli_on_a_tiny_checkpoint(tmp_path, capsys):
     out = tmp_path / "cpu.json"
     argv = [
         "cpu", "--model", str(base), "--num-prompts", "3", "--max-new-tokens", "3", "--num-adapters", "2",
-        "--rank", "4", "--repeats", "1", "--out", str(out),
+        "--rank", "4", "--repeats", "2", "--out", str(out),
     ]  # fmt: skip
     assert bench_main(argv) == 0
     result = json.loads(out.read_text())
@@ -166,6 +166,9 @@ def test_cpu_cli_on_a_tiny_checkpoint(tmp_path, capsys):
         "mmlora_vs_hf_peft", "mixed_vs_base", "decode_fraction_of_fp32_roofline", "bf16_vs_fp32",
     }  # fmt: skip
     roof = result["roofline_fp32_mixed"]
+    # one roofline run per round; as with the rounds, the best counts
+    assert len(roof["runs"]) == 2
+    assert roof["fraction_of_roofline"] == max(r["fraction_of_roofline"] for r in roof["runs"])
     assert roof["decode_steps"] == 2 and roof["decode_floor_seconds"] > 0 and roof["weight_bytes"] > 0
     assert 0 < result["checks"]["decode_fraction_of_fp32_roofline"]["value"] == roof["fraction_of_roofline"]
     # the roofline's bandwidth: the best STREAM-like copy timed right beside its decode run, all kept

@@ -245,3 +245,23 @@ def test_store_kv_rows_as_store_kv(dtype) -> None:  # noqa: ANN001
     cpu_kernels.store_kv_unchecked(k, v, *caches, slots)
     store_kv(k, v, *want, slots)
     assert all(torch.equal(a, b) for a, b in zip(caches, want))
+
+
+@pytest.mark.parametrize("dtype", cpu_kernels.ELEMENTWISE_DTYPES)
+@pytest.mark.parametrize(("rows", "inter"), [(1, 8), (16, 1536), (5, 37)])
+def test_silu_and_mul_matches_float64_and_torch(rows: int, inter: int, dtype) -> None:  # noqa: ANN001
+    """gate_up a column range of a wider tensor (strided rows, as a view of a GEMM's output); fp32 within a
+    few ulp of the float64 value, bf16 bit for bit torch's F.silu(g) * u (each op rounded to bf16)."""
+    g = torch.Generator().manual_seed(rows * inter)
+    wide = (torch.randn(rows, 2 * inter + 3, generator=g) * 4).to(dtype)
+    gate_up = wide[:, 1 : 1 + 2 * inter]
+    got = cpu_kernels.silu_and_mul(gate_up)
+    assert got.shape == (rows, inter) and got.dtype == dtype
+    gate, up = gate_up.double().split(inter, dim=-1)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got.double(), gate * torch.sigmoid(gate) * up, atol=1e-6, rtol=4e-6)
+    else:
+        ref = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        assert torch.equal(got, ref)
+    with pytest.raises(ValueError, match="silu_and_mul"):
+        cpu_kernels.silu_and_mul(gate_up.double())
