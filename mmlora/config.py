@@ -128,7 +128,8 @@ class LoRAConfig:
     cpu_fused_lora: bool = _f(
         True,
         "On CPU (torch-gather, fp32 or native bf16), run each LoRA module's base GEMM and its adapters' "
-        "shrink as one oneDNN matmul over the base weight with every slot's live rank rows of A stacked "
+        "shrink as one packed matmul (the C panel GEMM, else oneDNN's) over the base weight with every "
+        "slot's live rank rows of A stacked "
         "under it (one packed copy: it replaces the base layer's own). On issue 21's 2-core CPU a decode "
         "forward with adapters is 6-12% faster, one without adapters 2-6% slower (it computes the stacked "
         "columns too), and each slot load repacks the modules' weights (about 90 ms for SmolLM2 in fp32).",

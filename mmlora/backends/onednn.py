@@ -46,6 +46,12 @@ def onednn_linear_available() -> bool:
     )
 
 
+def packed_matmul_available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether :func:`pack_weight` can pack a weight of ``dtype`` here: the C panel GEMM takes it, or this
+    torch build has oneDNN's prepacked linear."""
+    return (PANEL_GEMM and dtype in cpu_gemm.dtypes()) or onednn_linear_available()
+
+
 @functools.cache
 def cpu_bf16_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
     """The :data:`BF16_FLAGS` this CPU reports (empty where /proc/cpuinfo is missing: not Linux)."""

@@ -27,10 +27,10 @@ from mmlora.backends.base import LoRABackend
 from mmlora.backends.cpu_dense import ShrinkFused, live_weights, slot_mask
 from mmlora.backends.onednn import (
     PACKED_MAX_ROWS,
-    onednn_linear_available,
     pack_weight,
     packable_dtypes,
     packed_matmul,
+    packed_matmul_available,
 )
 from mmlora.backends.registry import register_backend
 from mmlora.forward.lora import LoRABatchInfo, LoRAWeights, unpage_a, unpage_b
@@ -285,7 +285,7 @@ class _DenseWeights:
 
 @functools.cache
 def _packable() -> tuple[torch.dtype, ...]:
-    return packable_dtypes() if onednn_linear_available() else ()
+    return tuple(d for d in packable_dtypes() if packed_matmul_available(d))
 
 
 _DENSE_MAX_SLOTS = 8

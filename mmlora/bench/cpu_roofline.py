@@ -34,7 +34,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from mmlora.backends import cpu_expand, cpu_gemm, cpu_kernels
-from mmlora.backends.onednn import onednn_linear_available, pack_weight, packed_matmul
+from mmlora.backends.onednn import pack_weight, packed_matmul, packed_matmul_available
 from mmlora.bench.serving_parts import StepRecorder, weight_bytes
 from mmlora.engine.cpu_decode import cpu_bf16_flags
 
@@ -68,12 +68,12 @@ def gemm_flop_rate(
     rows: int, in_features: int, out_features: int, dtype: torch.dtype, calls: int = GEMM_RATE_CALLS
 ) -> float:
     """FLOP/s of ``x [rows, in] @ W.T`` for W [out, in] in ``dtype``, as the CPU decode path runs it (a
-    oneDNN packed matmul where this torch has one, else ``F.linear``), W hot in cache: the best of
+    packed matmul: the C panel GEMM, else oneDNN's, else ``F.linear``), W hot in cache: the best of
     ``calls`` timed calls after a few untimed ones; torch's threads."""
     gen = torch.Generator().manual_seed(0)
     w = (torch.randn(out_features, in_features, generator=gen) * 0.02).to(dtype)
     x = torch.randn(rows, in_features, generator=gen).to(dtype)
-    if onednn_linear_available():
+    if packed_matmul_available(dtype):
         packed = pack_weight(w, rows)
 
         def gemm() -> torch.Tensor:

@@ -53,8 +53,8 @@ class ModelRunner:
             attn.k_cache, attn.v_cache = kv_cache.layer(i)
         self.attention = attention
         if device.type == "cpu":
-            # Once: oneDNN's blocked weight layout for every base linear and the head (bf16 too where the
-            # CPU multiplies it natively; elsewhere bf16 stays on F.linear).
+            # Once: the packed weight layout (the C panel GEMM's, else oneDNN's) for every base linear and
+            # the head (bf16 too where the CPU multiplies it natively; elsewhere bf16 stays on F.linear).
             prepack_linears(model, dtypes=packable_dtypes())
         self.cuda_graphs = None  # a CudaGraphRunner once enable_cuda_graphs() has captured decode graphs
         # Set by the overlap scheduler for one forward: the last launched step's sampled tokens, which

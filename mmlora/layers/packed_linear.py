@@ -17,7 +17,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mmlora.backends.onednn import PACKED_MAX_ROWS, onednn_linear_available, pack_weight, packed_matmul
+from mmlora.backends.onednn import (
+    PACKED_MAX_ROWS,
+    onednn_linear_available,
+    pack_weight,
+    packed_matmul,
+    packed_matmul_available,
+)
 
 __all__ = ["PACKED_DTYPES", "PACKED_MAX_ROWS", "PackedLinear", "onednn_linear_available", "prepack_linears"]
 
@@ -50,7 +56,7 @@ class PackedLinear(nn.Linear):
         # An inference tensor has no version counter, so a later write to it could not be noticed.
         if w.device.type != "cpu" or w.dtype not in dtypes or w.is_inference():
             return False
-        if not onednn_linear_available():
+        if not packed_matmul_available(w.dtype):
             return False
         self._packed = pack_weight(w, batch_size)
         self._packed_version = w._version

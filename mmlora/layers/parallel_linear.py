@@ -1,5 +1,5 @@
-"""Megatron-style sharded linears. Both subclass ``PackedLinear`` (an ``nn.Linear`` that CPU prepacks for
-oneDNN) holding this rank's shard, and say which
+"""Megatron-style sharded linears. Both subclass ``PackedLinear`` (an ``nn.Linear`` whose weight the CPU
+prepacks for its packed matmul) holding this rank's shard, and say which
 part of a full tensor any rank holds, so that checkpoint weights and LoRA adapters (rank 0 cuts every
 rank's share) are sharded by the one rule.
 

@@ -106,3 +106,18 @@ def test_packed_matmul_dispatch(monkeypatch: pytest.MonkeyPatch, dtype: torch.dt
         torch.testing.assert_close(
             onednn.packed_matmul(x.contiguous(), packed, b), torch.nn.functional.linear(x, w, b), **tol
         )
+
+
+def test_packed_linear_packs_without_onednn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A torch build without oneDNN's prepacked linear still packs for the C panel GEMM (and packs nothing
+    once the panel GEMM is off too); the layer gives F.linear's values either way."""
+    from mmlora.layers.packed_linear import PackedLinear
+
+    monkeypatch.setattr(onednn, "onednn_linear_available", lambda: False)
+    layer = PackedLinear(24, 40, bias=True)
+    x = torch.randn(5, 24)
+    assert onednn.packed_matmul_available() and layer.prepack() and layer.is_packed
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+    monkeypatch.setattr(onednn, "PANEL_GEMM", False)
+    assert not onednn.packed_matmul_available() and not layer.prepack()
