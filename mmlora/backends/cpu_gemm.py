@@ -5,7 +5,7 @@ A SmolLM2 decode step makes about 120 such calls of 16 rows each. oneDNN's prepa
 25 us a call before it computes (a 16 x 128 x 384 product takes 33 us where its arithmetic is 8), about
 3 ms of a 50 ms step; this one is a ctypes call, a copy of x into the kernel's row layout, and one
 OpenMP region over the panels. It runs on torch's OpenMP threads. Tested against a float64 reference in
-``tests/unit/test_cpu_gemm.py``.
+``tests/kernels/test_cpu_gemm.py``.
 """
 
 from __future__ import annotations
