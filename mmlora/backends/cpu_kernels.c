@@ -117,6 +117,14 @@ LORA_EXPAND(lora_expand_bf16, uint16_t, bf2f, f2bf)
    (cold 30-layer SmolLM2 decode attention, 16 rows at context 96: 7.2 -> 4.7 ms) */
 #define ATT_PREFETCH(base, T, W)                                                                           \
     for (int64_t i_ = 0; i_ < (W); i_ += 64 / (int64_t)sizeof(T)) __builtin_prefetch((base) + i_, 0, 1)
+/* row[jj]: the fp32 cache row of key j0 + jj of `cache` for jj < nb (fp32: in place; bf16: widened into buf) */
+#define ATT_BLOCK_ROWS(cache, LOAD)                                                                        \
+    for (int64_t jj = 0; jj < nb; jj++) {                                                                  \
+        const __typeof__(*(cache)) *src_ = (cache) + rows[j0 + jj];                                        \
+        if (wide) { row[jj] = (const float *)(const void *)src_; continue; }                               \
+        for (int64_t i = 0; i < W; i++) buf[jj * W + i] = LOAD(src_[i]);                                   \
+        row[jj] = buf + jj * W;                                                                            \
+    }
 #define DECODE_ATTENTION(NAME, T, LOAD, STORE)                                                              \
 static inline __attribute__((always_inline)) void NAME##_body(                                             \
           int64_t B, int64_t Hq, int64_t Hkv, const int64_t D, const T *q, T *out, const T *kc,            \
@@ -146,13 +154,8 @@ static inline __attribute__((always_inline)) void NAME##_body(                  
             /* next block's K rows and this block's V rows, which the second pass reads */                 \
             for (int64_t jj = j0 + ATT_BLOCK; jj < j0 + 2 * ATT_BLOCK && jj < n; jj++)                     \
                 ATT_PREFETCH(kc + rows[jj], T, W);                                                         \
-            for (int64_t jj = 0; jj < nb; jj++) {                                                          \
-                ATT_PREFETCH(vc + rows[j0 + jj], T, W);                                                    \
-                const T *kp = kc + rows[j0 + jj];                                                          \
-                if (wide) { row[jj] = (const float *)(const void *)kp; continue; }                         \
-                for (int64_t i = 0; i < W; i++) buf[jj * W + i] = LOAD(kp[i]);                             \
-                row[jj] = buf + jj * W;                                                                    \
-            }                                                                                              \
+            for (int64_t jj = 0; jj < nb; jj++) ATT_PREFETCH(vc + rows[j0 + jj], T, W);                   \
+            ATT_BLOCK_ROWS(kc, LOAD);                                                                      \
             for (int64_t jj = nb; jj < ATT_BLOCK; jj++) row[jj] = row[0];  /* scores computed, not kept */ \
             for (int64_t qh = 0; qh < Hq; qh++) {                                                          \
                 const float *qg = qf + qh * D;                                                             \
@@ -182,12 +185,7 @@ static inline __attribute__((always_inline)) void NAME##_body(                  
         }                                                                                                  \
         for (int64_t j0 = 0; j0 < n; j0 += ATT_BLOCK) {                                                    \
             const int64_t nb = n - j0 < ATT_BLOCK ? n - j0 : ATT_BLOCK;                                    \
-            for (int64_t jj = 0; jj < nb; jj++) {                                                          \
-                const T *vp = vc + rows[j0 + jj];                                                          \
-                if (wide) { row[jj] = (const float *)(const void *)vp; continue; }                         \
-                for (int64_t i = 0; i < W; i++) buf[jj * W + i] = LOAD(vp[i]);                             \
-                row[jj] = buf + jj * W;                                                                    \
-            }                                                                                              \
+            ATT_BLOCK_ROWS(vc, LOAD);                                                                      \
             for (int64_t qh = 0; qh < Hq; qh++) {                                                          \
                 const float *p = sc0 + qh * n + j0;                                                        \
                 const int64_t vh = (qh / G) * D;                                                           \

@@ -344,11 +344,12 @@ def rotary_unchecked(
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` over gate_up [..., 2I] = [gate | up] (CPU, a dtype of :data:`ELEMENTWISE_DTYPES`,
-    unit column stride, rows of one stride), as :func:`mmlora.layers.fused_ops.silu_and_mul_ref` rounds it;
-    returns a new [..., I]. Needs :func:`available`."""
-    if gate_up.dtype not in ELEMENTWISE_DTYPES or gate_up.shape[-1] % 2 or rows_view(gate_up) is None:
-        raise ValueError(f"silu_and_mul: gate_up {tuple(gate_up.shape)} {gate_up.dtype} (unit column stride)")
+    """``silu(gate) * up`` over gate_up [..., 2I] = [gate | up] (CPU, a dtype of :data:`ELEMENTWISE_DTYPES`),
+    as :func:`mmlora.layers.fused_ops.silu_and_mul_ref` rounds it; returns a new [..., I]. Read in place
+    where its rows share one stride (:func:`rows_view`), else from a contiguous copy. Needs
+    :func:`available`."""
+    if gate_up.dtype not in ELEMENTWISE_DTYPES or gate_up.shape[-1] % 2:
+        raise ValueError(f"silu_and_mul: gate_up {tuple(gate_up.shape)} {gate_up.dtype}")
     if not available():
         raise RuntimeError("silu_and_mul: the CPU kernels are off or could not be built here")
     return silu_and_mul_unchecked(gate_up)
@@ -357,6 +358,8 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def silu_and_mul_unchecked(gate_up: torch.Tensor) -> torch.Tensor:
     """:func:`silu_and_mul` without its checks."""
     x2 = rows_view(gate_up)
+    if x2 is None:
+        x2 = gate_up.reshape(-1, gate_up.shape[-1]).contiguous()
     I = gate_up.shape[-1] // 2  # noqa: E741 (the intermediate size, as the docstring names it)
     y = torch.empty(*gate_up.shape[:-1], I, dtype=gate_up.dtype)
     lib = _library()

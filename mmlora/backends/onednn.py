@@ -46,10 +46,14 @@ def onednn_linear_available() -> bool:
     )
 
 
+def _panel_gemm_takes(dtype: torch.dtype) -> bool:
+    return PANEL_GEMM and dtype in cpu_gemm.dtypes()
+
+
 def packed_matmul_available(dtype: torch.dtype = torch.float32) -> bool:
     """Whether :func:`pack_weight` can pack a weight of ``dtype`` here: the C panel GEMM takes it, or this
     torch build has oneDNN's prepacked linear."""
-    return (PANEL_GEMM and dtype in cpu_gemm.dtypes()) or onednn_linear_available()
+    return _panel_gemm_takes(dtype) or onednn_linear_available()
 
 
 @functools.cache
@@ -74,7 +78,7 @@ def pack_weight(weight: torch.Tensor, batch_size: int | None = None) -> torch.Te
     (:mod:`mmlora.backends.cpu_gemm`) where it is built for the dtype and :data:`PANEL_GEMM` is on, else
     in oneDNN's blocked layout, an opaque tensor (``batch_size``: the row count to tune it for, None: any).
     Either has the weight's ``dtype``."""
-    if PANEL_GEMM and weight.dtype in cpu_gemm.dtypes() and weight.device.type == "cpu":
+    if weight.device.type == "cpu" and _panel_gemm_takes(weight.dtype):
         return cpu_gemm.pack(weight)
     with torch.no_grad():
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_size)

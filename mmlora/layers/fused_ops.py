@@ -371,7 +371,6 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         and gate_up.dtype in cpu_kernels.ELEMENTWISE_DTYPES
         and not (torch.is_grad_enabled() and gate_up.requires_grad)
         and cpu_kernels.available()
-        and cpu_kernels.rows_view(gate_up) is not None
     ):
         return cpu_kernels.silu_and_mul_unchecked(gate_up)
     return silu_and_mul_ref(gate_up)
