@@ -29,6 +29,22 @@ import torch
 from mmlora.forward.lora import LoRABatchInfo, LoRAWeights
 
 
+class DeferredLoRA(ABC):
+    """One module's LoRA delta whose shrink has run and whose expand waits for the op that reads the
+    module's output (:meth:`LoRABackend.defer_lora`): that op may add the delta on the fly instead of the
+    expand reading and writing the whole output once more."""
+
+    @abstractmethod
+    def apply(self, out: torch.Tensor) -> None:
+        """``out [T, out_features] += delta``: the plain expand, for a reader that cannot fuse it."""
+
+    def act_and_mul(self, gate_up: torch.Tensor, act: int) -> torch.Tensor | None:
+        """The gated activation of ``gate_up + delta`` ([T, 2I] -> [T, I]; act 0 SiLU, 1 tanh GELU, as
+        :mod:`mmlora.layers.fused_ops` numbers them) in one go, or None where this delta cannot (the
+        caller then runs :meth:`apply` and its own activation)."""
+        return None
+
+
 class LoRABackend(ABC):
     """A family of batched LoRA kernels. Instances are stateless apart from scratch buffers and host-side
     memos of checks already made."""
@@ -76,6 +92,13 @@ class LoRABackend(ABC):
         ``add_lora(out, x, weights, info)``. The LoRA layer starts on a second CUDA stream while the base
         GEMM runs (both read ``x``) and finishes on the main stream. By default nothing runs early."""
         return lambda out: self.add_lora(out, x, weights, info)
+
+    def defer_lora(self, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo) -> DeferredLoRA | None:
+        """The shrink now and the expand handed to the reader of the module's output (a
+        :class:`DeferredLoRA`), or None where this backend does not defer for this batch (the layer then
+        adds the delta itself). Only asked where the layer's output goes to such a reader (gate_up's, to
+        the gated activation). By default never deferred."""
+        return None
 
     def splits_work(self, info: LoRABatchInfo) -> bool:
         """Whether :meth:`start_lora` launches anything early for this batch (else a second stream

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from mmlora.backends.base import LoRABackend
+from mmlora.backends.base import DeferredLoRA, LoRABackend
 from mmlora.backends.registry import register_backend
 from mmlora.backends.triton_bgmv import TritonBGMVBackend
 from mmlora.backends.triton_sgmv import TritonSGMVBackend
@@ -57,6 +57,9 @@ class TritonAutoBackend(LoRABackend):
 
     def splits_work(self, info: LoRABatchInfo) -> bool:
         return self.pick(info).splits_work(info)
+
+    def defer_lora(self, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo) -> DeferredLoRA | None:
+        return self.pick(info).defer_lora(x, weights, info)
 
     def start_lora(
         self, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo

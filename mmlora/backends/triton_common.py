@@ -187,11 +187,7 @@ class FusedTritonBackend(LoRABackend):
         (which is validated then, as ``add_lora`` does); backends without a split run it all then."""
         if self._shrink_phase is None or not info.has_lora or info.num_tokens == 0:
             return super().start_lora(x, weights, info)
-        seen = self._checked.get(id(weights))
-        if seen is not None and seen.weights is weights and seen.accepts_input(x, info):
-            R = seen.rank
-        else:
-            _, R = check_shrink_args(x, weights.A, info, weights.n_slices)
+        R = self._input_rank(x, weights, info)
         partials = self._shrink_phase(x, weights, info, R)
 
         def finish(out: torch.Tensor) -> None:
@@ -199,6 +195,13 @@ class FusedTritonBackend(LoRABackend):
             self._expand_phase(out, partials, weights, info, R, x.dtype)
 
         return finish
+
+    def _input_rank(self, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo) -> int:
+        """The pool rank R, after checking the shrink's inputs (or matching a remembered full check)."""
+        seen = self._checked.get(id(weights))
+        if seen is not None and seen.weights is weights and seen.accepts_input(x, info):
+            return seen.rank
+        return check_shrink_args(x, weights.A, info, weights.n_slices)[1]
 
     def splits_work(self, info: LoRABatchInfo) -> bool:
         return self._shrink_phase is not None
@@ -234,6 +237,20 @@ def rank_bucket_bound(info: LoRABatchInfo, R: int) -> int:
     """The batch's rank bucket (``info.rank_bound``), at most the pool rank R; R for a batch without
     adapter rows. Launch tiles sized by it are those of a pool of that rank."""
     return min(R, info.rank_bound) if info.rank_bound > 0 else R
+
+
+@triton.jit
+def gated_act(g, u, ACT, dtype: tl.constexpr):
+    """``round(round(act(g)) * u)`` in ``dtype`` from fp32 ``g`` and ``u``: act SiLU (ACT 0) or
+    tanh-approximated GELU (ACT 1; constexpr or a runtime int), in fp32. act(g) is rounded to the dtype
+    before the product, as torch's ``act(gate) * up`` rounds."""
+    if ACT == 0:
+        a = g / (1.0 + tl.exp(-g))
+    else:
+        # 0.5 * (1 + tanh(z)) = sigmoid(2z): no tanh needed, and no cancellation near 0.
+        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        a = g / (1.0 + tl.exp(-2.0 * z))
+    return (a.to(dtype).to(tl.float32) * u).to(dtype)
 
 
 @triton.jit

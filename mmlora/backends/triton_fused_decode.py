@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mmlora.backends.base import DeferredLoRA
 from mmlora.backends.registry import register_backend
 from mmlora.backends.triton_common import (
     a_page_args,
@@ -148,10 +149,17 @@ class TritonFusedDecodeBackend(TritonSGMVBackend):
 
     graph_layouts = ("rows",)  # the kernel finds runs itself, from token_slots
 
+    def defer_lora(self, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo) -> DeferredLoRA | None:
+        return None if self._decode_like(info) else super().defer_lora(x, weights, info)
+
+    @staticmethod
+    def _decode_like(info: LoRABatchInfo) -> bool:
+        return info.num_tokens < 2 * info.num_segments
+
     def _fused(
         self, out: torch.Tensor, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo, R: int
     ) -> None:
-        if info.num_tokens < 2 * info.num_segments:
+        if self._decode_like(info):
             fused_decode_add_lora(out, x, weights, info)
         else:
             super()._fused(out, x, weights, info, R)

@@ -36,6 +36,8 @@ from mmlora.backends.triton_common import (
     shrink_entry,
     split_k_plan,
 )
+from mmlora.backends.triton_sgmv_act import SGMVDeferred
+from mmlora.backends.triton_sgmv_act import TUNING as ACT_TUNING
 from mmlora.backends.triton_sgmv_kernels import _sgmv_expand_kernel, _sgmv_shrink_kernel
 from mmlora.forward.lora import RANK_TILE, LoRABatchInfo, LoRAWeights
 from mmlora.triton_launch import fast
@@ -98,6 +100,9 @@ TUNING = {
     # rank-16 adapters (benchmarks/scripts/lora_pdl_ab.py, 2026-12-03, two rounds): B=64 and 128 (SGMV
     # runs) 0.95-0.97x the replay time, B=32 (BGMV, side-stream split: unchanged) 0.99-1.0x; same tokens.
     "pdl": True,
+    # gate_up's expand deferred into the gated activation (``defer_lora``: one read of gate_up's output
+    # and no write, one launch fewer; :mod:`mmlora.backends.triton_sgmv_act`). False: the plain expand.
+    "act_expand": True,
 }
 
 
@@ -197,6 +202,13 @@ def _shrink_planes(job: ShrinkJob, fp32_planes: bool = False) -> torch.Tensor:
     return h
 
 
+def _rank_step(info: LoRABatchInfo, R: int, runs: bool) -> int:
+    """Ranks per step of an expand's rank loop: at least 16 (the smallest tl.dot K), at most the batch's
+    rank bucket (``run_expand_rank_step`` for 16-token tiles, i.e. decode runs)."""
+    step = TUNING["run_expand_rank_step"] if runs else TUNING["expand_rank_step"]
+    return min(step, max(RANK_TILE, next_pow2(rank_bucket_bound(info, R))))
+
+
 def _expand_launch(
     h_strides: tuple[int, int, int],
     weights: LoRAWeights,
@@ -217,8 +229,7 @@ def _expand_launch(
     # The rank in steps of at least 16 (the smallest tl.dot K), at most the batch's rank bucket: a
     # segment stops at its slot's rank, and loads past it are masked, so a rank-8 slot of a rank-64 pool
     # reads its own bytes only.
-    step = TUNING["run_expand_rank_step"] if runs else TUNING["expand_rank_step"]
-    block_k = min(step, max(RANK_TILE, next_pow2(rank_bucket_bound(info, R))))
+    block_k = _rank_step(info, R, runs)
     # Grouped only where the whole rank is one step (so h is loaded once for the group).
     group = (TUNING["run_expand_group"] or 1) if runs and block_k >= rank_bucket_bound(info, R) else 1
     n_tiles = cdiv(cdiv(max(widths), block_n), group)
@@ -328,6 +339,25 @@ class TritonSGMVBackend(FusedTritonBackend):
         h = torch.empty(plan.h_shape, dtype=plan.h_dtype, device=x.device)
         fast(_sgmv_shrink_kernel).launch_plan(plan.shrink, (x, weights.A, h))
         fast(_sgmv_expand_kernel).launch_plan(plan.expand, (h, weights.B, out, weights.scalings))
+
+    def defer_lora(self, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo) -> SGMVDeferred | None:
+        """The shrink now; the expand deferred to gate_up's gated activation (``TUNING["act_expand"]``),
+        which fuses it (:mod:`mmlora.backends.triton_sgmv_act`), or runs it plainly."""
+        if not TUNING["act_expand"] or not info.has_lora or info.num_tokens == 0:
+            return None
+        R = self._input_rank(x, weights, info)
+        partials = self._shrink_phase(x, weights, info, R)
+        tiles = _Tiles.of(info, _block_m(info.max_seg_len, ACT_TUNING["block_m"]))
+
+        def expand(out: torch.Tensor) -> None:
+            self._validated_rank(out, x, weights, info)
+            self._expand_phase(out, partials, weights, info, R, x.dtype)
+
+        def check(out: torch.Tensor) -> None:
+            self._validated_rank(out, x, weights, info)
+
+        block_k = _rank_step(info, R, tiles.block_m <= 16)
+        return SGMVDeferred(partials[0], weights, info, R, tiles, block_k, expand, check)
 
     def splits_work(self, info: LoRABatchInfo) -> bool:
         """Prefill-sized batches only, where ``TUNING["side_min_tokens"]`` asks (off by default: measured

@@ -19,7 +19,8 @@ import triton
 import triton.language as tl
 
 from mmlora.backends import cpu_kernels
-from mmlora.backends.triton_common import cdiv, next_pow2
+from mmlora.backends.base import DeferredLoRA
+from mmlora.backends.triton_common import cdiv, gated_act, next_pow2
 from mmlora.triton_launch import fast
 
 #: Launch heuristics (read at every launch, so a benchmark can sweep them): the widest row RMSNorm keeps
@@ -118,14 +119,7 @@ def _act_and_mul_kernel(
     g_row = gu_ptr + t * stride_g
     g = tl.load(g_row + cols, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(g_row + N_INTER + cols, mask=ok, other=0.0).to(tl.float32)
-    if ACT == 0:
-        a = g / (1.0 + tl.exp(-g))
-    else:
-        # 0.5 * (1 + tanh(z)) = sigmoid(2z): no tanh needed, and no cancellation near 0.
-        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-        a = g / (1.0 + tl.exp(-2.0 * z))
-    dtype = out_ptr.dtype.element_ty
-    tl.store(out_ptr + t * stride_o + cols, (a.to(dtype).to(tl.float32) * u).to(dtype), mask=ok)
+    tl.store(out_ptr + t * stride_o + cols, gated_act(g, u, ACT, out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -359,10 +353,22 @@ def gelu_tanh_and_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
     return _act_and_mul_triton("gelu_tanh_and_mul", gate_up, _GELU_TANH)
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def _with_lora(gate_up: torch.Tensor, lora: DeferredLoRA, act: int) -> torch.Tensor | None:
+    """The activation with gate_up's deferred LoRA delta fused in where the delta can (None: it has been
+    added to gate_up in place instead, and the plain activation follows)."""
+    fused = lora.act_and_mul(gate_up, act)
+    if fused is None:
+        lora.apply(gate_up)
+    return fused
+
+
+def silu_and_mul(gate_up: torch.Tensor, lora: DeferredLoRA | None = None) -> torch.Tensor:
     """gate_up [..., 2I] -> ``silu(gate) * up`` [..., I] in gate_up's dtype. Triton on CUDA; on CPU one C call
     where the kernels are built (fp32 / bf16, no autograd: :func:`mmlora.backends.cpu_kernels.silu_and_mul`),
-    else torch."""
+    else torch. ``lora``: gate_up's LoRA delta, deferred by its layer (``LoRALinear.forward_deferred``),
+    added to gate and up first (gate_up [T, 2I] then)."""
+    if lora is not None and (fused := _with_lora(gate_up, lora, _SILU)) is not None:
+        return fused
     if gate_up.is_cuda:
         return silu_and_mul_triton(gate_up)
     _check_gate_up("silu_and_mul", gate_up)
@@ -376,9 +382,11 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return silu_and_mul_ref(gate_up)
 
 
-def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def gelu_tanh_and_mul(gate_up: torch.Tensor, lora: DeferredLoRA | None = None) -> torch.Tensor:
     """gate_up [..., 2I] -> ``gelu(gate, approximate="tanh") * up`` [..., I] in gate_up's dtype.
-    Triton on CUDA, torch elsewhere."""
+    Triton on CUDA, torch elsewhere. ``lora``: as for :func:`silu_and_mul`."""
+    if lora is not None and (fused := _with_lora(gate_up, lora, _GELU_TANH)) is not None:
+        return fused
     if gate_up.is_cuda:
         return gelu_tanh_and_mul_triton(gate_up)
     _check_gate_up("gelu_tanh_and_mul", gate_up)

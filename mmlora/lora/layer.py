@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from mmlora.backends.base import LoRABackend
+from mmlora.backends.base import DeferredLoRA, LoRABackend
 from mmlora.distributed.state import tp_group
 from mmlora.forward.lora import LoRABatchInfo, LoRAWeights
 from mmlora.layers.parallel_linear import RowParallelLinear
@@ -50,6 +50,35 @@ class LoRALinear(nn.Module):
         # Whether the base may hold a packed copy of its own that a fused call makes redundant.
         self._base_packed = hasattr(base, "release")
 
+    def forward_deferred(self, x: torch.Tensor) -> tuple[torch.Tensor, DeferredLoRA | None]:
+        """(base output, the LoRA delta still to add) where the backend defers the expand to the reader of
+        this output (:meth:`LoRABackend.defer_lora`; a gate_up module's gated activation fuses it), else
+        (:meth:`forward`'s output, None). Only a reader that adds the delta may call this."""
+        info, backend = self.ctx.info, self.ctx.backend
+        if (
+            info is not None
+            and info.has_lora
+            and not self.ctx.fuse_base
+            and not isinstance(self.base, RowParallelLinear)
+            and not self._whole_beside(x, info)
+        ):
+            pending = backend.defer_lora(x.reshape(-1, x.shape[-1]), self.weights, info)
+            if pending is not None:
+                return self.base(x), pending
+        return self(x), None
+
+    def _whole_beside(self, x: torch.Tensor, info: LoRABatchInfo) -> bool:
+        """Whether this batch runs its whole LoRA on the side stream (small decode batches of one row per
+        segment: the per-row kernels are latency-bound and small, so all of them run beside the base GEMM,
+        into a zeroed buffer, and the critical path gains one elementwise add instead of the expand)."""
+        rows = x.numel() // x.shape[-1]
+        return (
+            self.ctx.side_stream is not None
+            and x.is_cuda
+            and rows <= self.ctx.side_max_tokens
+            and info.num_segments >= rows
+        )
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # A row-parallel base gives this rank's partial sum; its delta joins it before the all-reduce.
         row_parallel = isinstance(self.base, RowParallelLinear)
@@ -74,11 +103,9 @@ class LoRALinear(nn.Module):
         finish = None
         if lora and side is not None and x.is_cuda:
             rows = flat_x.shape[0]
-            # Small decode batches of one row per segment: the per-row kernels are latency-bound and small,
-            # so all of them run beside the base GEMM, into a zeroed buffer, and the critical path gains one
-            # elementwise add instead of the expand (segment kernels beside the GEMM slow it down). Else
-            # only the shrink, which reads just x, runs there, and the expand adds to the base output.
-            whole = rows <= self.ctx.side_max_tokens and info.num_segments >= rows
+            # Segment kernels beside the GEMM slow it down, so where the whole LoRA does not go there
+            # only the shrink, which reads just x, does, and the expand adds to the base output.
+            whole = self._whole_beside(x, info)
             if whole or backend.splits_work(info):
                 main = torch.cuda.current_stream(x.device)
                 # The main stream's buffer (allocated before the fork, read after the join). Partials made

@@ -77,7 +77,7 @@ class GatedMLP(nn.Module):
     """``down(act(gate) * up)`` with gate and up packed in one ``gate_up_proj`` (the LoRA target layout);
     ``act_and_mul`` is a fused op of :mod:`mmlora.layers.fused_ops`. Llama uses SiLU, Gemma2 tanh GELU."""
 
-    def __init__(self, cfg: ArchConfig, act_and_mul: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    def __init__(self, cfg: ArchConfig, act_and_mul: Callable[..., torch.Tensor]) -> None:
         super().__init__()
         self.act_and_mul = act_and_mul
         inter, names = (cfg.intermediate_size, 1), ("intermediate_size", "intermediate_size")
@@ -85,7 +85,12 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, cfg.mlp_bias, "intermediate_size")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
+        # A LoRA gate_up may leave its expand to the activation, which reads its output anyway.
+        deferred = getattr(self.gate_up_proj, "forward_deferred", None)
+        if deferred is None:
+            return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
+        gate_up, lora = deferred(x)
+        return self.down_proj(self.act_and_mul(gate_up, lora))
 
 
 def llama_mlp(cfg: ArchConfig) -> GatedMLP:
