@@ -36,8 +36,8 @@ from mmlora.backends.triton_common import (
     shrink_entry,
     split_k_plan,
 )
-from mmlora.backends.triton_sgmv_act import SGMVDeferred
 from mmlora.backends.triton_sgmv_act import TUNING as ACT_TUNING
+from mmlora.backends.triton_sgmv_act import SGMVDeferred
 from mmlora.backends.triton_sgmv_kernels import _sgmv_expand_kernel, _sgmv_shrink_kernel
 from mmlora.forward.lora import RANK_TILE, LoRABatchInfo, LoRAWeights
 from mmlora.triton_launch import fast
