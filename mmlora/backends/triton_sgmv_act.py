@@ -28,8 +28,40 @@ from mmlora.forward.lora import LoRABatchInfo, LoRAWeights
 from mmlora.triton_launch import fast
 
 #: Launch heuristics: the largest token tile (segments are tiled as SGMV's expand tiles them), the column
-#: tile, warps per program. Unmeasured first choices: 16-token tiles (decode runs) with wider column tiles.
-TUNING = {"block_m": 32, "block_n": 64, "run_block_n": 128, "warps": 4}
+#: tile and how many of them a program covers (h and the scalings are loaded once per program, B and gate_up
+#: streamed through a loop ``stages`` deep), warps per program; ``run_*`` for 16-token tiles (decode runs).
+#: ``max_split``: the most split-K planes of h the kernel sums with unrolled loads (all in flight at once);
+#: batches whose shrink made more take a loop over the planes.
+TUNING = {
+    "block_m": 32,
+    "block_n": 128,
+    "group": 2,
+    "warps": 8,
+    "run_block_n": 256,
+    "run_group": 2,
+    "run_warps": 4,
+    "stages": 2,
+    "max_split": 16,
+}
+
+
+@triton.jit
+def _h_planes(h_ptr, offs_m, m_ok, cols, cols_ok, SPLIT_K, stride_hs, stride_hm, dtype: tl.constexpr,
+              MAX_SPLIT: tl.constexpr):  # fmt: skip
+    """h [BLOCK_M, len(cols)] summed over the shrink's SPLIT_K planes and rounded to ``dtype``, as
+    ``_h_tile``; up to MAX_SPLIT planes the loads are unrolled (predicated per plane), so they are all in
+    flight together instead of one after another."""
+    if SPLIT_K > MAX_SPLIT:
+        return _h_tile(h_ptr, offs_m, m_ok, cols, cols_ok, SPLIT_K, stride_hs, stride_hm, dtype)
+    ptrs = h_ptr + offs_m[:, None] * stride_hm + cols[None, :]
+    mask = m_ok[:, None] & cols_ok[None, :]
+    hsum = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    for sp in tl.static_range(1, MAX_SPLIT):
+        in_plane = m_ok & (offs_m * 0 + sp < SPLIT_K)  # a tensor mask (the interpreter's & needs one)
+        hsum += tl.load(ptrs + sp * stride_hs, mask=in_plane[:, None] & cols_ok[None, :], other=0.0).to(
+            tl.float32
+        )
+    return hsum.to(dtype)
 
 
 @triton.jit(do_not_specialize=("SPLIT_K", "M_TILES", "ACT"))
@@ -37,8 +69,8 @@ def _sgmv_act_expand_kernel(
     gu_ptr, out_ptr, h_ptr, b_ptr, scal_ptr, seg_indptr_ptr, weight_indices_ptr, ranks_ptr, tile_seg_ptr,
     tile_m0_ptr, N_INTER, R, SPLIT_K, stride_g, stride_o, stride_hs, stride_hm, stride_bs, stride_bp,
     stride_bn, stride_ss, M_TILES, N_TILES, ACT,
-    U: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, PREC: tl.constexpr, TILED: tl.constexpr,
+    U: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+    STAGES: tl.constexpr, MAX_SPLIT: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, TILED: tl.constexpr,
 ):  # fmt: skip
     """For every token t of segment i (slot w = w[i]) and column j < I = N_INTER, with g = gu[t, j],
     u = gu[t, I + j] and, where w >= 0 (rank r = ranks[w]),
@@ -48,7 +80,9 @@ def _sgmv_act_expand_kernel(
     gu [T, 2I] (fp32/fp16/bf16), out [T, I] same dtype; h [SPLIT_K, >= T, 2R] fp32 split-K planes of the
     shrink (summed here and rounded to B's dtype, as the expand does); B [S, 2I, R] or paged
     [S, R / U, 2I, U] (unpaged: U = 0), scalings [S, 2] fp32. Token tiles as in the SGMV expand (TILED:
-    from the tile table); program (tile, column tile). Rows of base-only segments get the activation alone.
+    from the tile table). Program (tile, column group): GROUP column tiles of BLOCK_N; where the batch's
+    ranks fit one BLOCK_K step, h and the scalings are loaded once for the group. Rows of base-only
+    segments get the activation alone.
     """
     pid = tl.program_id(0)
     seg, m0 = _tile(pid // N_TILES, seg_indptr_ptr, tile_seg_ptr, tile_m0_ptr, M_TILES, BLOCK_M, TILED)
@@ -56,47 +90,75 @@ def _sgmv_act_expand_kernel(
     if m0 >= seg_end:
         return
     slot = tl.load(weight_indices_ptr + seg)
+    n0 = (pid % N_TILES) * (GROUP * BLOCK_N)
     offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_n = (pid % N_TILES) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = offs_m < seg_end
-    n_ok = offs_n < N_INTER
-    mask = m_ok[:, None] & n_ok[None, :]
-    g_ptrs = gu_ptr + offs_m.to(tl.int64)[:, None] * stride_g + offs_n[None, :]
-    g = tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(g_ptrs + N_INTER, mask=mask, other=0.0).to(tl.float32)
+    g_rows = gu_ptr + offs_m.to(tl.int64)[:, None] * stride_g
+    o_rows = out_ptr + offs_m.to(tl.int64)[:, None] * stride_o
     dtype = out_ptr.dtype.element_ty
-    if slot >= 0:
-        rank = tl.load(ranks_ptr + slot)
-        bound = rank_load_bound(rank, R)
-        b_gate = b_ptr + slot.to(tl.int64) * stride_bs + offs_n * stride_bn
-        b_up = b_gate + N_INTER * stride_bn
-        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, rank, BLOCK_K):
-            kk = k0 + tl.arange(0, BLOCK_K)
-            k_ok = kk < bound  # vector loads; B's padding past the rank is dropped below
-            b_rows = b_rank_offset(kk, U, stride_bp)[:, None]
+    hdt = b_ptr.dtype.element_ty
+    rank = tl.load(ranks_ptr + tl.maximum(slot, 0))
+    kk = tl.arange(0, BLOCK_K)
+    k_ok = kk < rank_load_bound(rank, R)
+    live = kk < rank
+    b_gate = b_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_bs + b_rank_offset(kk, U, stride_bp)[:, None]
+    b_up = b_gate + N_INTER * stride_bn
+    lora = slot >= 0
+    one_step = rank <= BLOCK_K
+    hg = tl.zeros((BLOCK_M, BLOCK_K), dtype=hdt)
+    hu = tl.zeros((BLOCK_M, BLOCK_K), dtype=hdt)
+    sc_g = 0.0
+    sc_u = 0.0
+    if lora:
+        sc_g = tl.load(scal_ptr + slot * stride_ss)
+        sc_u = tl.load(scal_ptr + slot * stride_ss + 1)
+        if one_step:
+            hg = _h_planes(h_ptr, offs_m, m_ok, kk, k_ok, SPLIT_K, stride_hs, stride_hm, hdt, MAX_SPLIT)
+            hu = _h_planes(h_ptr, offs_m, m_ok, R + kk, k_ok, SPLIT_K, stride_hs, stride_hm, hdt, MAX_SPLIT)
+    for t in tl.range(0, GROUP, num_stages=STAGES):
+        offs_n = n0 + t * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N_INTER
+        mask = m_ok[:, None] & n_ok[None, :]
+        g = tl.load(g_rows + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(g_rows + N_INTER + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+        if lora:
             b_mask = n_ok[None, :] & k_ok[:, None]
-            bg = tl.where(
-                (kk < rank)[:, None], tl.load(b_gate[None, :] + b_rows, mask=b_mask, other=0.0), 0.0
-            )
-            bu = tl.where((kk < rank)[:, None], tl.load(b_up[None, :] + b_rows, mask=b_mask, other=0.0), 0.0)
-            hdt = b_ptr.dtype.element_ty
-            hg = _h_tile(h_ptr, offs_m, m_ok, kk, k_ok, SPLIT_K, stride_hs, stride_hm, hdt)
-            hu = _h_tile(h_ptr, offs_m, m_ok, R + kk, k_ok, SPLIT_K, stride_hs, stride_hm, hdt)
-            if UPCAST:
-                bg = bg.to(tl.float32)
-                bu = bu.to(tl.float32)
-                hg = hg.to(tl.float32)
-                hu = hu.to(tl.float32)
-            acc_g = tl.dot(hg, bg, acc_g, input_precision=PREC)
-            acc_u = tl.dot(hu, bu, acc_u, input_precision=PREC)
-        scale = scal_ptr + slot * stride_ss
-        # Rounded where the expand stores gate_up, so the activation sees the same values.
-        g = (g + acc_g * tl.load(scale)).to(dtype).to(tl.float32)
-        u = (u + acc_u * tl.load(scale + 1)).to(dtype).to(tl.float32)
-    y = gated_act(g, u, ACT, dtype)
-    tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_o + offs_n[None, :], y, mask=mask)
+            cols = offs_n[None, :] * stride_bn
+            acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            if one_step:
+                bg = tl.where(live[:, None], tl.load(b_gate + cols, mask=b_mask, other=0.0), 0.0)
+                bu = tl.where(live[:, None], tl.load(b_up + cols, mask=b_mask, other=0.0), 0.0)
+                acc_g = _dot(hg, bg, acc_g, UPCAST, PREC)
+                acc_u = _dot(hu, bu, acc_u, UPCAST, PREC)
+            else:
+                for k0 in range(0, rank, BLOCK_K):
+                    kr = k0 + kk
+                    kr_ok = kr < rank_load_bound(rank, R)
+                    step_mask = n_ok[None, :] & kr_ok[:, None]
+                    rows = b_rank_offset(kr, U, stride_bp)[:, None] - b_rank_offset(kk, U, stride_bp)[:, None]
+                    bg = tl.where(
+                        (kr < rank)[:, None], tl.load(b_gate + rows + cols, mask=step_mask, other=0.0), 0.0
+                    )
+                    bu = tl.where(
+                        (kr < rank)[:, None], tl.load(b_up + rows + cols, mask=step_mask, other=0.0), 0.0
+                    )
+                    hgs = _h_tile(h_ptr, offs_m, m_ok, kr, kr_ok, SPLIT_K, stride_hs, stride_hm, hdt)
+                    hus = _h_tile(h_ptr, offs_m, m_ok, R + kr, kr_ok, SPLIT_K, stride_hs, stride_hm, hdt)
+                    acc_g = _dot(hgs, bg, acc_g, UPCAST, PREC)
+                    acc_u = _dot(hus, bu, acc_u, UPCAST, PREC)
+            # Rounded where the expand stores gate_up, so the activation sees the same values.
+            g = (g + acc_g * sc_g).to(dtype).to(tl.float32)
+            u = (u + acc_u * sc_u).to(dtype).to(tl.float32)
+        tl.store(o_rows + offs_n[None, :], gated_act(g, u, ACT, dtype), mask=mask)
+
+
+@triton.jit
+def _dot(h, b, acc, UPCAST: tl.constexpr, PREC: tl.constexpr):
+    if UPCAST:
+        h = h.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(h, b, acc, input_precision=PREC)
 
 
 def fits_gate_up(gate_up: torch.Tensor, weights: LoRAWeights) -> bool:
@@ -137,14 +199,17 @@ def sgmv_act_and_mul(
         b_strides, U = (B.stride(0), 0, B.stride(1)), 0
     else:
         b_strides, U = (B.stride(0), B.stride(1), B.stride(2)), B.shape[-1]
-    block_n = TUNING["run_block_n"] if tiles.block_m <= 16 else TUNING["block_n"]
-    n_tiles = cdiv(inter, block_n)
+    runs = tiles.block_m <= 16
+    block_n = TUNING["run_block_n"] if runs else TUNING["block_n"]
+    group = TUNING["run_group"] if runs else TUNING["group"]
+    n_tiles = cdiv(inter, block_n * group)
     fast(_sgmv_act_expand_kernel)[(tiles.count * n_tiles,)](
         gate_up, out, h, B, scalings, info.seg_indptr, info.weight_indices, info.ranks, tiles.seg, tiles.m0,
         inter, R, h.shape[0], gate_up.stride(0), out.stride(0), h.stride(0), h.stride(1), *b_strides,
         scalings.stride(0), tiles.m_tiles, n_tiles, act,
-        U=U, BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=dot_upcast(B.dtype),
-        PREC="ieee" if B.dtype == torch.float32 else "tf32", TILED=tiles.tiled, num_warps=TUNING["warps"],
+        U=U, BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP=group, STAGES=TUNING["stages"],
+        MAX_SPLIT=TUNING["max_split"], UPCAST=dot_upcast(B.dtype), PREC="ieee" if B.dtype == torch.float32 else "tf32",
+        TILED=tiles.tiled, num_warps=TUNING["run_warps"] if runs else TUNING["warps"],
         enable_fp_fusion=True,  # as the activation kernel is built (fma inside act)
     )  # fmt: skip
     return out
