@@ -51,16 +51,17 @@ def _h_planes(h_ptr, offs_m, m_ok, cols, cols_ok, SPLIT_K, stride_hs, stride_hm,
     """h [BLOCK_M, len(cols)] summed over the shrink's SPLIT_K planes and rounded to ``dtype``, as
     ``_h_tile``; up to MAX_SPLIT planes the loads are unrolled (predicated per plane), so they are all in
     flight together instead of one after another."""
-    if SPLIT_K > MAX_SPLIT:
-        return _h_tile(h_ptr, offs_m, m_ok, cols, cols_ok, SPLIT_K, stride_hs, stride_hm, dtype)
     ptrs = h_ptr + offs_m[:, None] * stride_hm + cols[None, :]
     mask = m_ok[:, None] & cols_ok[None, :]
     hsum = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    for sp in tl.static_range(1, MAX_SPLIT):
-        in_plane = m_ok & (offs_m * 0 + sp < SPLIT_K)  # a tensor mask (the interpreter's & needs one)
-        hsum += tl.load(ptrs + sp * stride_hs, mask=in_plane[:, None] & cols_ok[None, :], other=0.0).to(
-            tl.float32
-        )
+    if SPLIT_K <= MAX_SPLIT:
+        for sp in tl.static_range(1, MAX_SPLIT):
+            in_plane = m_ok & (offs_m * 0 + sp < SPLIT_K)  # a tensor mask (the interpreter's & needs one)
+            plane = tl.load(ptrs + sp * stride_hs, mask=in_plane[:, None] & cols_ok[None, :], other=0.0)
+            hsum += plane.to(tl.float32)
+    else:
+        for sp in range(1, SPLIT_K):
+            hsum += tl.load(ptrs + sp * stride_hs, mask=mask, other=0.0).to(tl.float32)
     return hsum.to(dtype)
 
 

@@ -131,3 +131,14 @@ def test_deferral_follows_the_tuning_switch_and_the_backend(monkeypatch: pytest.
     assert get_backend("triton-auto").defer_lora(m.x, m.weights, m.info) is not None
     monkeypatch.setitem(triton_sgmv.TUNING, "act_expand", False)
     assert get_backend("triton-sgmv").defer_lora(c.x, c.weights, c.info) is None
+
+
+@pytest.mark.parametrize("max_split", [1, 2, 16])
+def test_fused_activation_sums_every_split_k_plane(max_split: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Planes of h summed with unrolled loads (up to ``max_split``) or with a loop (more planes than that)."""
+    from mmlora.backends import triton_sgmv_act
+
+    monkeypatch.setattr(triton_sgmv.TritonSGMVBackend, "split_k", 3)
+    monkeypatch.setitem(triton_sgmv_act.TUNING, "max_split", max_split)
+    c = make_case(*CASES["mixed-step"], torch.float32, seed=11)
+    _check(c, c.weights, c.info, 0)
