@@ -9,15 +9,21 @@ generation per mode must give the same tokens and logprobs: the fused kernel rou
 the activation round.
 
     PYTHONPATH=. python benchmarks/scripts/act_expand_ab.py --out FILE.json
+
+``MMLORA_ACT_TUNING=FILE`` (a JSON object, e.g. ``act_expand_kernels.py --pick-into``'s) overrides the fused
+kernel's launch settings first.
 """
 
 from __future__ import annotations
+
+import json
+import os
 
 import torch
 from lora_overlap_ab import recapture, run_mode_ab, same_tokens_and_logprobs
 
 import mmlora
-from mmlora.backends import triton_sgmv
+from mmlora.backends import triton_sgmv, triton_sgmv_act
 
 MODES = ("fused", "expand")
 
@@ -33,4 +39,8 @@ def compare(row: dict, outs: dict, names: list[str]) -> str:
 
 
 if __name__ == "__main__":
+    if os.environ.get("MMLORA_ACT_TUNING"):
+        with open(os.environ["MMLORA_ACT_TUNING"]) as f:
+            triton_sgmv_act.TUNING.update(json.load(f))
+        print("fused activation settings:", triton_sgmv_act.TUNING, flush=True)
     run_mode_ab(MODES, set_mode, compare, default_batch=(32, 64, 128))

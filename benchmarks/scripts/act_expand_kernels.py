@@ -8,7 +8,10 @@ a 2048-token chunk; ``mixed-sorted``: the rows side by side per adapter, as eage
 (``mmlora.bench.kernels._time_calls``), the modes alternating, --rounds rounds:
 - ``expand``: shrink, expand into gate_up, activation (three launches);
 - ``fused``: shrink, then the activation with the expand inside (two).
-Both include the shrink, which is the same launch. ``--smoke``: tiny shapes on CPU under the interpreter.
+Both include the shrink, which is the same launch. ``--variants``: more fused modes, each a JSON object of
+:mod:`mmlora.backends.triton_sgmv_act` TUNING overrides (``fused:0``, ``fused:1``, ...); ``--pick-into``: write
+the overrides of the variant fastest over the decode-runs cases (its worst round) to that file, for a run
+that follows. ``--smoke``: tiny shapes on CPU under the interpreter.
 
     PYTHONPATH=. python benchmarks/scripts/act_expand_kernels.py --out FILE.json
 """
@@ -28,7 +31,7 @@ if "--smoke" in sys.argv:
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import lora_tuning_sweep as sweep  # noqa: E402
 
-from mmlora.backends import get_backend  # noqa: E402
+from mmlora.backends import get_backend, triton_sgmv_act  # noqa: E402
 from mmlora.bench import kernels as kb  # noqa: E402
 from mmlora.layers.fused_ops import silu_and_mul_triton  # noqa: E402
 
@@ -56,36 +59,72 @@ def _calls(mode: str, backend, pt) -> list:  # noqa: ANN001
     return [lambda k=k: fn(k) for k in range(len(pt.infos))]
 
 
+def _timed(mode: str, overrides: dict, backend, pt, device) -> float:  # noqa: ANN001
+    saved = dict(triton_sgmv_act.TUNING)
+    triton_sgmv_act.TUNING.update(overrides)
+    for info in pt.infos:  # launch plans are kept per batch info
+        info.host_derived.clear()
+    try:
+        return kb._time_calls(_calls(mode, backend, pt), device)[0] * 1e6
+    finally:
+        triton_sgmv_act.TUNING.clear()
+        triton_sgmv_act.TUNING.update(saved)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--variants", nargs="*", default=[])
+    p.add_argument("--pick-into", default=None)
     p.add_argument("--out", default=None)
     args = p.parse_args()
     device = torch.device("cpu" if args.smoke else "cuda")
     kb.PROJECTIONS = {"gate_up": kb.PROJECTIONS["gate_up"]}
     kb.SMOKE_PROJECTIONS = {"gate_up": (64, (32, 32))}
     backend = get_backend("triton-sgmv")
+    modes = {"expand": {}, "fused": {}}
+    modes.update({f"fused:{i}": json.loads(v) for i, v in enumerate(args.variants)})
     rows = []
     for case, B, n in SMOKE_CASES if args.smoke else CASES:
         (pt,) = sweep._points(case, B, n, 16, args.smoke, device)
-        row = {"case": case, "B": B, "adapters": n, "expand_us": [], "fused_us": []}
+        row = {"case": case, "B": B, "adapters": n, "us": {m: [] for m in modes}}
+        names = list(modes)
         for r in range(args.rounds):
-            for mode in ("expand", "fused") if r % 2 == 0 else ("fused", "expand"):
-                secs, _ = kb._time_calls(_calls(mode, backend, pt), device)
-                row[f"{mode}_us"].append(secs * 1e6)
-        ratio = max(row["fused_us"]) / min(row["expand_us"])
-        row["worst_fused_over_best_expand"] = ratio
+            for mode in names[r % len(names) :] + names[: r % len(names)]:
+                kernel_mode = "expand" if mode == "expand" else "fused"
+                row["us"][mode].append(_timed(kernel_mode, modes[mode], backend, pt, device))
+        best_expand = min(row["us"]["expand"])
+        row["worst_over_best_expand"] = {m: max(v) / best_expand for m, v in row["us"].items()}
         rows.append(row)
         print(
-            f"{case} B={B} adapters={n}: expand {[round(v, 1) for v in row['expand_us']]} us, "
-            f"fused {[round(v, 1) for v in row['fused_us']]} us; worst fused / best expand {ratio:.3f}",
+            f"{case} B={B} adapters={n}: "
+            + "; ".join(f"{m} {[round(v, 1) for v in row['us'][m]]}" for m in modes)
+            + " us; worst / best expand "
+            + ", ".join(f"{m} {v:.3f}" for m, v in row["worst_over_best_expand"].items()),
             flush=True,
         )
         sweep._release([pt], device)
+    fused = [m for m in modes if m != "expand"]
+    runs = [r for r in rows if r["case"] == "decode-runs"]
+    pick = min(fused, key=lambda m: sum(max(r["us"][m]) for r in runs)) if runs else "fused"
+    print(f"fastest fused variant over decode runs: {pick} {modes[pick]}", flush=True)
+    if args.pick_into:
+        with open(args.pick_into, "w") as f:
+            json.dump(modes[pick], f)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"rows": rows, "device": str(device), "torch": torch.__version__}, f, indent=1)
+            json.dump(
+                {
+                    "rows": rows,
+                    "modes": modes,
+                    "picked": pick,
+                    "device": str(device),
+                    "torch": torch.__version__,
+                },
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

@@ -65,7 +65,13 @@ def _check(c: Case, weights: LoRAWeights, info: LoRABatchInfo, act: int) -> None
     _, out64 = reference(c)
     atol, rtol = TOL[c.x.dtype]
     torch.testing.assert_close(got[:T].double().cpu(), _act64(out64[:T], act), atol=atol, rtol=rtol)
-    assert torch.equal(got, _unfused(c, weights, info, act)), "differs from the expand + activation it fuses"
+    unfused = _unfused(c, weights, info, act)
+    if c.x.is_cuda:
+        # The GPU's dot products may sum in another order for another tile shape (seen in fp32): a few ulp.
+        eps = torch.finfo(c.x.dtype).eps
+        torch.testing.assert_close(got, unfused, atol=4 * eps, rtol=4 * eps)
+    else:
+        assert torch.equal(got, unfused), "differs from the expand + activation it fuses"
 
 
 @pytest.mark.parametrize("act", [0, 1])
