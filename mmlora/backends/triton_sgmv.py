@@ -345,9 +345,11 @@ class TritonSGMVBackend(FusedTritonBackend):
         which fuses it (:mod:`mmlora.backends.triton_sgmv_act`), or runs it plainly."""
         if not TUNING["act_expand"] or not info.has_lora or info.num_tokens == 0:
             return None
+        tiles = _Tiles.of(info, _block_m(info.max_seg_len, ACT_TUNING["block_m"]))
+        if tiles.block_m <= 16 and not ACT_TUNING["runs"]:  # decode runs: measured slower fused
+            return None
         R = self._input_rank(x, weights, info)
         partials = self._shrink_phase(x, weights, info, R)
-        tiles = _Tiles.of(info, _block_m(info.max_seg_len, ACT_TUNING["block_m"]))
 
         def expand(out: torch.Tensor) -> None:
             self._validated_rank(out, x, weights, info)

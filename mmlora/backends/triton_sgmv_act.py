@@ -31,17 +31,25 @@ from mmlora.triton_launch import fast
 #: tile and how many of them a program covers (h and the scalings are loaded once per program, B and gate_up
 #: streamed through a loop ``stages`` deep), warps per program; ``run_*`` for 16-token tiles (decode runs).
 #: ``max_split``: the most split-K planes of h the kernel sums with unrolled loads (all in flight at once);
-#: batches whose shrink made more take a loop over the planes.
+#: batches whose shrink made more take a loop over the planes. ``runs``: whether batches of 16-token tiles
+#: defer at all. H200, Mistral-7B gate_up, rank 16, one layer's shrink + expand + activation against shrink +
+#: this kernel (``benchmarks/scripts/act_expand_kernels.py``, 2026-12-04, three rounds,
+#: ``benchmarks/results/h200-2026-12-04-session22``): 64 x 4 columns and 4 warps made a 4096-token prefill
+#: over 8 adapters 0.69x as long (269 -> 187 us) and a mixed step (128 decode rows grouped by adapter and a
+#: 2048-token chunk) 0.80x (173 -> 137 us); at decode runs (B=128 and 256 on 32 adapters) no setting of nine
+#: came within 1.12x of the expand + activation (27.2 -> 34.0 us at best), so they keep those.
 TUNING = {
     "block_m": 32,
-    "block_n": 128,
-    "group": 2,
-    "warps": 8,
-    "run_block_n": 256,
-    "run_group": 2,
-    "run_warps": 4,
+    "block_n": 64,
+    "group": 4,
+    "warps": 4,
     "stages": 2,
     "max_split": 16,
+    "runs": False,
+    "run_block_n": 64,
+    "run_group": 4,
+    "run_warps": 4,
+    "run_stages": 3,
 }
 
 
@@ -208,7 +216,7 @@ def sgmv_act_and_mul(
         gate_up, out, h, B, scalings, info.seg_indptr, info.weight_indices, info.ranks, tiles.seg, tiles.m0,
         inter, R, h.shape[0], gate_up.stride(0), out.stride(0), h.stride(0), h.stride(1), *b_strides,
         scalings.stride(0), tiles.m_tiles, n_tiles, act,
-        U=U, BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP=group, STAGES=TUNING["stages"],
+        U=U, BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP=group, STAGES=TUNING["run_stages"] if runs else TUNING["stages"],
         MAX_SPLIT=TUNING["max_split"], UPCAST=dot_upcast(B.dtype), PREC="ieee" if B.dtype == torch.float32 else "tf32",
         TILED=tiles.tiled, num_warps=TUNING["run_warps"] if runs else TUNING["warps"],
         enable_fp_fusion=True,  # as the activation kernel is built (fma inside act)

@@ -18,7 +18,7 @@ import pytest  # noqa: E402
 from test_lora_kernels import DEV, TOL, Case, make_case, reference  # noqa: E402
 from test_lora_paged import paged_weights  # noqa: E402
 
-from mmlora.backends import get_backend, triton_sgmv  # noqa: E402
+from mmlora.backends import get_backend, triton_sgmv, triton_sgmv_act  # noqa: E402
 from mmlora.forward.lora import LoRABatchInfo, LoRAWeights  # noqa: E402
 from mmlora.layers import fused_ops  # noqa: E402
 
@@ -35,6 +35,12 @@ CASES = {
     # a pool of rank 128: the rank loop takes several steps; ranks 1..128 in one batch
     "prefill-ranks-1-to-128": (37, 32, (24, 24), 128, [1, 128, 64, 7, 33], "uniform", "prefill"),
 }
+
+
+@pytest.fixture(autouse=True)
+def _runs_deferred_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """16-token tiles (decode runs) are not deferred by default (measured slower); tested all the same."""
+    monkeypatch.setitem(triton_sgmv_act.TUNING, "runs", True)
 
 
 def _act64(gate_up: torch.Tensor, act: int) -> torch.Tensor:
@@ -116,7 +122,7 @@ def test_other_layouts_fall_back_to_the_expand_then_the_activation() -> None:
     gate_up = c.out.clone()
     pending.apply(gate_up)
     _, want = reference(c)
-    torch.testing.assert_close(gate_up.double(), want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(gate_up.double().cpu(), want, atol=1e-4, rtol=1e-4)
 
 
 def test_act_with_a_deferred_delta_equals_the_plain_path() -> None:
@@ -135,15 +141,17 @@ def test_deferral_follows_the_tuning_switch_and_the_backend(monkeypatch: pytest.
     assert get_backend("triton-auto").defer_lora(c.x, c.weights, c.info) is None
     m = make_case(*CASES["mixed-step"], torch.float32)
     assert get_backend("triton-auto").defer_lora(m.x, m.weights, m.info) is not None
-    monkeypatch.setitem(triton_sgmv.TUNING, "act_expand", False)
+    assert get_backend("triton-sgmv").defer_lora(c.x, c.weights, c.info) is not None
+    monkeypatch.setitem(triton_sgmv_act.TUNING, "runs", False)  # the default: decode runs keep the expand
     assert get_backend("triton-sgmv").defer_lora(c.x, c.weights, c.info) is None
+    assert get_backend("triton-sgmv").defer_lora(m.x, m.weights, m.info) is not None
+    monkeypatch.setitem(triton_sgmv.TUNING, "act_expand", False)
+    assert get_backend("triton-sgmv").defer_lora(m.x, m.weights, m.info) is None
 
 
 @pytest.mark.parametrize("max_split", [1, 2, 16])
 def test_fused_activation_sums_every_split_k_plane(max_split: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Planes of h summed with unrolled loads (up to ``max_split``) or with a loop (more planes than that)."""
-    from mmlora.backends import triton_sgmv_act
-
     monkeypatch.setattr(triton_sgmv.TritonSGMVBackend, "split_k", 3)
     monkeypatch.setitem(triton_sgmv_act.TUNING, "max_split", max_split)
     c = make_case(*CASES["mixed-step"], torch.float32, seed=11)
