@@ -1,6 +1,7 @@
 """The LoRA kernel warm-up compiles the variants a serving step can launch (issue 23: no Triton compile
 inside a timed run). On CUDA: after the warm-up, random batches of every kind (decode, prefill,
-mixed steps; mixed ranks; base rows) compile nothing, counted through Triton's post-compile hook."""
+mixed steps; mixed ranks; base rows) compile nothing, gate_up's deferred expand included, counted through
+Triton's post-compile hook."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from mmlora.backends import get_backend
+from mmlora.backends.base import LoRABackend
 from mmlora.backends.warmup import LAYOUTS, warm_up_lora_kernels
 from mmlora.forward import LoRABatchInfo, LoRAWeights
 
@@ -38,7 +40,7 @@ def test_warm_up_runs_each_layout_once_per_distinct_shape_and_rank_bucket() -> N
     assert warm_up_lora_kernels(get_backend("torch-gather"), weights, max_tokens=2) == len(SHAPES) * fitting
     seen: list[int] = []
 
-    class Recording:
+    class Recording(LoRABackend):
         def add_lora(self, out, x, w, info) -> None:  # noqa: ANN001
             seen.append(info.rank_bound)
 
@@ -78,6 +80,10 @@ def test_no_compile_after_warm_up(backend: str) -> None:
                 x = torch.randn(sum(lens), w.A.shape[2], device=dev, dtype=w.A.dtype)
                 out = torch.zeros(sum(lens), w.B.shape[1], device=dev, dtype=w.A.dtype)
                 be.add_lora(out, x, w, info)
+                pending = be.defer_lora(x, w, info) if len(w.slice_offsets) == 3 else None
+                if pending is not None:  # gate_up: the expand inside the gated activation, both kinds
+                    for act in (0, 1):
+                        assert pending.act_and_mul(out, act) is not None
         torch.cuda.synchronize()
     finally:
         knobs.runtime.jit_post_compile_hook = prev
