@@ -7,9 +7,11 @@ each program loads its tile of gate and up, adds ``h @ B[slot].T * scaling`` for
 the shrink's split-K planes, B from the pool), rounds where the expand would have stored, and applies the
 activation. gate_up's output is then read once and never written, and one launch is gone.
 
-The result is bit for bit that of the expand followed by the activation kernel
+The result is that of the expand followed by the activation kernel
 (:func:`mmlora.layers.fused_ops.silu_and_mul`): the same fp32 sums, rounded to the output dtype at the
-same two places. :class:`~mmlora.backends.triton_sgmv.TritonSGMVBackend` hands out the deferred expand
+same two places; bit for bit under the interpreter, within a few ulp on a GPU (whose dot products may sum
+in another order for another tile shape: seen once in fp32). Used for eager steps only: at decode runs
+(16-token tiles, CUDA graphs) it measured slower than the two kernels (``TUNING`` below). :class:`~mmlora.backends.triton_sgmv.TritonSGMVBackend` hands out the deferred expand
 (``defer_lora``) and the activation calls :func:`sgmv_act_and_mul`.
 """
 
@@ -164,6 +166,7 @@ def _sgmv_act_expand_kernel(
 
 @triton.jit
 def _dot(h, b, acc, UPCAST: tl.constexpr, PREC: tl.constexpr):
+    """``acc + h @ b`` (operands cast to fp32 first where UPCAST: see :func:`dot_upcast`)."""
     if UPCAST:
         h = h.to(tl.float32)
         b = b.to(tl.float32)
