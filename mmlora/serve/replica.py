@@ -36,7 +36,7 @@ class ResidentAdapter:
 
     async def __del__(self) -> None:  # called (and awaited) by Ray's multiplexer on LRU eviction
         if self.owned:
-            await self.replica.unload(self.name)
+            await self.replica.evict(self.name)
 
 
 class EngineReplica:
@@ -56,16 +56,35 @@ class EngineReplica:
         self.lora_root = lora_root
         self.replica_id = _replica_id()
         self.adapter_loads = 0
+        self._init_claims()
+
+    def _init_claims(self) -> None:
+        # Per adapter, the calls between making it resident and the end of their answer. Ray's LRU may evict
+        # an adapter such a call has just made resident (more adapters wanted at once than the cache holds,
+        # as after a replica dies and its calls are retried here): its unload then waits for those calls,
+        # which would otherwise be refused with "being unloaded" before their requests reach the engine.
+        self._claims: dict[str, int] = {}
+        self._evicted: set[str] = set()  # evicted by Ray, unload deferred, still registered in the engine
 
     async def load(self, name: str) -> ResidentAdapter:
         """Make ``name`` servable here: a start-up adapter as is, else read from the adapter root."""
         if name in self.preloaded:
             return ResidentAdapter(self, name, owned=False)
+        if name in self._evicted:  # its deferred unload is called off: it never left the engine
+            self._evicted.discard(name)
+            return ResidentAdapter(self, name, owned=True)
         path = confine_adapter_path(name, self.lora_root, param="model")
         await self._wait_unloaded(name)
         await self.bg.run_async(lambda eng: eng.load_lora(name, path))
         self.adapter_loads += 1
         return ResidentAdapter(self, name, owned=True)
+
+    async def evict(self, name: str) -> None:
+        """Ray's multiplexer dropped ``name``: unload it now, or once the calls that claimed it end."""
+        if self._claims.get(name):
+            self._evicted.add(name)
+        else:
+            await self.unload(name)
 
     async def unload(self, name: str) -> None:
         from mmlora.engine.background import EngineUnavailableError
@@ -90,16 +109,27 @@ class EngineReplica:
         names the problem (404 with the known names) exactly as the single-process server's does.
         """
         for name in adapters:
-            try:
-                await self.get_adapter(name)
-            except ValueError as e:
-                logger.info("adapter %s not made resident: %s", name, e)
-        async for message in call_asgi(self.app, call):
-            if isinstance(message, ResponseStart):
-                message = ResponseStart(
-                    message.status, message.headers + ((REPLICA_HEADER, self.replica_id),)
-                )
-            yield message
+            self._claims[name] = self._claims.get(name, 0) + 1
+        try:
+            for name in adapters:
+                try:
+                    await self.get_adapter(name)
+                except ValueError as e:
+                    logger.info("adapter %s not made resident: %s", name, e)
+            async for message in call_asgi(self.app, call):
+                if isinstance(message, ResponseStart):
+                    message = ResponseStart(
+                        message.status, message.headers + ((REPLICA_HEADER, self.replica_id),)
+                    )
+                yield message
+        finally:
+            for name in adapters:
+                self._claims[name] -= 1
+                if self._claims[name] == 0:
+                    del self._claims[name]
+                    if name in self._evicted:
+                        self._evicted.discard(name)
+                        await self.unload(name)
 
     def served_name(self) -> str:
         return str(self.bg.engine.model_name)
