@@ -351,12 +351,12 @@ class TritonSGMVBackend(FusedTritonBackend):
         R = self._input_rank(x, weights, info)
         partials = self._shrink_phase(x, weights, info, R)
 
-        def expand(out: torch.Tensor) -> None:
-            self._validated_rank(out, x, weights, info)
-            self._expand_phase(out, partials, weights, info, R, x.dtype)
-
         def check(out: torch.Tensor) -> None:
             self._validated_rank(out, x, weights, info)
+
+        def expand(out: torch.Tensor) -> None:
+            check(out)
+            self._expand_phase(out, partials, weights, info, R, x.dtype)
 
         block_k = _rank_step(info, R, tiles.block_m <= 16)
         return SGMVDeferred(partials[0], weights, info, R, tiles, block_k, expand, check)

@@ -59,20 +59,19 @@ TUNING = {
 def _h_planes(h_ptr, offs_m, m_ok, cols, cols_ok, SPLIT_K, stride_hs, stride_hm, dtype: tl.constexpr,
               MAX_SPLIT: tl.constexpr):  # fmt: skip
     """h [BLOCK_M, len(cols)] summed over the shrink's SPLIT_K planes and rounded to ``dtype``, as
-    ``_h_tile``; up to MAX_SPLIT planes the loads are unrolled (predicated per plane), so they are all in
-    flight together instead of one after another."""
-    ptrs = h_ptr + offs_m[:, None] * stride_hm + cols[None, :]
-    mask = m_ok[:, None] & cols_ok[None, :]
-    hsum = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    if SPLIT_K <= MAX_SPLIT:
+    ``_h_tile`` (which takes more than MAX_SPLIT planes); up to MAX_SPLIT the loads are unrolled (predicated
+    per plane), so they are all in flight together instead of one after another."""
+    if SPLIT_K > MAX_SPLIT:
+        h = _h_tile(h_ptr, offs_m, m_ok, cols, cols_ok, SPLIT_K, stride_hs, stride_hm, dtype)
+    else:
+        ptrs = h_ptr + offs_m[:, None] * stride_hm + cols[None, :]
+        hsum = tl.load(ptrs, mask=m_ok[:, None] & cols_ok[None, :], other=0.0).to(tl.float32)
         for sp in tl.static_range(1, MAX_SPLIT):
             in_plane = m_ok & (offs_m * 0 + sp < SPLIT_K)  # a tensor mask (the interpreter's & needs one)
             plane = tl.load(ptrs + sp * stride_hs, mask=in_plane[:, None] & cols_ok[None, :], other=0.0)
             hsum += plane.to(tl.float32)
-    else:
-        for sp in range(1, SPLIT_K):
-            hsum += tl.load(ptrs + sp * stride_hs, mask=mask, other=0.0).to(tl.float32)
-    return hsum.to(dtype)
+        h = hsum.to(dtype)
+    return h
 
 
 @triton.jit(do_not_specialize=("SPLIT_K", "M_TILES", "ACT"))
@@ -176,13 +175,11 @@ def _dot(h, b, acc, UPCAST: tl.constexpr, PREC: tl.constexpr):
 def fits_gate_up(gate_up: torch.Tensor, weights: LoRAWeights) -> bool:
     """Whether ``gate_up`` [T, 2I] (unit column stride) is a gate | up output of ``weights``' two equal
     slices, the layout the fused kernel reads."""
-    off = weights.slice_offsets
     return (
-        gate_up.dim() == 2
+        weights.gated_pair
+        and gate_up.dim() == 2
         and gate_up.stride(-1) == 1
-        and len(off) == 3
-        and off[0] == 0
-        and off[2] == 2 * off[1] == gate_up.shape[1]
+        and gate_up.shape[1] == weights.slice_offsets[2]
         and gate_up.dtype == weights.B.dtype
     )
 

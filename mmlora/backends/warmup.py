@@ -47,14 +47,8 @@ def warm_up_lora_kernels(backend: LoRABackend, weights: Iterable[LoRAWeights], m
                 backend.add_lora(out, x, w, info)
                 calls += 1
                 # gate_up: the expand deferred into its activation (one compile serves both activations)
-                pending = backend.defer_lora(x, w, info) if _gated(w) else None
+                pending = backend.defer_lora(x, w, info) if w.gated_pair else None
                 if pending is not None:
                     pending.act_and_mul(out, 0)
                     calls += 1
     return calls
-
-
-def _gated(w: LoRAWeights) -> bool:
-    """Whether ``w`` has gate_up's layout: two slices of one width (what a gated activation reads)."""
-    off = w.slice_offsets
-    return len(off) == 3 and off[2] == 2 * off[1]

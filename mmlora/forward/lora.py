@@ -88,6 +88,13 @@ class LoRAWeights:
         return len(self.slice_offsets) - 1
 
     @property
+    def gated_pair(self) -> bool:
+        """Whether the module packs two slices of one width from column 0 (gate | up): the layout a gated
+        activation reads."""
+        off = self.slice_offsets
+        return len(off) == 3 and off[0] == 0 and off[2] == 2 * off[1]
+
+    @property
     def pages(self) -> int:
         """Rank pages per slot (C; 1 for the unpaged layout)."""
         return self.A.shape[1] if self.A.dim() == 4 else 1

@@ -80,7 +80,7 @@ def test_no_compile_after_warm_up(backend: str) -> None:
                 x = torch.randn(sum(lens), w.A.shape[2], device=dev, dtype=w.A.dtype)
                 out = torch.zeros(sum(lens), w.B.shape[1], device=dev, dtype=w.A.dtype)
                 be.add_lora(out, x, w, info)
-                pending = be.defer_lora(x, w, info) if len(w.slice_offsets) == 3 else None
+                pending = be.defer_lora(x, w, info) if w.gated_pair else None
                 if pending is not None:  # gate_up: the expand inside the gated activation, both kinds
                     for act in (0, 1):
                         assert pending.act_and_mul(out, act) is not None
