@@ -97,7 +97,8 @@ def pad_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def packed_matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ W.T + bias`` for x [rows, in] with ``0 < rows <= PACKED_MAX_ROWS``, W packed by
+    """``x @ W.T + bias`` for x [rows, in] with ``0 < rows <= PACKED_MAX_ROWS`` (any count:
+    :func:`packed_matmul_rows`), W packed by
     :func:`pack_weight` (same dtype as x); returns [rows, out]. For oneDNN, rows are padded with zeros up
     to a power of two (their outputs dropped), which leaves the real rows' values unchanged."""
     if type(packed) is cpu_gemm.PanelWeight:
@@ -105,3 +106,14 @@ def packed_matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     rows = x.shape[0]
     out = torch.ops.mkldnn._linear_pointwise(pad_rows(x), packed, bias, "none", [], "")
     return out if out.shape[0] == rows else out[:rows]
+
+
+def packed_matmul_rows(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """:func:`packed_matmul` for any row count above 0 (prefill too): the C panel GEMM takes every row in one
+    call (each panel is read once for all of them); oneDNN's runs in ``PACKED_MAX_ROWS``-row pieces (it
+    builds a primitive per row count)."""
+    if type(packed) is cpu_gemm.PanelWeight or x.shape[0] <= PACKED_MAX_ROWS:
+        return packed_matmul(x, packed, bias)
+    return torch.cat([packed_matmul(piece, packed, bias) for piece in x.split(PACKED_MAX_ROWS)])

@@ -31,6 +31,7 @@ from mmlora.backends.onednn import (
     packable_dtypes,
     packed_matmul,
     packed_matmul_available,
+    packed_matmul_rows,
 )
 from mmlora.backends.registry import register_backend
 from mmlora.forward.lora import LoRABatchInfo, LoRAWeights, unpage_a, unpage_b
@@ -155,8 +156,8 @@ class TorchGatherBackend(LoRABackend):
 
         Where the C kernels are built (:mod:`~mmlora.backends.cpu_kernels`), the mask, the expand and
         the add are one call at any row count instead (:meth:`~mmlora.backends.cpu_dense.ShrinkFused.add_expand`).
-        Past PACKED_MAX_ROWS tokens (prefill) the matmuls run in PACKED_MAX_ROWS-row pieces (as
-        PackedLinear runs them); the expand stays dense only where the adapter segments outnumber their
+        Past PACKED_MAX_ROWS tokens (prefill) the matmuls run as PackedLinear runs them
+        (:func:`~mmlora.backends.onednn.packed_matmul_rows`); the expand stays dense only where the adapter segments outnumber their
         slots and the live rank rows are at most 1 / _PREFILL_RANK_SHARE of the input width (every row
         multiplies every slot's rank rows), else the segment or per-slot path adds the delta.
 
@@ -178,10 +179,7 @@ class TorchGatherBackend(LoRABackend):
         if stacked is None:
             return None
         T, out = x.shape[0], stacked.out_features
-        if T <= PACKED_MAX_ROWS:
-            yk = packed_matmul(x, stacked.WA, stacked.bias)
-        else:
-            yk = torch.cat([packed_matmul(p, stacked.WA, stacked.bias) for p in x.split(PACKED_MAX_ROWS)])
+        yk = packed_matmul_rows(x, stacked.WA, stacked.bias)
         y = yk[:, :out]
         if info is None or not info.has_lora or stacked.add_expand(yk, info, weights.n_slices):
             return y
@@ -189,11 +187,7 @@ class TorchGatherBackend(LoRABackend):
             _by_slot(x, info) and stacked.live_rows * _PREFILL_RANK_SHARE <= x.shape[1]
         ):
             h = yk[:, out:] * slot_mask(info, weights.n_slices, x.dtype)
-            E = stacked.packed_expand()
-            if T <= PACKED_MAX_ROWS:
-                y += packed_matmul(h, E)
-            else:
-                y += torch.cat([packed_matmul(p, E) for p in h.split(PACKED_MAX_ROWS)])
+            y += packed_matmul_rows(h, stacked.packed_expand())
         else:
             gather_expand(gather_shrink(x, weights.A, info), weights, info, y)
         return y

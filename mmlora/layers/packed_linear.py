@@ -4,8 +4,9 @@ The packed matmul and when it pays (row counts, dtypes) are :mod:`mmlora.backend
 mmlora.bench cpu`` measures what it gains. The packed copy is kept beside the parameter (not in the state dict): the parameter stays the truth that checkpoints load into, sharding
 cuts and tied embeddings share. A packed copy is used only where it gives the same answer as
 ``F.linear``: CPU inputs of the packed dtype, no autograd, and a parameter unchanged since it was packed
-(a later write repacks on the next call). Inputs of more than ``PACKED_MAX_ROWS`` rows (prefill) go
-through it in pieces of that many rows, which keeps oneDNN's per-row-count primitives few: on the
+(a later write repacks on the next call). The C panel GEMM takes inputs of any row count in one call;
+oneDNN's takes more than ``PACKED_MAX_ROWS`` rows (prefill) in pieces of that many rows, which keeps its
+per-row-count primitives few (``onednn.packed_matmul_rows``): on the
 2-core AMD EPYC of issue 21, at SmolLM2's shapes and 192-512 rows, the pieces take 0.36-0.47x the time
 of ``F.linear`` (MKL). Everywhere else, and where this torch build lacks the ops, the layer is
 ``F.linear``.
@@ -21,8 +22,8 @@ from mmlora.backends.onednn import (
     PACKED_MAX_ROWS,
     onednn_linear_available,
     pack_weight,
-    packed_matmul,
     packed_matmul_available,
+    packed_matmul_rows,
 )
 
 __all__ = ["PACKED_DTYPES", "PACKED_MAX_ROWS", "PackedLinear", "onednn_linear_available", "prepack_linears"]
@@ -95,11 +96,7 @@ class PackedLinear(nn.Linear):
             # The parameter was written after packing (e.g. weights reloaded).
             self.prepack(dtypes=self._packed_dtypes)
             packed = self._packed
-        flat = x.reshape(rows, x.shape[-1])
-        if rows <= PACKED_MAX_ROWS:
-            out = packed_matmul(flat, packed, bias)
-        else:
-            out = torch.cat([packed_matmul(piece, packed, bias) for piece in flat.split(PACKED_MAX_ROWS)])
+        out = packed_matmul_rows(x.reshape(rows, x.shape[-1]), packed, bias)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

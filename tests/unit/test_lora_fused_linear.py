@@ -185,7 +185,8 @@ def test_fused_linear_declines_what_it_does_not_fuse() -> None:
 
 
 def test_a_long_prefill_of_one_adapter_fuses_in_pieces() -> None:
-    """Past PACKED_MAX_ROWS tokens of one adapter (one segment): the stacked matmul in pieces, the delta
+    """Past PACKED_MAX_ROWS tokens of one adapter (one segment): the stacked matmul over every row (in
+    pieces on oneDNN), the delta
     through the exact segment path; against the oracle."""
     ranks = [8]
     w = _pool(24, (48,), 8, ranks, torch.float32, seed=10)

@@ -12,7 +12,8 @@ from mmlora.layers.packed_linear import PackedLinear, onednn_linear_available, p
 from mmlora.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
 
 needs_onednn = pytest.mark.skipif(not onednn_linear_available(), reason="torch built without oneDNN")
-# (rows, in, out); past PACKED_MAX_ROWS rows the layer runs 64-row pieces (150: a padded last piece).
+# (rows, in, out); past PACKED_MAX_ROWS rows oneDNN runs 64-row pieces (150: a padded last piece), the C
+# panel GEMM one call.
 SHAPES = [(1, 7, 13), (3, 64, 1), (17, 33, 65), (128, 96, 200), (150, 40, 72), (5, 576, 1536)]
 
 
