@@ -150,6 +150,11 @@ class SchedulerConfig:
     max_num_batched_tokens: int = _f(2048, "Token budget of one forward (prefill chunks + decode tokens).")
     max_queued_requests: int = _f(4096, "Waiting requests beyond which new ones are refused.")
     disable_cuda_graph: bool = _f(False, "Run decode steps eagerly instead of replaying CUDA graphs.")
+    disable_cpu_graph: bool = _f(
+        False,
+        "On CPU, run decode steps eagerly instead of replaying their recorded C kernel calls "
+        "(mmlora.engine.cpu_graph).",
+    )
     schedule_policy: str = _f(
         "fcfs",
         'Admission order: "fcfs" (arrival order) or "vtc" (the Virtual Token Counter: the least-served '

@@ -37,7 +37,7 @@ engine = mmlora.Engine(
 engine.runner.enable_cuda_graphs(B, engine.max_model_len, capture=False)
 start_decode_batch(engine, [None] * B, 200, np.random.default_rng(0))
 logits = torch.randn(B, engine.model.lm_head.weight.shape[0])
-engine.runner.cuda_graphs._replay = lambda bs, bound, layout: logits[:bs]  # the forward stubbed out
+engine.runner.decode_graphs._replay = lambda bs, bound, layout: logits[:bs]  # the forward stubbed out
 tok = engine.tokenizer
 decoders = {
     "tokenizer.decode": lambda ids, skip, spaces: tok.decode(

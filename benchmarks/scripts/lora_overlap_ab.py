@@ -30,13 +30,13 @@ from mmlora.engine import cuda_graph
 def recapture(engine: mmlora.Engine, bucket: int, overlap: bool, side: torch.cuda.Stream) -> None:
     """Decode graphs of bucket ``bucket`` only, captured with the side stream on or off."""
     runner = engine.runner
-    old = runner.cuda_graphs
+    old = runner.decode_graphs
     old.close()
     runner.lora._ctx.side_stream = side if overlap else None
     buckets = cuda_graph.batch_buckets
     cuda_graph.batch_buckets = lambda max_bs: [max_bs]
     try:
-        runner.cuda_graphs = cuda_graph.CudaGraphRunner(
+        runner.decode_graphs = cuda_graph.CudaGraphRunner(
             runner, bucket, engine.max_model_len, pad_page=old.pad_page
         )
     finally:
@@ -49,7 +49,7 @@ def _set_overlap(engine: mmlora.Engine, bucket: int, mode: str, side: torch.cuda
 
 def measure(engine: mmlora.Engine, steps: int = 20) -> dict:
     engine.step()
-    graphs = engine.runner.cuda_graphs
+    graphs = engine.runner.decode_graphs
     graph = graphs.graphs[graphs.last_key]
     times = []
     for _ in range(5):

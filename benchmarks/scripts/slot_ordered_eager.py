@@ -15,7 +15,7 @@ _forward = ModelRunner.forward
 
 
 def forward(self: ModelRunner, sched: ScheduledBatch):  # noqa: ANN201
-    if self.cuda_graphs is not None and self.cuda_graphs.can_run(sched):
+    if self.decode_graphs is not None and self.decode_graphs.can_run(sched):
         return _forward(self, sched)
     order = sorted(range(len(sched)), key=lambda b: sched.requests[b].slot)
     permuted = ScheduledBatch([sched.requests[b] for b in order], [sched.num_new[b] for b in order])

@@ -25,7 +25,7 @@ import dataclasses
 
 import torch
 
-from mmlora.backends import cpu_expand, cpu_kernels
+from mmlora.backends import cpu_expand, cpu_kernels, cpu_plan
 from mmlora.backends.onednn import pack_weight
 from mmlora.forward.lora import LoRABatchInfo, LoRAWeights
 
@@ -70,9 +70,13 @@ def expand_rows(info: LoRABatchInfo, n_slices: int) -> torch.Tensor:
     key = ("expand-rows", n_slices)
     rows = info.host_derived.get(key)
     if rows is None:
-        slots = [s for n, s in zip(info.seg_lens_host, info.seg_slots_host) for _ in range(n)]
-        rows = cpu_expand.expand_rows(slots, info.ranks_host, n_slices)
-        info.host_derived[key] = rows
+        rows = info.host_derived[key] = torch.empty(info.num_tokens, 2, dtype=torch.int32)
+
+        def fill() -> None:  # from the host lists only: a CPU plan re-runs it before each replay
+            slots = [s for n, s in zip(info.seg_lens_host, info.seg_slots_host) for _ in range(n)]
+            rows.copy_(cpu_expand.expand_rows(slots, info.ranks_host, n_slices))
+
+        cpu_plan.host_input(fill)
     return rows
 
 

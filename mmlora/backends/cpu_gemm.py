@@ -10,14 +10,11 @@ OpenMP region over the panels. It runs on torch's OpenMP threads. Tested against
 
 from __future__ import annotations
 
-import ctypes
 import functools
 
 import torch
 
 from mmlora.backends.cpu_kernels import _library, available
-
-_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
 
 @functools.cache
@@ -26,11 +23,8 @@ def _functions() -> tuple | None:
     lib = _library()
     if lib is None:
         return None
-    lib.gemm_panel_width.restype = lib.gemm_has_bf16.restype = _I64
-    fns = [lib.gemm_f32, lib.gemm_bf16 if lib.gemm_has_bf16() else None]
-    for fn in filter(None, fns):
-        fn.argtypes, fn.restype = [_I64] * 3 + [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64], _I64
-    return fns[0], fns[1], int(lib.gemm_panel_width())
+    # (argument types: set where the library is loaded)
+    return lib.gemm_f32, lib.gemm_bf16 if lib.gemm_has_bf16() else None, int(lib.gemm_panel_width())
 
 
 def dtypes() -> tuple[torch.dtype, ...]:

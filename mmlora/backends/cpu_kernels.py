@@ -27,18 +27,22 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import itertools
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-#: The kernels' C source: ``cpu_kernels.c`` and then ``cpu_gemm.c`` (beside this module; package data), one
-#: library.
-_SOURCE = "\n".join((Path(__file__).parent / name).read_text() for name in ("cpu_kernels.c", "cpu_gemm.c"))
+#: The kernels' C source: ``cpu_kernels.c``, ``cpu_gemm.c`` and ``cpu_plan.c`` (beside this module; package
+#: data), one library.
+_SOURCE = "\n".join(
+    (Path(__file__).parent / name).read_text() for name in ("cpu_kernels.c", "cpu_gemm.c", "cpu_plan.c")
+)
 
 # fast-math lets the dot products and sums vectorize (reassociated) and expf go through glibc's vector
 # math (libmvec); NaN and inf keep their meaning (-fno-finite-math-only). It is given when compiling
@@ -49,6 +53,27 @@ _LINK = ["-shared", "-fopenmp", "-lmvec", "-lm"]
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _EXPAND_ARGS = [_I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _I64]
 _ATTENTION_ARGS = [_I64] * 4 + [_PTR] * 5 + [_I64, _I64, _PTR, _I64, ctypes.c_float, _PTR, _I64, _I64]
+_GEMM_ARGS = [_I64] * 3 + [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64]
+
+#: While a CPU plan records (:mod:`mmlora.backends.cpu_plan`): called with (kernel index, arguments) before
+#: each kernel call made through the library.
+RECORDER: Callable[[int, tuple], None] | None = None
+
+
+class _Kernel:
+    """A compiled kernel as its callers call it (``lib.<name>(...)``): the ctypes function, and while a plan
+    records, the call written down first (its index is its place in ``cpu_plan.c``'s PLAN_KERNELS)."""
+
+    __slots__ = ("fn", "index")
+
+    def __init__(self, fn: Callable, index: int) -> None:
+        self.fn, self.index = fn, index
+
+    def __call__(self, *args: object) -> object:
+        if RECORDER is not None:
+            RECORDER(self.index, args)
+        return self.fn(*args)
+
 
 #: Set False (or ``MMLORA_CPU_KERNELS=0`` before the first use) to keep every caller on its torch path;
 #: A/B scripts flip it between calls.
@@ -111,6 +136,23 @@ def _library() -> ctypes.CDLL | None:
     for name in ("silu_and_mul_f32", "silu_and_mul_bf16"):
         fn = getattr(dll, name)
         fn.argtypes, fn.restype = [_I64, _I64, _PTR, _I64, _PTR, _I64], None
+    dll.gemm_panel_width.restype = dll.gemm_has_bf16.restype = _I64
+    dll.plan_kernel_name.argtypes, dll.plan_kernel_name.restype = [_I64], ctypes.c_char_p
+    dll.plan_kernel_args.argtypes, dll.plan_kernel_args.restype = [_I64], _I64
+    dll.plan_run.argtypes, dll.plan_run.restype = [_PTR, _I64, _PTR], _I64
+    for index in itertools.count():
+        name = dll.plan_kernel_name(index)
+        if name is None:
+            break
+        name = name.decode()
+        if name == "gemm_bf16" and not dll.gemm_has_bf16():
+            continue  # not built here
+        fn = getattr(dll, name)
+        if name.startswith("gemm_"):
+            fn.argtypes, fn.restype = _GEMM_ARGS, _I64
+        if len(fn.argtypes) != dll.plan_kernel_args(index):
+            raise RuntimeError(f"cpu_plan.c's PLAN_KERNELS disagrees with the argument types of {name}")
+        setattr(dll, name, _Kernel(fn, index))
     return dll
 
 

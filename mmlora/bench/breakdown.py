@@ -4,8 +4,9 @@
 wrapping the instance attributes a step goes through (nothing in the engine knows about it):
 
 - step kinds: ``prefill`` (no row is a decode token), ``mixed`` (decode rows and prefill chunks),
-  ``decode_graph`` (a decode-only step replayed from a CUDA graph) and ``decode_eager`` (decode-only,
-  run eagerly: no graphs, or a batch past the largest bucket);
+  ``decode_graph`` (a decode-only step through the decode-graph runner: a CUDA graph, or on CPU a
+  recorded plan of C kernel calls, :mod:`mmlora.engine.cpu_graph`) and ``decode_eager`` (decode-only, run
+  eagerly: no graphs, or a batch past the largest bucket);
 - per kind: count, wall seconds of ``engine.step``, GPU span of the forward (CUDA events around it: the
   stream's time from the forward's first to its last kernel, idle gaps included, so a host-bound
   forward shows a span close to its launch time), host seconds spent launching the forward, seconds the
@@ -185,7 +186,7 @@ class StepBreakdown:
 
     def install(self) -> StepBreakdown:
         eng = self.engine
-        runner, graphs = eng.runner, eng.runner.cuda_graphs
+        runner, graphs = eng.runner, eng.runner.decode_graphs
         self._wrap(eng.scheduler, "schedule", _Timer(self.host, "schedule", eng.scheduler.schedule))
         self._wrap(runner, "build", _Timer(self.host, "build_inputs", runner.build))
         info = eng.lora.info
@@ -234,7 +235,7 @@ class StepBreakdown:
 
     def _timed_forward(self, inner: Callable[[Any], Any]) -> Callable[[Any], Any]:
         def forward(sched: Any) -> Any:
-            kind = step_kind(sched, self.engine.runner.cuda_graphs)
+            kind = step_kind(sched, self.engine.runner.decode_graphs)
             stats = self.kinds[kind]
             stats["count"] += 1
             self._kind = kind

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from mmlora.backends import cpu_expand, cpu_gemm, cpu_kernels
+from mmlora.backends import cpu_expand, cpu_gemm, cpu_kernels, cpu_plan
 from mmlora.backends.onednn import pack_weight, packed_matmul, packed_matmul_available
 from mmlora.bench.serving_parts import StepRecorder, weight_bytes
 from mmlora.engine.cpu_decode import cpu_bf16_flags
@@ -134,10 +134,14 @@ def measure_decode_roofline(
         if decode:
             seen["decode"] += 1
         if profile_step and decode and seen["decode"] == PROFILED_DECODE_STEP and not profiled:
-            with c_kernels_traced(), profile(activities=[ProfilerActivity.CPU]) as prof:
+            with (
+                c_kernels_traced(),
+                cpu_plan.timed() as replayed,
+                profile(activities=[ProfilerActivity.CPU]) as prof,
+            ):
                 out = recorded(sched)
             recorder.pending = None
-            profiled.update(_profile_summary(prof, len(sched)))
+            profiled.update(_profile_summary(prof, len(sched), replayed))
             return out
         t0 = time.perf_counter()
         out = recorded(sched)
@@ -228,16 +232,25 @@ def c_kernels_traced() -> Iterator[None]:
             setattr(owner, name, fn)
 
 
-def _profile_summary(prof: Any, batch: int, rows: int = 15) -> dict[str, Any]:
-    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
-    total = sum(e.self_cpu_time_total for e in events)
+def _profile_summary(
+    prof: Any, batch: int, replayed: dict[str, list[float]] | None = None, rows: int = 15
+) -> dict[str, Any]:
+    """The top ops by self CPU time: torch's and the ``mmlora_c::`` ranges, and where the step replayed a
+    CPU plan (:mod:`mmlora.engine.cpu_graph`) its kernels as timed in C (``mmlora_plan::<kernel>``)."""
+    ops = [
+        {"op": e.key, "calls": e.count, "self_cpu_ms": e.self_cpu_time_total / 1e3}
+        for e in prof.key_averages()
+    ]
+    ops += [
+        {"op": f"mmlora_plan::{k}", "calls": n, "self_cpu_ms": t * 1e3}
+        for k, (n, t) in (replayed or {}).items()
+    ]
+    ops.sort(key=lambda op: op["self_cpu_ms"], reverse=True)
     return {
         "batch": batch,
-        "self_cpu_ms_total": total / 1e3,
-        "ops_called": sum(e.count for e in events),
-        "top_ops": [
-            {"op": e.key, "calls": e.count, "self_cpu_ms": e.self_cpu_time_total / 1e3} for e in events[:rows]
-        ],
+        "self_cpu_ms_total": sum(op["self_cpu_ms"] for op in ops),
+        "ops_called": sum(op["calls"] for op in ops),
+        "top_ops": ops[:rows],
     }
 
 

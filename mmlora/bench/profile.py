@@ -161,7 +161,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 ranks = [r.lora.rank for r in running if r.lora is not None]
                 floor_ms = recorder.floor_seconds(ctx, ranks, bw) * 1e3
                 replay = time_graph_replay(engine)
-                graphs = engine.runner.cuda_graphs
+                graphs = engine.runner.decode_graphs
                 bucket = next(b for b in graphs.buckets if b >= len(running))
                 kernels = _profile(functools.partial(graphs.eager_forward, bucket), args.steps)
                 abort_all(engine, rids)

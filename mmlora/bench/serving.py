@@ -528,7 +528,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         subset = mmlora_subset(engine, args, adapters)
         print(f"mmlora on the HF + PEFT subset: {subset}", flush=True)
         _partial(out, {"runs": runs, "decode_step": micro, "mmlora_subset": subset})
-    engine.runner.cuda_graphs = None
+    engine.runner.decode_graphs = None
     engine.shutdown()
     del engine, recorder
     gc.unfreeze()  # the engine's objects may now be garbage in cycles: let the collector see them

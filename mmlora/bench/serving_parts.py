@@ -110,7 +110,7 @@ def time_graph_layouts(engine: Any, reps: int = 20) -> dict[str, float | None] |
     """Mean seconds of replaying the last step's graph in each LoRA row layout the backend captured
     (``rows`` / ``runs``: the same batch, its routing refilled in each layout; None for a layout whose
     graph cannot hold this batch's runs); None when that step ran eagerly or had no adapter rows."""
-    graphs = engine.runner.cuda_graphs
+    graphs = engine.runner.decode_graphs
     if graphs is None or not graphs.capture or graphs.last_key is None or not graphs.last_key[1]:
         return None
     bs, bound, _ = graphs.last_key
@@ -128,7 +128,7 @@ def time_graph_layouts(engine: Any, reps: int = 20) -> dict[str, float | None] |
 def time_graph_replay(engine: Any, reps: int = 20) -> float | None:
     """Mean seconds of replaying the graph the last step replayed (its batch bucket and rank bound, on
     its inputs); None when that step ran eagerly."""
-    graphs = engine.runner.cuda_graphs
+    graphs = engine.runner.decode_graphs
     if graphs is None or not graphs.capture or graphs.last_key is None:
         return None
     return _time_replays(graphs.graphs[graphs.last_key].graph, reps)

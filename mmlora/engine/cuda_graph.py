@@ -46,6 +46,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -107,6 +108,11 @@ class _Graph:
 class CudaGraphRunner:
     """Captures and replays decode graphs for a :class:`~mmlora.engine.model_runner.ModelRunner`."""
 
+    #: Whether a step is padded up to its bucket (and so a KV page is reserved for padding rows): on a GPU
+    #: the rows are nearly free and one graph serves many batch sizes; a CPU step costs per row
+    #: (:class:`~mmlora.engine.cpu_graph.CpuGraphRunner`: a bucket per batch size, no padding page).
+    pads_rows: ClassVar[bool] = True
+
     def __init__(
         self,
         runner,  # noqa: ANN001
@@ -122,7 +128,7 @@ class CudaGraphRunner:
         self.capture = capture
         if capture and runner.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, the engine runs on {runner.device}")
-        # The runner's parts, not the runner: it holds this object (runner.cuda_graphs), and a reference
+        # The runner's parts, not the runner: it holds this object (runner.decode_graphs), and a reference
         # back would make a cycle that keeps the KV cache alive after the engine is dropped.
         self.model = runner.model
         self.lora = runner.lora
@@ -131,14 +137,15 @@ class CudaGraphRunner:
         self.block_size = runner.block_size
         self.max_model_len = max_model_len
         alloc = self.allocator
-        if pad_page is None:
+        if pad_page is None and self.pads_rows:
             if alloc.num_free < 2:
                 raise ValueError("CUDA graphs: the KV cache is too small to reserve a padding page")
             # A page only padding rows write to; out of the allocator for good (num_blocks shrinks by one).
             pad_page = alloc.reserve_page()
-        self.pad_page = pad_page
+        # Without padding rows the page only fills block-table columns no kernel reads (past seq_len).
+        self.pad_page = 0 if pad_page is None else pad_page
         self.max_bs = min(max_batch_size, runner.lora.info.max_tokens)
-        self.buckets = batch_buckets(self.max_bs)
+        self.buckets = batch_buckets(self.max_bs) if self.pads_rows else list(range(1, self.max_bs + 1))
         self.max_blocks = -(-max_model_len // self.block_size)
         dev = dict(device=self.device)
         self.i64 = torch.zeros(3, self.max_bs, dtype=torch.int64, **dev)  # input_ids, positions, slot_mapping

@@ -56,7 +56,8 @@ class ModelRunner:
             # Once: the packed weight layout (the C panel GEMM's, else oneDNN's) for every base linear and
             # the head (bf16 too where the CPU multiplies it natively; elsewhere bf16 stays on F.linear).
             prepack_linears(model, dtypes=packable_dtypes())
-        self.cuda_graphs = None  # a CudaGraphRunner once enable_cuda_graphs() has captured decode graphs
+        # Decode steps replayed: a CudaGraphRunner (enable_cuda_graphs) or, on CPU, a CpuGraphRunner.
+        self.decode_graphs = None
         # Set by the overlap scheduler for one forward: the last launched step's sampled tokens, which
         # the placeholders among this step's token ids stand for (mmlora.engine.overlap).
         self.future: torch.Tensor | None = None
@@ -68,15 +69,22 @@ class ModelRunner:
         from mmlora.engine.cuda_graph import CudaGraphRunner, capture_decode_graphs
 
         if capture:
-            self.cuda_graphs = capture_decode_graphs(self, max_batch_size, max_model_len)
+            self.decode_graphs = capture_decode_graphs(self, max_batch_size, max_model_len)
         else:
-            self.cuda_graphs = CudaGraphRunner(self, max_batch_size, max_model_len, capture=False)
+            self.decode_graphs = CudaGraphRunner(self, max_batch_size, max_model_len, capture=False)
+
+    def enable_cpu_graphs(self, max_batch_size: int, max_model_len: int) -> None:
+        """On CPU: decode-only steps replay recorded C kernel plans (mmlora.engine.cpu_graph), where the C
+        kernels are built and the engine is one process."""
+        from mmlora.engine.cpu_graph import cpu_decode_graphs
+
+        self.decode_graphs = cpu_decode_graphs(self, max_batch_size, max_model_len)
 
     def close(self) -> None:
         """Drop the decode graphs and the layers' views of the KV cache (the views alone keep it alive)."""
-        if self.cuda_graphs is not None:
-            self.cuda_graphs.close()
-            self.cuda_graphs = None
+        if self.decode_graphs is not None:
+            self.decode_graphs.close()
+            self.decode_graphs = None
         for layer in self.model.layers:
             layer.self_attn.k_cache = layer.self_attn.v_cache = None
 
@@ -138,8 +146,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, sched: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
         """fp32 logits [B', V] for the requests that sample (their batch indices second)."""
-        if self.cuda_graphs is not None and self.cuda_graphs.can_run(sched):
-            return self.cuda_graphs.run(sched, self.future)
+        if self.decode_graphs is not None and self.decode_graphs.can_run(sched):
+            return self.decode_graphs.run(sched, self.future)
         order = adapter_order(sched)
         if order is not None:
             sched = ScheduledBatch([sched.requests[b] for b in order], [sched.num_new[b] for b in order])

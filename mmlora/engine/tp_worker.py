@@ -64,8 +64,8 @@ def run_commands(parts: EngineParts, runner: ModelRunner) -> None:
             parts.lora.clear_slot(header[1])
         elif cmd is Command.CAPTURE_GRAPHS:
             max_bs, max_model_len, capture, pad_page = header[1:5]
-            runner.cuda_graphs = CudaGraphRunner(runner, max_bs, max_model_len, bool(capture), pad_page)
+            runner.decode_graphs = CudaGraphRunner(runner, max_bs, max_model_len, bool(capture), pad_page)
         elif cmd is Command.REPLAY:
-            runner.cuda_graphs.replay_received(*recv_replay(header))
+            runner.decode_graphs.replay_received(*recv_replay(header))
         else:
             return

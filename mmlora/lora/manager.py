@@ -178,6 +178,11 @@ class LoRAManager:
         return self._pool.slots_used
 
     @property
+    def pool_generation(self) -> int:
+        """Moves with every write into the adapter slots (a load, an eviction, a slot zeroed)."""
+        return self._pool.generation
+
+    @property
     def slot_loads(self) -> int:
         """Adapter loads into device slots since start (adapter churn)."""
         return self._pool.slot_loads

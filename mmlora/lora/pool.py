@@ -63,6 +63,9 @@ class LoRAPool:
         self.dtype = dtype
         self.device = device
         self._on_slot_change = on_slot_change  # (slot, rank) when a slot's content changes
+        #: Counts writes into the slots (loads, zeroing, evictions): what was read from them before a change
+        #: (a CPU plan's stacked copies) is stale once it moves.
+        self.generation = 0
         self.buffers: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         # The pages behind each (layer, target)'s A and B views: [pages, n*U, in] and [pages, out, U].
         self._stores: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -186,6 +189,10 @@ class LoRAPool:
             rank = self.host[uid].rank if uid in self.host else self.max_rank
         return self._place(self._pages_of_rank(rank), busy) is not None
 
+    def _slot_changed(self, slot: int, rank: int) -> None:
+        self.generation += 1
+        self._on_slot_change(slot, rank)
+
     def _evict(self, uid: int, new_first: int) -> None:
         """Forget ``uid``'s placement (its pages are being reused by an adapter starting at ``new_first``)."""
         first = self._slot_of.pop(uid)
@@ -193,7 +200,7 @@ class LoRAPool:
         self.slot_uid[first] = None
         self._slot_filled[first] = 0
         if first != new_first:  # its first page is now inside another adapter, or free
-            self._on_slot_change(first, 0)
+            self._slot_changed(first, 0)
 
     def acquire_slot(self, uid: int, busy: set[int]) -> int | None:
         """The slot holding ``uid``, loading it (from the host cache) into free or LRU pages if needed."""
@@ -265,7 +272,7 @@ class LoRAPool:
         torch._foreach_zero_(self._slot_ab_views(slot, self._written_pages.pop(slot, 1)))
         torch._foreach_zero_(self._slot_scale_views(slot))
         self._slot_filled[slot] = 0
-        self._on_slot_change(slot, 0)
+        self._slot_changed(slot, 0)
 
     def _slot_ab_views(self, slot: int, pages: int = 1) -> list[torch.Tensor]:
         """The views of ``pages`` pages from ``slot`` of every A and B buffer (one dtype: multi-tensor
@@ -371,7 +378,7 @@ class LoRAPool:
             filled = sum(t.numel() for d, t in pairs if d is not None)
             copy_scalings(self.buffers, scale_views, adapter, self.device)
         self._slot_filled[slot] = filled  # A and B
-        self._on_slot_change(slot, adapter.rank)
+        self._slot_changed(slot, adapter.rank)
 
     @property
     def slots_used(self) -> int:

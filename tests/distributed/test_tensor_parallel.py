@@ -127,7 +127,7 @@ def test_decode_graph_steps_under_tp2_match_tp1(tmp_path):
     try:
         if DEVICE == "cpu":
             engine.runner.enable_cuda_graphs(8, engine.max_model_len, capture=False)
-        graphs = engine.runner.cuda_graphs
+        graphs = engine.runner.decode_graphs
         got = _generate(engine, texts=PROMPTS)
         assert graphs.num_replays >= MAX_NEW - 1  # every decode step went through the graph runner
         assert graphs.last_key[0] == 8  # 6 rows padded to the bucket of 8

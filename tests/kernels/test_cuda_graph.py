@@ -51,6 +51,7 @@ def _engine(base, adapters, device: str, **kw) -> mmlora.Engine:
     opts = dict(
         model=str(base), lora_paths=adapters, max_loras_per_batch=2, max_lora_rank=4, max_running_requests=5,
         block_size=4, max_kv_tokens=2048, device=device, dtype="float32",
+        disable_cpu_graph=True,  # these tests put their own runner in (its padding page counted)
     )  # fmt: skip
     opts.update(kw)
     return mmlora.Engine(**opts)
@@ -118,7 +119,7 @@ def test_static_buffer_path_matches_eager(tiny, lora_backend, loras):
     ref = generate(_engine(base, adapters, device, **kw))
     engine = _engine(base, adapters, device, **kw)
     runner = engine.runner
-    graphs = runner.cuda_graphs = CudaGraphRunner(runner, 5, engine.max_model_len, capture=False)
+    graphs = runner.decode_graphs = CudaGraphRunner(runner, 5, engine.max_model_len, capture=False)
     assert engine.kv_cache.allocator.num_blocks == 2048 // 4 - 1  # the padding page is reserved
     graphs.graphs = _KeyLog(graphs.graphs)
     _assert_same(ref, generate(engine), 1e-4)
@@ -134,7 +135,7 @@ def test_decode_replays_the_graph_of_its_rank_bucket(tiny):
     kw = dict(lora_backend="torch-gather", disable_cuda_graph=True, max_lora_rank=64)
     ref = _generate(_engine(base, adapters, device, **kw))
     engine = _engine(base, adapters, device, **kw)
-    graphs = engine.runner.cuda_graphs = CudaGraphRunner(
+    graphs = engine.runner.decode_graphs = CudaGraphRunner(
         engine.runner, 5, engine.max_model_len, capture=False
     )
     assert set(graphs.graphs) == {(b, r, "rows") for b in graphs.buckets for r in (0, 16, 32, 64)}
@@ -151,7 +152,7 @@ def test_a_broadcast_graph_step_replays_the_same_step(tiny, monkeypatch):
 
     base, adapters = tiny()
     engine = _engine(base, adapters, "cpu", disable_cuda_graph=True)
-    graphs = engine.runner.cuda_graphs = CudaGraphRunner(
+    graphs = engine.runner.decode_graphs = CudaGraphRunner(
         engine.runner, 5, engine.max_model_len, capture=False
     )
     sent, logits = [], []
@@ -175,7 +176,7 @@ def test_a_broadcast_graph_step_replays_the_same_step(tiny, monkeypatch):
 def test_graphs_are_on_by_default_and_can_be_disabled(tiny):
     base, adapters = tiny()
     engine = _engine(base, adapters, "cuda")
-    graphs = engine.runner.cuda_graphs
+    graphs = engine.runner.decode_graphs
     assert graphs is not None, "CUDA graphs were not captured on a CUDA engine"
     assert graphs.buckets == [1, 2, 4, 5]
     # One graph per (batch bucket, LoRA rank bound, layout): bound 0 (no LoRA) and the rank-4 pool's
@@ -187,7 +188,7 @@ def test_graphs_are_on_by_default_and_can_be_disabled(tiny):
     del engine, graphs
     _free()
     off = _engine(base, adapters, "cuda", disable_cuda_graph=True)
-    assert off.runner.cuda_graphs is None
+    assert off.runner.decode_graphs is None
     del off
     _free()
 
@@ -214,7 +215,7 @@ def test_graph_tokens_equal_eager(tiny, arch, lora_backend, attention):
     _free()
     engine = _engine(base, adapters, "cuda", **kw)
     got = _generate(engine)
-    replays = engine.runner.cuda_graphs.num_replays
+    replays = engine.runner.decode_graphs.num_replays
     del engine
     _free()
     assert replays > 0, "no decode step replayed a graph"
@@ -236,7 +237,7 @@ def test_graphs_in_the_runs_layout_equal_eager(tiny, lora_backend):
     ref = generate(_engine(base, adapters, "cuda", disable_cuda_graph=True, lora_backend=lora_backend))
     _free()
     engine = _engine(base, adapters, "cuda", lora_backend=lora_backend)
-    graphs = engine.runner.cuda_graphs
+    graphs = engine.runner.decode_graphs
     graphs.graphs = _KeyLog(graphs.graphs)
     got = generate(engine)
     used = {layout for _, bound, layout in graphs.graphs.used if bound}
@@ -283,7 +284,7 @@ def test_graphs_on_dummy_preset_with_random_adapters(tmp_path, dtype):
     _free()
     engine = mmlora.Engine(**opts)
     got = engine.generate(input_ids=prompts, lora_paths=per_row, sampling_params=sp, return_logprob=True)
-    assert engine.runner.cuda_graphs.num_replays > 0
+    assert engine.runner.decode_graphs.num_replays > 0
     del engine
     _free()
     if dtype == "float32":
@@ -329,7 +330,7 @@ def test_graphs_per_rank_bound_match_eager_in_a_rank_64_pool(tmp_path):
     del eager
     _free()
     engine = mmlora.Engine(**opts)
-    graphs = engine.runner.cuda_graphs
+    graphs = engine.runner.decode_graphs
     graphs.graphs = _KeyLog(graphs.graphs)
     bounds = {}
     for k, r in rows.items():

@@ -157,12 +157,12 @@ def test_qwen2_vl_decode_graph_inputs_match_hf_peft(tiny_vl):
         max_lora_rank=8, dtype="float32", device="cpu",
     )  # fmt: skip
     runner = engine.runner
-    runner.cuda_graphs = CudaGraphRunner(runner, 8, engine.max_model_len, capture=False)
+    runner.decode_graphs = CudaGraphRunner(runner, 8, engine.max_model_len, capture=False)
     outs = engine.generate(
         [r[0] for r in ROWS], [r[2] for r in ROWS], [[_image(k) for k in r[1]] or None for r in ROWS],
         {"max_new_tokens": MAX_NEW, "temperature": 0.0, "ignore_eos": True}, return_logprob=True,
     )  # fmt: skip
-    assert runner.cuda_graphs.num_replays > 0
+    assert runner.decode_graphs.num_replays > 0
     _check(outs, expected)
 
 

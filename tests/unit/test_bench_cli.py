@@ -30,8 +30,8 @@ def test_serving_cli_on_cpu(tmp_path, capsys):
         assert run["num_requests"] == 4 and run["output_tokens"] >= 4 * 3
         assert run["output_tok_per_s"] > 0 and run["ttft_p50_s"] >= 0 and run["decode_floor_seconds"] > 0
         kinds, host = run["breakdown"]["step_kinds"], run["breakdown"]["host_phases_s"]
-        assert kinds["prefill"]["count"] >= 1 and kinds["decode_eager"]["count"] >= 1  # no graphs on CPU
-        assert kinds["decode_graph"]["count"] == 0
+        decode = kinds["decode_eager"]["count"] + kinds["decode_graph"]["count"]  # CPU plans are graph steps
+        assert kinds["prefill"]["count"] >= 1 and decode >= 1
         assert sum(k["wall_s"] for k in kinds.values()) <= run["seconds"]
         assert all(
             host[p] > 0 for p in ("schedule", "build_inputs", "lora_batch_info", "sample", "postprocess")

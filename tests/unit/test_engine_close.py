@@ -41,9 +41,9 @@ def _engine(tiny) -> mmlora.Engine:
         model=str(base), lora_paths={"a0": str(adapter)}, device="cpu", dtype="float32", max_kv_tokens=256
     )
     # The decode-graph runner on its eager path (no GPU here): it is what made the cycle on CUDA.
-    engine.runner.cuda_graphs = CudaGraphRunner(engine.runner, 4, engine.max_model_len, capture=False)
+    engine.runner.decode_graphs = CudaGraphRunner(engine.runner, 4, engine.max_model_len, capture=False)
     engine.generate(["Hello world", "Paris is"], lora_paths=["a0", None], sampling_params=GREEDY)
-    assert engine.runner.cuda_graphs.num_replays > 0  # the graph path really ran
+    assert engine.runner.decode_graphs.num_replays > 0  # the graph path really ran
     return engine
 
 
@@ -62,7 +62,7 @@ def test_close_frees_device_memory_while_the_engine_is_still_referenced(tiny, no
     storages = _storages(engine)
     engine.close()
     assert [name for name, ref in storages.items() if ref() is not None] == []
-    assert engine.runner.cuda_graphs is None
+    assert engine.runner.decode_graphs is None
     engine.close()  # a second close is a no-op
     with pytest.raises(RuntimeError, match="closed"):
         engine.add_request("Hello", sampling_params=GREEDY)

@@ -153,7 +153,7 @@ def test_decode_graph_runner_resolves_placeholders(tiny):
     for mode in ("off", "on"):
         with _engine(tiny, mode) as engine:
             graphs = CudaGraphRunner(engine.runner, 8, engine.max_model_len, capture=False)
-            engine.runner.cuda_graphs = graphs
+            engine.runner.decode_graphs = graphs
             outs = engine.generate(input_ids=PROMPTS, lora_paths=LORAS, sampling_params=sp)
             assert graphs.num_replays > 0
             results[mode] = [o.output_ids for o in outs]
@@ -167,11 +167,11 @@ def test_cuda_overlap_with_captured_graphs_gives_the_serial_tokens(tiny):
     results = {}
     for mode in ("off", "on"):
         with _engine(tiny, mode, device="cuda", max_running_requests=8) as engine:
-            assert engine.runner.cuda_graphs is not None and engine.overlap is (mode == "on")
+            assert engine.runner.decode_graphs is not None and engine.overlap is (mode == "on")
             outs = engine.generate(
                 input_ids=PROMPTS, lora_paths=LORAS, sampling_params=_params(), return_logprob=True
             )
-            assert engine.runner.cuda_graphs.num_replays > 0
+            assert engine.runner.decode_graphs.num_replays > 0
             results[mode] = _summary(outs)
     assert results["on"] == results["off"]
 
