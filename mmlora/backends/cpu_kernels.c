@@ -13,9 +13,9 @@ static inline float bf2f(uint16_t v) { uint32_t u = (uint32_t)v << 16; float f; 
 static inline float id_f(float x) { return x; }
 static inline uint16_t f2bf(float f) {  /* round to nearest even, as torch rounds fp32 to bf16 */
     uint32_t u; memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  /* NaN stays NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
+    const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    /* NaN stays NaN; a select, not a branch, so that loops over it vectorize */
+    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : rounded);
 }
 
 /* 16 floats as one vector (GCC vector extension: one zmm with AVX-512, two ymm with AVX2); unaligned. */
