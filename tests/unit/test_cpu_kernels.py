@@ -265,3 +265,25 @@ def test_silu_and_mul_matches_float64_and_torch(rows: int, inter: int, dtype) ->
         assert torch.equal(got, ref)
     with pytest.raises(ValueError, match="silu_and_mul"):
         cpu_kernels.silu_and_mul(gate_up.double())
+
+
+def test_bf16_rounding_of_ties_infinities_and_nans_is_torchs() -> None:
+    """The kernels' fp32 -> bf16 rounding (to nearest even, written as a select so that loops vectorize),
+    through rotary: each product of two bf16 values has at most 16 significant bits, so thousands of random
+    ones hold many exact ties, and torch rounds the same products; inf and NaN inputs give torch's inf and
+    NaN."""
+    from mmlora.layers.fused_ops import apply_rotary_ref
+
+    g = torch.Generator().manual_seed(0)
+    T, H, D = 64, 4, 64
+    q = torch.randn(T, H, D, generator=g).to(torch.bfloat16)
+    k = torch.randn(T, 1, D, generator=g).to(torch.bfloat16)
+    q[0, 0, :4] = torch.tensor([float("inf"), float("-inf"), float("nan"), 3.0e38])
+    cos = torch.randn(T, D, generator=g).to(torch.bfloat16)
+    sin = torch.randn(T, D, generator=g).to(torch.bfloat16)
+    got, ref = cpu_kernels.rotary(q, k, cos, sin), apply_rotary_ref(q, k, cos, sin)
+    products = (q.float() * cos.float()[:, None]).flatten()
+    ties = (products.view(torch.int32) & 0xFFFF) == 0x8000
+    assert ties.sum() > 100  # the case the rounding must get right is there
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
