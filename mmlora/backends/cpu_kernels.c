@@ -23,6 +23,41 @@ typedef float v16f __attribute__((vector_size(64)));
 static inline v16f ld16(const float *p) { v16f v; memcpy(&v, p, sizeof(v)); return v; }
 static inline void st16(float *p, v16f v) { memcpy(p, &v, sizeof(v)); }
 typedef int32_t v16i __attribute__((vector_size(64)));
+
+/* 16 bf16 values widened to fp32 (ld16_bf), and 16 fp32 values rounded to bf16 exactly as f2bf rounds them
+   (st16_bf; round16_bf: rounded and widened back), a vector at a time: element-wise, the rounding's bit
+   arithmetic costs several times the work of the kernels around it. With AVX-512 BF16 the rounding is the
+   CPU's vcvtneps2bf16 (to nearest even, NaN kept quiet, as f2bf), except for a vector holding an fp32
+   denormal, which that instruction flushes to zero: it takes the bit arithmetic. */
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+static inline v16f ld16_bf(const uint16_t *p) {
+    const __m512i u = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+    return (v16f)_mm512_castsi512_ps(u);
+}
+static inline __m256i bf16_of(v16f f) {
+    const __m512 x = (__m512)f;
+#if defined(__AVX512BF16__) && defined(__AVX512DQ__)
+    if (__builtin_expect(!_mm512_fpclass_ps_mask(x, 0x20), 1))  /* 0x20: denormal lanes */
+        return (__m256i)_mm512_cvtneps_pbh(x);
+#endif
+    const __m512i u = _mm512_castps_si512(x), hi = _mm512_srli_epi32(u, 16);
+    const __m512i bias = _mm512_add_epi32(_mm512_and_si512(hi, _mm512_set1_epi32(1)), _mm512_set1_epi32(0x7fff));
+    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, bias), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    return _mm512_cvtepi32_epi16(_mm512_mask_or_epi32(rounded, nan, hi, _mm512_set1_epi32(0x40)));
+}
+static inline void st16_bf(uint16_t *p, v16f f) { _mm256_storeu_si256((__m256i *)p, bf16_of(f)); }
+static inline v16f round16_bf(v16f f) {
+    return (v16f)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_of(f)), 16));
+}
+#else
+static inline v16f ld16_bf(const uint16_t *p) { v16f f; for (int k = 0; k < 16; k++) f[k] = bf2f(p[k]); return f; }
+static inline void st16_bf(uint16_t *p, v16f f) { for (int k = 0; k < 16; k++) p[k] = f2bf(f[k]); }
+static inline v16f round16_bf(v16f f) { for (int k = 0; k < 16; k++) f[k] = bf2f(f2bf(f[k])); return f; }
+#endif
+static inline v16f id16(v16f f) { return f; }
+static inline float hsum16(v16f v) { float s = 0.0f; for (int k = 0; k < 16; k++) s += v[k]; return s; }
 /* out[k] = the sum of t[k]'s 16 lanes, k < 8: a transpose-and-add tree (7 shuffle pairs), not 8 serial
    horizontal sums. */
 static inline void hsum8(const v16f t[8], float out[8]) {
@@ -236,16 +271,23 @@ void store_kv_rows(int64_t Tn, int64_t W, int64_t esize, const char *k, int64_t 
 /* RMSNorm as Llama computes it, with the residual add of the fused decoder layers. Per row of x [rows, N]
    (row stride ldx): s = x + r (rounded to T; stored to s when r is given, else s is x), then
    y = w * round_T(s * (1 / sqrt(mean(s^2) + eps))), statistics in fp32. */
-#define RMS_NORM(NAME, T, LOAD, STORE)                                                                     \
+#define RMS_NORM(NAME, T, LOAD, STORE, VLD, VST, VROUND)                                                   \
 void NAME(int64_t rows, int64_t N, const T *x, int64_t ldx, const T *r, int64_t ldr, const T *w, T *y,      \
           T *s, float eps) {                                                                               \
+    const int64_t N16 = N / 16 * 16;                                                                       \
     for (int64_t i = 0; i < rows; i++) {                                                                   \
         const T *xi = x + i * ldx;                                                                         \
         T *si = s + i * N, *yi = y + i * N;                                                                \
+        v16f acc = {0};                                                                                    \
         float sumsq = 0.0f;                                                                                \
         if (r) {                                                                                           \
             const T *ri = r + i * ldr;                                                                     \
-            for (int64_t c = 0; c < N; c++) {                                                              \
+            for (int64_t c = 0; c < N16; c += 16) {                                                        \
+                const v16f v = VROUND(VLD(xi + c) + VLD(ri + c));                                          \
+                VST(si + c, v);                                                                            \
+                acc += v * v;                                                                              \
+            }                                                                                              \
+            for (int64_t c = N16; c < N; c++) {                                                            \
                 const T sv = STORE(LOAD(xi[c]) + LOAD(ri[c]));                                             \
                 const float v = LOAD(sv);                                                                  \
                 si[c] = sv;                                                                                \
@@ -253,33 +295,41 @@ void NAME(int64_t rows, int64_t N, const T *x, int64_t ldx, const T *r, int64_t 
             }                                                                                              \
             xi = si;                                                                                       \
         } else {                                                                                           \
-            for (int64_t c = 0; c < N; c++) { const float v = LOAD(xi[c]); sumsq += v * v; }               \
+            for (int64_t c = 0; c < N16; c += 16) { const v16f v = VLD(xi + c); acc += v * v; }            \
+            for (int64_t c = N16; c < N; c++) { const float v = LOAD(xi[c]); sumsq += v * v; }             \
         }                                                                                                  \
+        sumsq += hsum16(acc);                                                                              \
         const float inv = 1.0f / sqrtf(sumsq / (float)N + eps);                                            \
-        for (int64_t c = 0; c < N; c++) yi[c] = STORE(LOAD(w[c]) * LOAD(STORE(LOAD(xi[c]) * inv)));        \
+        for (int64_t c = 0; c < N16; c += 16) VST(yi + c, VLD(w + c) * VROUND(VLD(xi + c) * inv));         \
+        for (int64_t c = N16; c < N; c++) yi[c] = STORE(LOAD(w[c]) * LOAD(STORE(LOAD(xi[c]) * inv)));     \
     }                                                                                                      \
 }
-RMS_NORM(rms_norm_f32, float, id_f, id_f)
-RMS_NORM(rms_norm_bf16, uint16_t, bf2f, f2bf)
+RMS_NORM(rms_norm_f32, float, id_f, id_f, ld16, st16, id16)
+RMS_NORM(rms_norm_bf16, uint16_t, bf2f, f2bf, ld16_bf, st16_bf, round16_bf)
 
 /* Neox rotary of q [T, Hq, D] (row stride ldq, heads contiguous) and k [T, Hk, D] (ldk) by cos, sin [T, D]
    into qo [T, Hq, D], ko [T, Hk, D] (contiguous): o = round(x * cos) + round(rot(x) * sin), rounded, with
    rot(x) = [-x2 | x1]; the products are not fused into the sum, so fp32 matches torch bit for bit. */
-#define ROTARY(NAME, T, LOAD, STORE)                                                                       \
+#define ROTARY(NAME, T, LOAD, STORE, VLD, VST, VROUND)                                                     \
 __attribute__((optimize("fp-contract=off"))) /* each product rounded, as torch's: bit for bit in fp32 */    \
 static void NAME##_rows(int64_t Tn, int64_t H, int64_t D, const T *x, int64_t ldx, const T *cs,      \
                                const T *sn, T *o) {                                                        \
-    const int64_t half = D / 2;                                                                            \
+    const int64_t half = D / 2, half16 = half / 16 * 16;                                                   \
     for (int64_t t = 0; t < Tn; t++)                                                                       \
         for (int64_t h = 0; h < H; h++) {                                                                  \
             const T *xh = x + t * ldx + h * D, *c = cs + t * D, *sv = sn + t * D;                          \
             T *oh = o + (t * H + h) * D;                                                                   \
-            for (int64_t d = 0; d < half; d++) {                                                           \
+            for (int64_t d = 0; d < half16; d += 16) {                                                     \
+                const v16f x1 = VLD(xh + d), x2 = VLD(xh + d + half);                                      \
+                VST(oh + d, VROUND(x1 * VLD(c + d)) + VROUND(-x2 * VLD(sv + d)));                          \
+                VST(oh + d + half, VROUND(x2 * VLD(c + d + half)) + VROUND(x1 * VLD(sv + d + half)));      \
+            }                                                                                              \
+            for (int64_t d = half16; d < half; d++) {                                                      \
                 const float a = LOAD(STORE(LOAD(xh[d]) * LOAD(c[d])));                                     \
                 const float b = LOAD(STORE(-LOAD(xh[d + half]) * LOAD(sv[d])));                            \
                 oh[d] = STORE(a + b);                                                                      \
             }                                                                                              \
-            for (int64_t d = half; d < D; d++) {                                                           \
+            for (int64_t d = half + half16; d < D; d++) {                                                  \
                 const float a = LOAD(STORE(LOAD(xh[d]) * LOAD(c[d])));                                     \
                 const float b = LOAD(STORE(LOAD(xh[d - half]) * LOAD(sv[d])));                             \
                 oh[d] = STORE(a + b);                                                                      \
@@ -291,8 +341,8 @@ void NAME(int64_t Tn, int64_t Hq, int64_t Hk, int64_t D, const T *q, int64_t ldq
     NAME##_rows(Tn, Hq, D, q, ldq, cs, sn, qo);                                                            \
     NAME##_rows(Tn, Hk, D, k, ldk, cs, sn, ko);                                                            \
 }
-ROTARY(rotary_f32, float, id_f, id_f)
-ROTARY(rotary_bf16, uint16_t, bf2f, f2bf)
+ROTARY(rotary_f32, float, id_f, id_f, ld16, st16, id16)
+ROTARY(rotary_bf16, uint16_t, bf2f, f2bf, ld16_bf, st16_bf, round16_bf)
 
 /* SiLU-and-multiply over gate_up rows x [rows, 2I] = [g | u] (row stride ldx) into y [rows, I]: y = round(round(
    silu(g)) * u), silu(a) = a / (1 + exp(-a)) in fp32, as torch's F.silu(g) * u rounds (bf16: each op's result

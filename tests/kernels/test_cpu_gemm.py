@@ -83,6 +83,19 @@ def test_avx2_build_matches_float64(monkeypatch: pytest.MonkeyPatch, tmp_path) -
             )
             got = cpu_gemm.matmul(x, cpu_gemm.pack(w), b)
             torch.testing.assert_close(got.double(), _ref(x, w, b), atol=2e-5 * k**0.5, rtol=1e-5)
+        # The element-wise kernels' bf16 vectors take their portable form there: torch's bits.
+        from mmlora.layers.fused_ops import apply_rotary_ref, rms_norm_ref
+
+        g = torch.Generator().manual_seed(0)
+        q, k = (torch.randn(5, h, 64, generator=g).to(torch.bfloat16) for h in (4, 2))
+        cos, sin = (torch.randn(5, 64, generator=g).to(torch.bfloat16) for _ in range(2))
+        for got, want in zip(cpu_kernels.rotary(q, k, cos, sin), apply_rotary_ref(q, k, cos, sin)):
+            assert torch.equal(got, want)
+        x, r, w = (torch.randn(n, 40, generator=g).to(torch.bfloat16) for n in (3, 3, 1))
+        y, s = cpu_kernels.rms_norm(x, w[0], 1e-5, r)
+        y_ref, s_ref = rms_norm_ref(x, w[0], 1e-5, residual=r)
+        assert torch.equal(s, s_ref)
+        torch.testing.assert_close(y.float(), y_ref.float(), atol=0, rtol=1e-2)
     finally:
         cpu_kernels._library.cache_clear()
         cpu_gemm._functions.cache_clear()

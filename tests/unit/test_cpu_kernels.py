@@ -271,7 +271,8 @@ def test_bf16_rounding_of_ties_infinities_and_nans_is_torchs() -> None:
     """The kernels' fp32 -> bf16 rounding (to nearest even, written as a select so that loops vectorize),
     through rotary: each product of two bf16 values has at most 16 significant bits, so thousands of random
     ones hold many exact ties, and torch rounds the same products; inf and NaN inputs give torch's inf and
-    NaN."""
+    NaN, and denormal products stay denormal (where the kernels round with AVX-512 BF16's vcvtneps2bf16,
+    which flushes them to zero, a vector holding one takes the exact bit arithmetic)."""
     from mmlora.layers.fused_ops import apply_rotary_ref
 
     g = torch.Generator().manual_seed(0)
@@ -279,11 +280,14 @@ def test_bf16_rounding_of_ties_infinities_and_nans_is_torchs() -> None:
     q = torch.randn(T, H, D, generator=g).to(torch.bfloat16)
     k = torch.randn(T, 1, D, generator=g).to(torch.bfloat16)
     q[0, 0, :4] = torch.tensor([float("inf"), float("-inf"), float("nan"), 3.0e38])
+    q[1:5, :, :8] = torch.randn(4, H, 8, generator=g) * 1e-39  # products below fp32's smallest normal
     cos = torch.randn(T, D, generator=g).to(torch.bfloat16)
     sin = torch.randn(T, D, generator=g).to(torch.bfloat16)
+    sin[1:5] = 0  # those rows' outputs are x * cos alone: denormal where x is
     got, ref = cpu_kernels.rotary(q, k, cos, sin), apply_rotary_ref(q, k, cos, sin)
     products = (q.float() * cos.float()[:, None]).flatten()
     ties = (products.view(torch.int32) & 0xFFFF) == 0x8000
     assert ties.sum() > 100  # the case the rounding must get right is there
+    assert (ref[0][1:5, :, :8] != 0).float().mean() > 0.5  # denormal outputs, which a flush would zero
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
