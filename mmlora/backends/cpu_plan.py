@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import struct
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -84,7 +85,7 @@ def host_input(fill: Callable[[], None]) -> None:
     host state (``LoRABatchInfo``'s host lists) is part of a replay's inputs. ``fill`` must read only state
     the caller refreshes before each replay."""
     rec = _ACTIVE
-    if rec is None:
+    if rec is None or not rec.owns_thread():
         fill()
         return
     rec.host_inputs.append(fill)
@@ -188,6 +189,12 @@ class _Recording(TorchDispatchMode):
         self.host_inputs: list[Callable[[], None]] = []
         self.refused: str | None = None
         self._paused = 0
+        # Only the capturing thread's calls belong to the plan (another engine in this process may run a
+        # forward meanwhile; the dispatch mode is per thread already, the kernel hook is not).
+        self._thread = threading.get_ident()
+
+    def owns_thread(self) -> bool:
+        return threading.get_ident() == self._thread
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -198,7 +205,7 @@ class _Recording(TorchDispatchMode):
             self._paused -= 1
 
     def kernel_call(self, index: int, args: tuple) -> None:
-        if self._paused:
+        if self._paused or not self.owns_thread():
             return
         words = [index]
         for a in args:

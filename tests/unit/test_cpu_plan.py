@@ -140,3 +140,30 @@ def test_a_conversion_or_a_reshape_that_copies_is_replayed():
     x.copy_(torch.randn(3, 4))
     plan.replay()
     assert torch.equal(as_float, x.float()) and torch.equal(flat, x.t().reshape(12))
+
+
+def test_another_threads_kernel_calls_stay_out_of_a_capture():
+    """Two engines in one process: a forward on another thread during a capture is not recorded into it."""
+    import threading
+
+    x, w = torch.randn(2, 8), torch.ones(8)
+    started, finish = threading.Event(), threading.Event()
+
+    def other() -> None:
+        started.set()
+        while not finish.is_set():
+            cpu_kernels.rms_norm_unchecked(x, w, 1e-6)
+
+    def forward() -> torch.Tensor:
+        worker = threading.Thread(target=other)
+        worker.start()
+        started.wait()
+        out = cpu_kernels.rms_norm_unchecked(x, w, 1e-6)
+        for _ in range(50):  # give the other thread time to call the kernel many times
+            cpu_kernels.rms_norm_unchecked(x, w, 1e-6)
+        finish.set()
+        worker.join()
+        return out
+
+    _, plan, reason = cpu_plan.capture(forward)
+    assert reason is None and plan.kernel_calls == 51
