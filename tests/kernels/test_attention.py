@@ -149,15 +149,17 @@ BATCHES = {"decode": DECODE, "prefill": PREFILL, "chunked": CHUNKED, "mixed": MI
 OPTIONS = {"plain": (None, None), "window": (5, None), "softcap": (None, 2.0), "both": (7, 1.5)}
 
 
-@pytest.mark.parametrize("c_kernels", [True, False], ids=["c-decode", "torch-decode"])
+@pytest.mark.parametrize("c_kernels", [True, False], ids=["c-kernel", "torch"])
 @pytest.mark.parametrize("batch", list(BATCHES))
 @pytest.mark.parametrize("option", list(OPTIONS))
 def test_torch_reference_matches_dense_fp64(
     batch: str, option: str, c_kernels: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Decode batches on CPU run through the C kernel where it is built (cpu_kernels), else through torch."""
-    if c_kernels and (batch != "decode" or option in ("softcap", "both") or not cpu_kernels.available()):
-        pytest.skip("the C decode kernel takes decode batches without softcap, where it is built")
+    """On CPU, batches without softcap run through the C kernel where it is built (cpu_kernels; decode rows,
+    and prefill chunks of sequences up to PREFILL_IN_PLACE_MAX_KEYS long, each token a row), else
+    through torch."""
+    if c_kernels and (option in ("softcap", "both") or not cpu_kernels.available()):
+        pytest.skip("the C kernel takes batches without softcap, where it is built")
     monkeypatch.setattr(cpu_kernels, "ENABLED", c_kernels)
     window, softcap = OPTIONS[option]
     case = make_case(BATCHES[batch], hq=4, hkv=2, d=16, page=4, seed=1, device=CPU)

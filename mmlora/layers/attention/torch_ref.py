@@ -2,9 +2,10 @@
 
 Decode batches gather every request's pages into one padded [B, L, Hkv, D] tensor and attend in one
 batched call; batches with prefill chunks loop over their requests. On CPU, where the C kernels are built
-(:mod:`mmlora.backends.cpu_kernels`), a decode batch in fp32 or bf16 instead reads the cache in place in
-one call (:func:`~mmlora.backends.cpu_kernels.decode_attention`: no gather, no fp32 copy of K and V, no
-mask); the torch path stays the reference it is tested against.
+(:mod:`mmlora.backends.cpu_kernels`), a batch in fp32 or bf16 instead reads the cache in place in one call
+(:func:`~mmlora.backends.cpu_kernels.decode_attention`: no gather, no fp32 copy of K and V, no mask): a
+decode batch, and a batch with prefill chunks of short sequences (:data:`PREFILL_IN_PLACE_MAX_KEYS`), each
+of its tokens a row; the torch path stays the reference it is tested against.
 """
 
 from __future__ import annotations
@@ -93,7 +94,8 @@ class TorchAttention(AttentionBackend):
         B = meta.num_seqs
         # The kernel keeps each request's key offsets on its thread's stack: bounded, far above SmolLM2's
         # 8k context; longer contexts take the torch path.
-        if meta.is_decode and meta.max_seq_len <= IN_PLACE_MAX_KEYS and _in_place(q, k_cache, logit_softcap):
+        in_place_keys = IN_PLACE_MAX_KEYS if meta.is_decode else PREFILL_IN_PLACE_MAX_KEYS
+        if meta.max_seq_len <= in_place_keys and _in_place(q, k_cache, logit_softcap):
             slots = meta.slot_mapping
             if (
                 cpu_kernels.store_kv_layout_ok(k, v, k_cache, v_cache)
@@ -105,7 +107,14 @@ class TorchAttention(AttentionBackend):
                 store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             tables, seq_lens, scratch = _kernel_plan(meta, q.shape[1])
             return cpu_kernels.decode_attention_unchecked(
-                q[:B].contiguous(), k_cache, v_cache, tables, seq_lens, scale, sliding_window, scratch
+                q[: tables.shape[0]].contiguous(),
+                k_cache,
+                v_cache,
+                tables,
+                seq_lens,
+                scale,
+                sliding_window,
+                scratch,
             )
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.is_decode:
@@ -138,6 +147,13 @@ class TorchAttention(AttentionBackend):
 
 #: The longest context the in-place decode kernel attends over (8 bytes of stack per key).
 IN_PLACE_MAX_KEYS = 1 << 16
+#: A step with prefill chunks goes through the same kernel while its longest sequence has at most this many
+#: keys: each query token is a row of its own, attending to its sequence's keys up to its position, which
+#: stay in cache from one token's row to the next. Longer sequences are read again for every token, and the
+#: batched torch path takes them. SmolLM2's 640-token prefill step, 2-core EPYC, C kernel / torch
+#: (``benchmarks/scripts/cpu_prefill_attention_ab.py``, 2026-12-04): 16 prompts of 40 tokens 0.955 (fp32),
+#: 0.896 (bf16); 5 of 128 0.966, 0.996; 2 of 256 0.981, 1.004.
+PREFILL_IN_PLACE_MAX_KEYS = 128
 
 
 def _in_place(q: torch.Tensor, k_cache: torch.Tensor, logit_softcap: float | None) -> bool:
@@ -155,14 +171,22 @@ def _in_place(q: torch.Tensor, k_cache: torch.Tensor, logit_softcap: float | Non
 
 
 def _kernel_plan(meta: AttentionMetadata, num_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The block tables and lengths of a decode step's requests (int32, contiguous) and the kernel's
-    fp32 score scratch, made once per step and shared by every layer (``meta.derived``)."""
-    key = f"cpu-kernel-decode-{num_heads}"
+    """The in-place kernel's rows, one per query token: each row's block table and length (int32,
+    contiguous; a decode step's are its requests', a prefill token's are its sequence's table and its
+    position + 1), and the kernel's fp32 score scratch; made once per step and shared by every layer
+    (``meta.derived``)."""
+    key = f"cpu-kernel-{num_heads}"
     if key not in meta.derived:
         B = meta.num_seqs
+        tables, seq_lens = meta.block_tables[:B].to(torch.int32), meta.seq_lens[:B].to(torch.int32)
+        if not meta.is_decode:
+            pairs = zip(meta.query_lens_host, meta.seq_lens_host)
+            of_seq = [b for b, n in enumerate(meta.query_lens_host) for _ in range(n)]
+            tables = tables.index_select(0, torch.tensor(of_seq, dtype=torch.long))
+            seq_lens = torch.tensor([L - n + i + 1 for n, L in pairs for i in range(n)], dtype=torch.int32)
         meta.derived[key] = (
-            meta.block_tables[:B].to(torch.int32).contiguous(),
-            meta.seq_lens[:B].to(torch.int32).contiguous(),
+            tables.contiguous(),
+            seq_lens.contiguous(),
             cpu_kernels.attention_scratch(num_heads, meta.max_seq_len),
         )
     return meta.derived[key]
