@@ -12,8 +12,9 @@ into it (a load, an eviction) drops the plans, and they are made again the same 
 ``max_plans`` are kept (least recently used first out): each holds the activations of its bucket.
 
 Where a capture is refused (:func:`mmlora.backends.cpu_plan.capture` says why: a torch fallback that makes
-tensors from Python data, say) the key runs eagerly until the pool changes, with one warning. Used where
-the C kernels are built, on one process (no tensor parallelism); ``disable_cpu_graph`` turns it off.
+tensors from Python data, say) the key runs eagerly until the pool changes, with one warning per reason.
+Used where the C kernels are built, on one process (no tensor parallelism); ``disable_cpu_graph`` turns it
+off.
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ class CpuGraphRunner(CudaGraphRunner):
         self._generation = runner.lora.pool_generation
         self._ran: set[tuple[int, int, str, int]] = set()  # keys run eagerly in this pool generation
         self._refused: dict[tuple[int, int, str, int], str] = {}
+        self._warned: set[str] = set()
         self.num_captures = 0
         self.num_plan_replays = 0
         super().__init__(runner, max_batch_size, max_model_len, capture=False)
@@ -95,9 +97,9 @@ class CpuGraphRunner(CudaGraphRunner):
         logits, plan, reason = cpu_plan.capture(lambda: self._forward(bs))
         if plan is None:
             self._refused[key] = reason
-            logger.warning(
-                "CPU decode plan for batch bucket %d (LoRA rank bound %d) refused: %s", bs, bound, reason
-            )
+            log = logger.debug if reason in self._warned else logger.warning  # once per reason
+            self._warned.add(reason)
+            log("CPU decode plan for batch bucket %d (LoRA rank bound %d) refused: %s", bs, bound, reason)
             return logits
         self.num_captures += 1
         self.plans[key] = _Entry(plan, logits)

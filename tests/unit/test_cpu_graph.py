@@ -82,5 +82,7 @@ def test_a_refused_capture_runs_eagerly(tiny, monkeypatch, caplog):
     monkeypatch.setattr(cpu_plan, "capture", lambda forward: (forward(), None, "a test refuses it"))
     with caplog.at_level(logging.WARNING, logger="mmlora.engine.cpu_graph"):
         assert _run(engine, loras) == expected
-    assert "a test refuses it" in caplog.text
+        engine.generate(PROMPTS[:3], lora_paths=loras[:3], sampling_params=GREEDY)  # another batch size
+    assert caplog.text.count("a test refuses it") == 1  # once, though two batch sizes were refused
+    assert len(engine.runner.decode_graphs._refused) == 2
     assert engine.runner.decode_graphs.num_plan_replays == 0
