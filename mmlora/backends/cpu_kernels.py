@@ -33,7 +33,6 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -54,25 +53,6 @@ _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _EXPAND_ARGS = [_I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _I64]
 _ATTENTION_ARGS = [_I64] * 4 + [_PTR] * 5 + [_I64, _I64, _PTR, _I64, ctypes.c_float, _PTR, _I64, _I64]
 _GEMM_ARGS = [_I64] * 3 + [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64]
-
-#: While a CPU plan records (:mod:`mmlora.backends.cpu_plan`): called with (kernel index, arguments) before
-#: each kernel call made through the library.
-RECORDER: Callable[[int, tuple], None] | None = None
-
-
-class _Kernel:
-    """A compiled kernel as its callers call it (``lib.<name>(...)``): the ctypes function, and while a plan
-    records, the call written down first (its index is its place in ``cpu_plan.c``'s PLAN_KERNELS)."""
-
-    __slots__ = ("fn", "index")
-
-    def __init__(self, fn: Callable, index: int) -> None:
-        self.fn, self.index = fn, index
-
-    def __call__(self, *args: object) -> object:
-        if RECORDER is not None:
-            RECORDER(self.index, args)
-        return self.fn(*args)
 
 
 #: Set False (or ``MMLORA_CPU_KERNELS=0`` before the first use) to keep every caller on its torch path;
@@ -140,6 +120,8 @@ def _library() -> ctypes.CDLL | None:
     dll.plan_kernel_name.argtypes, dll.plan_kernel_name.restype = [_I64], ctypes.c_char_p
     dll.plan_kernel_args.argtypes, dll.plan_kernel_args.restype = [_I64], _I64
     dll.plan_run.argtypes, dll.plan_run.restype = [_PTR, _I64, _PTR], _I64
+    from mmlora.backends import cpu_plan  # (it imports this module)
+
     for index in itertools.count():
         name = dll.plan_kernel_name(index)
         if name is None:
@@ -152,7 +134,7 @@ def _library() -> ctypes.CDLL | None:
             fn.argtypes, fn.restype = _GEMM_ARGS, _I64
         if len(fn.argtypes) != dll.plan_kernel_args(index):
             raise RuntimeError(f"cpu_plan.c's PLAN_KERNELS disagrees with the argument types of {name}")
-        setattr(dll, name, _Kernel(fn, index))
+        setattr(dll, name, cpu_plan.Kernel(fn, index))  # recorded while a plan is captured
     return dll
 
 

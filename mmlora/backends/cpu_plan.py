@@ -5,7 +5,7 @@ A CPU decode step of a thin model (SmolLM2: 30 layers, 16 rows) calls the C kern
 :mod:`mmlora.backends.cpu_kernels` about 400 times. Each call from Python (the module forwards, the wrapper
 that allocates and checks, ctypes) costs several times the kernel's own work: about 6 of a 24 ms bf16 forward
 went outside the kernels, and much of what was timed inside them was the call. :func:`capture` runs a
-forward once while writing down every kernel call with its arguments (``cpu_kernels.RECORDER``);
+forward once while writing down every kernel call with its arguments (:class:`Kernel`);
 :meth:`CpuPlan.replay` then runs the same calls on the same buffers from C (``plan_run`` in
 ``cpu_plan.c``), with no Python between them.
 
@@ -93,6 +93,23 @@ def host_input(fill: Callable[[], None]) -> None:
         fill()
 
 
+class Kernel:
+    """A compiled kernel as its callers call it (``lib.<name>(...)``, set up by
+    :func:`mmlora.backends.cpu_kernels._library`): the ctypes function, and while a plan is being captured,
+    the call written down first (``index``: the kernel's place in ``cpu_plan.c``'s PLAN_KERNELS)."""
+
+    __slots__ = ("fn", "index")
+
+    def __init__(self, fn: Callable, index: int) -> None:
+        self.fn, self.index = fn, index
+
+    def __call__(self, *args: object) -> object:
+        rec = _ACTIVE
+        if rec is not None:
+            rec.kernel_call(self.index, args)
+        return self.fn(*args)
+
+
 class CpuPlan:
     """A captured forward (see the module docstring): :meth:`replay` re-runs its host-input fills, then its
     steps (runs of C kernel calls, and the torch ops between them) in order."""
@@ -177,7 +194,7 @@ class _TorchOp:
 
 
 class _Recording(TorchDispatchMode):
-    """The capture in progress: kernel calls (``cpu_kernels.RECORDER``) and torch ops (this dispatch mode)
+    """The capture in progress: kernel calls (:class:`Kernel`) and torch ops (this dispatch mode)
     in the order they ran."""
 
     def __init__(self) -> None:
@@ -265,12 +282,10 @@ def capture(forward: Callable[[], Any]) -> tuple[Any, CpuPlan | None, str | None
         raise RuntimeError("CPU plan: the CPU kernels are off or could not be built here")
     rec = _Recording()
     _ACTIVE = rec
-    cpu_kernels.RECORDER = rec.kernel_call
     try:
         with rec:
             result = forward()
     finally:
-        cpu_kernels.RECORDER = None
         _ACTIVE = None
     if rec.refused is not None:
         return result, None, rec.refused
