@@ -272,11 +272,13 @@ def test_a_client_leaving_a_plain_request_logs_no_noise(server, caplog):
     future whose exception was never retrieved."""
     import gc
 
-    body = {"text": "Hello", "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}
+    # The client must leave before the answer: 500 tokens take at least 500 engine steps (well over 0.05 s even
+    # with CPU decode plans, which brought the tiny model's 400 tokens under the 0.3 s this test waited before).
+    body = {"text": "Hello", "sampling_params": {"max_new_tokens": 500, "ignore_eos": True}}
     with caplog.at_level("ERROR"):
         for _ in range(3):
             with pytest.raises(requests.exceptions.ReadTimeout):
-                requests.post(server.url + "/generate", json=body, timeout=0.3)
+                requests.post(server.url + "/generate", json=body, timeout=0.05)
         assert server.bg.wait_idle(60)
         time.sleep(0.3)
         gc.collect()
