@@ -117,6 +117,9 @@ def _library() -> ctypes.CDLL | None:
         fn = getattr(dll, name)
         fn.argtypes, fn.restype = [_I64, _I64, _PTR, _I64, _PTR, _I64], None
     dll.gemm_panel_width.restype = dll.gemm_has_bf16.restype = _I64
+    for name in ("gemm_f32", "gemm_bf16") if dll.gemm_has_bf16() else ("gemm_f32",):
+        fn = getattr(dll, name)
+        fn.argtypes, fn.restype = _GEMM_ARGS, _I64
     dll.plan_kernel_name.argtypes, dll.plan_kernel_name.restype = [_I64], ctypes.c_char_p
     dll.plan_kernel_args.argtypes, dll.plan_kernel_args.restype = [_I64], _I64
     dll.plan_run.argtypes, dll.plan_run.restype = [_PTR, _I64, _PTR], _I64
@@ -130,8 +133,6 @@ def _library() -> ctypes.CDLL | None:
         if name == "gemm_bf16" and not dll.gemm_has_bf16():
             continue  # not built here
         fn = getattr(dll, name)
-        if name.startswith("gemm_"):
-            fn.argtypes, fn.restype = _GEMM_ARGS, _I64
         if len(fn.argtypes) != dll.plan_kernel_args(index):
             raise RuntimeError(f"cpu_plan.c's PLAN_KERNELS disagrees with the argument types of {name}")
         setattr(dll, name, cpu_plan.Kernel(fn, index))  # recorded while a plan is captured

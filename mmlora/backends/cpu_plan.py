@@ -118,7 +118,7 @@ class CpuPlan:
         self, steps: list[Callable[[], None]], keep: list[Any], host_inputs: list, kernel_calls: int
     ):
         self._steps = steps
-        self._keep = keep  # every tensor the capture made, and each C run's argument words
+        self._keep = keep  # every tensor the capture made (the kernel runs hold their own argument words)
         self._host_inputs = host_inputs
         self.kernel_calls = kernel_calls
         self.torch_ops = sum(not isinstance(s, _KernelRun) for s in steps)
@@ -247,10 +247,9 @@ class _Recording(TorchDispatchMode):
             return out
         self.keep.append(out)
         lift = func is torch.ops.aten.lift_fresh.default
+        # ``to`` and ``reshape`` are alias-annotated but copy where they convert: those are recorded below.
         if func in _ALLOCATIONS or (func.is_view and not lift and _aliases_input(out, args)):
-            return (
-                out  # (``to``, ``reshape``: alias-annotated, but a copy where they convert: recorded below)
-            )
+            return out
         reason = None
         if func.namespace != "aten":
             reason = "an op outside aten"
@@ -267,7 +266,6 @@ class _Recording(TorchDispatchMode):
 
     def plan(self) -> CpuPlan:
         self._flush()
-        self.keep.extend(self.steps)
         return CpuPlan(self.steps, self.keep, self.host_inputs, self.kernel_calls)
 
 

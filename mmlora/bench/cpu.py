@@ -95,8 +95,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "--repeats",
         type=int,
         default=3,
-        help="rounds (systems interleaved); the best of each counts. Three, not two: on issue 21's VM the "
-        "speed moves by 20-40%% over seconds, and one slow window in two rounds decided a ratio",
+        help="rounds (systems interleaved): each system's throughput is its best round, each ratio the median "
+        "over rounds of its pair run side by side. Three, not two: on issue 21's VM the speed moves by 20-40%% "
+        "within seconds, and one slow window in two rounds decided a ratio",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write the results as JSON here")

@@ -150,9 +150,10 @@ IN_PLACE_MAX_KEYS = 1 << 16
 #: A step with prefill chunks goes through the same kernel while its longest sequence has at most this many
 #: keys: each query token is a row of its own, attending to its sequence's keys up to its position, which
 #: stay in cache from one token's row to the next. Longer sequences are read again for every token, and the
-#: batched torch path takes them. SmolLM2's 640-token prefill step, 2-core EPYC, C kernel / torch
-#: (``benchmarks/scripts/cpu_prefill_attention_ab.py``, 2026-12-04): 16 prompts of 40 tokens 0.955 (fp32),
-#: 0.896 (bf16); 5 of 128 0.966, 0.996; 2 of 256 0.981, 1.004.
+#: batched torch path takes them. SmolLM2's 640-token prefill step, 2-core EPYC, C kernel / torch, fp32 and
+#: bf16, two runs (``benchmarks/scripts/cpu_prefill_attention_ab.py``, 2026-12-04,
+#: ``benchmarks/results/cpu-2026-12-04-session23``): 16 prompts of 40 tokens 0.955-0.960 and 0.876-0.896;
+#: 5 of 128 0.966-1.011 and 0.952-0.996; 2 of 256 0.979-0.981 and 0.981-1.004 (within the noise from 128 on).
 PREFILL_IN_PLACE_MAX_KEYS = 128
 
 
