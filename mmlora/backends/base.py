@@ -53,6 +53,10 @@ class LoRABackend(ABC):
     #: How this backend wants a CUDA-graph decode step's rows routed (``LoRABatchInfo.fill_rows``): one
     #: graph is captured per layout listed, and :meth:`graph_layout` picks one per replay.
     graph_layouts: ClassVar[tuple[str, ...]] = ("rows",)
+    #: Whether a CUDA graph may hold this backend's launches for any prefill or mixed batch routed by
+    #: ``LoRABatchInfo.fill_graph`` (launch shapes from its fixed host ints and tile tables only):
+    #: :mod:`mmlora.engine.mixed_graph` replays such steps.
+    mixed_graphs: ClassVar[bool] = False
 
     def graph_layout(self, num_rows: int, num_runs: int) -> str:
         """The layout to replay for a decode step of ``num_rows`` rows forming ``num_runs`` runs of

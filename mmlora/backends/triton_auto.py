@@ -31,6 +31,8 @@ class TritonAutoBackend(LoRABackend):
     """BGMV when most segments are single tokens (``num_tokens < 2 * num_segments``), else SGMV."""
 
     graph_layouts = ("rows", "runs")
+    # A mixed-step graph has num_tokens >= 2 * num_segments (MixedGraphRunner.segments): SGMV's.
+    mixed_graphs = True
 
     def __init__(self) -> None:
         self.bgmv = TritonBGMVBackend()

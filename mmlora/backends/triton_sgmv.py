@@ -123,6 +123,10 @@ class _Tiles:
         self.tiled = max_seg > block_m
         self.m_tiles = 1  # untiled, every segment fits one tile
         self.count = info.num_segments
+        if block_m in info.graph_tiles:  # a mixed-step graph: its fixed-size table, filled per step
+            self.tiled = True
+            self.seg, self.m0, self.count = info.graph_tiles[block_m]
+            return
         seg_ids, starts, start = [], [], 0
         if self.tiled:
             for i, n in enumerate(info.seg_lens_host):
@@ -329,6 +333,7 @@ class TritonSGMVBackend(FusedTritonBackend):
     """Segment-tiled Triton kernels; best for prefill and chunked prefill (long runs on one adapter)."""
 
     graph_layouts = ("runs",)
+    mixed_graphs = True  # token tiles from fill_graph's fixed tables
 
     def _fused(
         self, out: torch.Tensor, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo, R: int

@@ -3,8 +3,9 @@
 :class:`StepBreakdown` instruments one in-process :class:`~mmlora.engine.Engine` for a benchmark by
 wrapping the instance attributes a step goes through (nothing in the engine knows about it):
 
-- step kinds: ``prefill`` (no row is a decode token), ``mixed`` (decode rows and prefill chunks),
-  ``decode_graph`` (a decode-only step through the decode-graph runner: a CUDA graph, or on CPU a
+- step kinds: ``prefill`` (no row is a decode token), ``mixed`` (decode rows and prefill chunks), both
+  run eagerly, ``mixed_graph`` (either of them replayed by the mixed-step graph runner,
+  :mod:`mmlora.engine.mixed_graph`), ``decode_graph`` (a decode-only step through the decode-graph runner: a CUDA graph, or on CPU a
   recorded plan of C kernel calls, :mod:`mmlora.engine.cpu_graph`) and ``decode_eager`` (decode-only, run
   eagerly: no graphs, or a batch past the largest bucket);
 - per kind: count, wall seconds of ``engine.step``, GPU span of the forward (CUDA events around it: the
@@ -12,7 +13,7 @@ wrapping the instance attributes a step goes through (nothing in the engine know
   forward shows a span close to its launch time), host seconds spent launching the forward, seconds the
   host then waited for the GPU, and LoRA kernel time (events around every ``add_lora`` of every
   ``lora_sample_every``-th eager step of the kind, scaled to the kind's count; a graph replay hides its
-  kernels, so ``decode_graph`` has none: compare its GPU span with the base-only run's);
+  kernels, so ``decode_graph`` and ``mixed_graph`` have none: compare its GPU span with the base-only run's);
 - host phases: schedule, build inputs (eager ``ModelRunner.build``; a graph step's static-input
   refresh is in its kind's ``forward_launch_s`` with the replay launch), LoRA batch info
   (``LoRABatchInfo.fill`` / the graph runner's ``prepare_replay``), LoRA host time (Python and Triton
@@ -42,15 +43,20 @@ import mmlora.engine.fault_isolation as sampling_module
 import mmlora.engine.overlap as overlap_module
 from mmlora.lora.layer import LoRALinear
 
-KINDS = ("prefill", "mixed", "decode_graph", "decode_eager")
+KINDS = ("prefill", "mixed", "mixed_graph", "decode_graph", "decode_eager")
+GRAPH_KINDS = ("mixed_graph", "decode_graph")
 PHASES = ("schedule", "build_inputs", "lora_batch_info", "lora_host", "sample", "postprocess")
 
 
-def step_kind(sched: Any, graphs: Any) -> str:
+def step_kind(sched: Any, graphs: Any, mixed_graphs: Any = None) -> str:
     """The kind of a scheduled batch (see the module doc)."""
     decode = [n == 1 and r.num_computed + 1 == r.num_tokens for r, n in zip(sched.requests, sched.num_new)]
+    if all(decode) and graphs is not None and graphs.can_run(sched):
+        return "decode_graph"
+    if mixed_graphs is not None and mixed_graphs.can_run(sched):
+        return "mixed_graph"
     if all(decode):
-        return "decode_graph" if graphs is not None and graphs.can_run(sched) else "decode_eager"
+        return "decode_eager"
     return "mixed" if any(decode) else "prefill"
 
 
@@ -235,11 +241,12 @@ class StepBreakdown:
 
     def _timed_forward(self, inner: Callable[[Any], Any]) -> Callable[[Any], Any]:
         def forward(sched: Any) -> Any:
-            kind = step_kind(sched, self.engine.runner.decode_graphs)
+            runner = self.engine.runner
+            kind = step_kind(sched, runner.decode_graphs, runner.mixed_graphs)
             stats = self.kinds[kind]
             stats["count"] += 1
             self._kind = kind
-            sampled = kind != "decode_graph" and (stats["count"] - 1) % self.lora_sample_every == 0
+            sampled = kind not in GRAPH_KINDS and (stats["count"] - 1) % self.lora_sample_every == 0
             self._sampling_lora = [] if sampled and self.cuda else None
             host_before = self.host["build_inputs"] + self.host["lora_batch_info"] + self.host["lora_host"]
             start = self._record()
@@ -323,7 +330,7 @@ class StepBreakdown:
             row: dict[str, Any] = dict(self.kinds[k])
             row["gpu_span_s"] = self._elapsed(self._spans[k]) if self.cuda else None
             sampled = self._lora_events[k]
-            if self.cuda and sampled and k != "decode_graph":
+            if self.cuda and sampled and k not in GRAPH_KINDS:
                 per_step = sum(self._elapsed(s) for s in sampled) / len(sampled)
                 row["lora_gpu_s"] = per_step * row["count"]
                 row["lora_gpu_sampled_steps"] = len(sampled)

@@ -144,6 +144,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument(
+        "--disable-mixed-cuda-graph",
+        action="store_true",
+        help="run prefill and mixed steps eagerly (default: CUDA graphs per token bucket where the engine can)",
+    )
+    p.add_argument(
         "--disable-async-uploads",
         action="store_true",
         help="load adapters into slots on the main stream, the step waiting (default: beside the forwards)",
@@ -299,6 +304,7 @@ def _engine(args: argparse.Namespace, slots: int, rank: int) -> Any:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         disable_cuda_graph=args.disable_cuda_graph,
+        disable_mixed_cuda_graph=getattr(args, "disable_mixed_cuda_graph", False),
         disable_lora_overlap=getattr(args, "disable_lora_overlap", False),
         **side_max_tokens(args),
         overlap_schedule=getattr(args, "overlap_schedule", "auto"),
@@ -423,6 +429,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     device, dtype = engine.device, engine.model.lm_head.weight.dtype
     lora_backend = engine.lora_backend
     overlap = engine.overlap
+    mixed_graphs = engine.runner.mixed_graphs is not None
     bw = copy_bandwidth(device)
     print(
         f"engine up on {device} ({dtype}) in {time.perf_counter() - t_start:.1f} s; copy bandwidth {bw / 1e12:.3f} TB/s"
@@ -528,7 +535,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         subset = mmlora_subset(engine, args, adapters)
         print(f"mmlora on the HF + PEFT subset: {subset}", flush=True)
         _partial(out, {"runs": runs, "decode_step": micro, "mmlora_subset": subset})
-    engine.runner.decode_graphs = None
+    engine.runner.decode_graphs = engine.runner.mixed_graphs = None
     engine.shutdown()
     del engine, recorder
     gc.unfreeze()  # the engine's objects may now be garbage in cycles: let the collector see them
@@ -539,6 +546,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result = {
         **result_header("serving", args, device, dtype, lora_backend),
         "overlap_schedule": overlap,  # what "auto" resolved to
+        "mixed_cuda_graphs": mixed_graphs,  # prefill and mixed steps replayed (mmlora.engine.mixed_graph)
         "copy_bandwidth_bytes_per_s": bw,
         "weight_bytes": weights,
         "adapter_bytes_by_rank": adapter_bytes,

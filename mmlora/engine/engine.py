@@ -93,6 +93,12 @@ class Engine(BatchAPI, AdapterAPI):
         # Under tensor parallelism every rank captures the same graphs (rank 0 tells the workers).
         if not config.scheduler.disable_cuda_graph and self.device.type == "cuda":
             self.runner.enable_cuda_graphs(config.scheduler.max_running_requests, self.max_model_len)
+            if not config.scheduler.disable_mixed_cuda_graph:
+                self.runner.enable_mixed_graphs(
+                    config.scheduler.max_num_batched_tokens,
+                    config.scheduler.max_running_requests,
+                    self.max_model_len,
+                )
         if not config.scheduler.disable_cpu_graph and self.device.type == "cpu":
             self.runner.enable_cpu_graphs(config.scheduler.max_running_requests, self.max_model_len)
         prefix_cache = PrefixCache(self.kv_cache.allocator, enabled=not config.cache.disable_radix)

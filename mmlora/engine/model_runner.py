@@ -58,6 +58,8 @@ class ModelRunner:
             prepack_linears(model, dtypes=packable_dtypes())
         # Decode steps replayed: a CudaGraphRunner (enable_cuda_graphs) or, on CPU, a CpuGraphRunner.
         self.decode_graphs = None
+        # Prefill and mixed steps replayed per token bucket (enable_mixed_graphs): a MixedGraphRunner.
+        self.mixed_graphs = None
         # Set by the overlap scheduler for one forward: the last launched step's sampled tokens, which
         # the placeholders among this step's token ids stand for (mmlora.engine.overlap).
         self.future: torch.Tensor | None = None
@@ -73,6 +75,15 @@ class ModelRunner:
         else:
             self.decode_graphs = CudaGraphRunner(self, max_batch_size, max_model_len, capture=False)
 
+    def enable_mixed_graphs(
+        self, max_tokens: int, max_seqs: int, max_model_len: int, capture: bool = True
+    ) -> None:
+        """Capture prefill/mixed-step graphs per token bucket (mmlora.engine.mixed_graph), where this engine
+        can; ``capture=False`` runs their static-buffer forward eagerly (tests, any device)."""
+        from mmlora.engine.mixed_graph import capture_mixed_graphs
+
+        self.mixed_graphs = capture_mixed_graphs(self, max_tokens, max_seqs, max_model_len, capture)
+
     def enable_cpu_graphs(self, max_batch_size: int, max_model_len: int) -> None:
         """On CPU: decode-only steps replay recorded C kernel plans (mmlora.engine.cpu_graph), where the C
         kernels are built and the engine is one process."""
@@ -82,9 +93,10 @@ class ModelRunner:
 
     def close(self) -> None:
         """Drop the decode graphs and the layers' views of the KV cache (the views alone keep it alive)."""
-        if self.decode_graphs is not None:
-            self.decode_graphs.close()
-            self.decode_graphs = None
+        for graphs in (self.decode_graphs, self.mixed_graphs):
+            if graphs is not None:
+                graphs.close()
+        self.decode_graphs = self.mixed_graphs = None
         for layer in self.model.layers:
             layer.self_attn.k_cache = layer.self_attn.v_cache = None
 
@@ -148,6 +160,8 @@ class ModelRunner:
         """fp32 logits [B', V] for the requests that sample (their batch indices second)."""
         if self.decode_graphs is not None and self.decode_graphs.can_run(sched):
             return self.decode_graphs.run(sched, self.future)
+        if self.mixed_graphs is not None and self.mixed_graphs.can_run(sched):
+            return self.mixed_graphs.run(sched, self.future)
         order = adapter_order(sched)
         if order is not None:
             sched = ScheduledBatch([sched.requests[b] for b in order], [sched.num_new[b] for b in order])

@@ -41,6 +41,9 @@ class AttentionMetadata:
     seq_lens_host: list[int]
     # Per-step tensors a backend derives once and every layer reuses (CPU: gather rows, masks).
     derived: dict[str, Any] = field(default_factory=dict, repr=False)
+    # A CUDA graph's mixed step (mmlora.engine.mixed_graph): the prefill kernel's query tiles from this
+    # fixed-size table (triton_prefill.PrefillTiles) instead of a grid sized by the batch.
+    prefill_tiles: Any = None
 
     @property
     def is_decode(self) -> bool:

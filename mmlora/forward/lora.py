@@ -22,6 +22,13 @@ RANK_TILE = 16
 #: ``max_seg_len`` fits every replay in one token tile per segment.
 RUN_TILE = 16
 
+#: Token tile sizes a CUDA-graph mixed step has tile tables for (``fill_graph``): the segment kernels'
+#: token tiles (16 to 128; their ``TUNING`` picks one).
+GRAPH_TILE_SIZES = (16, 32, 64, 128)
+
+#: A first token no segment reaches: tile-table entries past the step's tiles point there and exit.
+UNUSED_TILE = 1 << 30
+
 #: The two ways a CUDA-graph decode step can route its rows: ``rows`` (one segment per row: per-row
 #: kernels such as BGMV) and ``runs`` (adjacent rows on one adapter merged into segments of at most
 #: RUN_TILE rows: segment kernels such as SGMV read each adapter once per run).
@@ -178,6 +185,10 @@ class LoRABatchInfo:
         self.ranks_host: list[int] = [0] * num_slots
         self.host_derived: dict[str, object] = {}
         self.graph_layout: str | None = None
+        # A mixed-step graph's token tiles (fill_graph): block_m -> (segment, first token, entries), in
+        # buffers made once, so a captured launch reads this step's table at the captured address.
+        self.graph_tiles: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
+        self._tile_buf: torch.Tensor | None = None
 
     @property
     def has_lora(self) -> bool:
@@ -236,6 +247,72 @@ class LoRABatchInfo:
         self.max_rank = max((self.ranks_host[s] for s in seg_slots if s >= 0), default=0)
         self.rank_bound = rank_bucket(self.max_rank, self.max_lora_rank)
         self.graph_layout = None
+        self.graph_tiles = {}
+
+    def fill_graph(
+        self,
+        seq_lens: Sequence[int],
+        seq_slots: Sequence[int],
+        num_tokens: int,
+        num_segments: int,
+        rank_bound: int,
+    ) -> None:
+        """The routing of a CUDA-graph mixed step (:mod:`mmlora.engine.mixed_graph`), whose host ints are
+        baked in at capture: :meth:`fill`'s segments, then ``num_tokens`` tokens (the rest padding, slot
+        -1) in ``num_segments`` segment entries (the rest empty), ``max_seg_len`` at ``num_tokens`` (so
+        segment kernels take their largest token tile), the rank bound ``rank_bound`` (>= every rank in the
+        batch) and, per token tile size in :data:`GRAPH_TILE_SIZES`, a tile table of a fixed number of
+        entries (:meth:`graph_tile_count`) in buffers of fixed address. A ValueError when the batch does
+        not fit."""
+        self.fill(seq_lens, seq_slots)
+        if self.num_tokens > num_tokens or self.num_segments > num_segments or self.max_rank > rank_bound:
+            raise ValueError(
+                f"fill_graph: {self.num_tokens} tokens in {self.num_segments} segments of rank up to "
+                f"{self.max_rank} do not fit {num_tokens} tokens, {num_segments} segments, rank bound {rank_bound}"
+            )
+        if num_tokens > self.max_tokens or num_segments > self.max_tokens:
+            raise ValueError(f"fill_graph: {num_tokens} tokens exceed the preallocated {self.max_tokens}")
+        lens = self.seg_lens_host
+        if self._tile_buf is None:
+            entries = self.graph_tile_count(self.max_tokens, self.max_tokens, GRAPH_TILE_SIZES[0])
+            self._tile_buf = torch.zeros(
+                len(GRAPH_TILE_SIZES), 2, entries, dtype=torch.int32, device=self.device
+            )
+        # Only the entries the bucket launches are written (the most: the smallest tile's count).
+        width = self.graph_tile_count(num_tokens, num_segments, GRAPH_TILE_SIZES[0])
+        rows = []
+        for block_m in GRAPH_TILE_SIZES:
+            seg, m0, start = [], [], 0
+            for i, n in enumerate(lens):
+                for m in range(start, start + n, block_m):
+                    seg.append(i)
+                    m0.append(m)
+                start += n
+            pad = width - len(seg)
+            rows += [seg + [0] * pad, m0 + [UNUSED_TILE] * pad]
+        table = torch.tensor(rows, dtype=torch.int32).view(len(GRAPH_TILE_SIZES), 2, width)
+        self._tile_buf[:, :, :width].copy_(table, non_blocking=True)
+        self.graph_tiles = {
+            bm: (
+                self._tile_buf[i, 0],
+                self._tile_buf[i, 1],
+                self.graph_tile_count(num_tokens, num_segments, bm),
+            )
+            for i, bm in enumerate(GRAPH_TILE_SIZES)
+        }
+        pad = num_segments - self.num_segments
+        self.seg_lens_host = lens + [0] * pad
+        self.seg_slots_host = self.seg_slots_host + [-1] * pad
+        self.num_tokens, self.num_segments, self.max_seg_len = num_tokens, num_segments, num_tokens
+        self.max_rank = self.rank_bound = rank_bound
+
+    @staticmethod
+    def graph_tile_count(num_tokens: int, num_segments: int, block_m: int) -> int:
+        """Entries of a mixed-step graph's tile table: enough for any split of ``num_tokens`` tokens into
+        ``num_segments`` segments in tiles of ``block_m`` (rounded up to 16, which keeps the table's
+        alignment the same for every count)."""
+        n = -(-num_tokens // block_m) + num_segments
+        return -(-n // 16) * 16
 
     def bound_of(self, slots: Sequence[int]) -> int:
         """The rank bound of a batch of these slots (-1 = base): the bucket of their largest rank."""
@@ -302,3 +379,4 @@ class LoRABatchInfo:
         self.max_rank = self.rank_bound = rank_bound
         self.host_derived = {}
         self.graph_layout = layout
+        self.graph_tiles = {}

@@ -168,6 +168,12 @@ class LoRAManager:
         return self._ctx.backend.name
 
     @property
+    def mixed_graphs(self) -> bool:
+        """Whether CUDA graphs may hold the backend's launches for prefill and mixed steps
+        (``LoRABackend.mixed_graphs``)."""
+        return self._ctx.backend.mixed_graphs
+
+    @property
     def num_slots(self) -> int:
         """Adapters of max_lora_rank the pool holds (max_loras_per_batch; smaller ranks take fewer pages of
         a paged pool, so more of them fit)."""

@@ -191,6 +191,6 @@ class TritonAttention(AttentionBackend):
         else:
             prefill_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, out, B,
-                meta.max_query_len, scale, sliding_window, logit_softcap,
+                meta.max_query_len, scale, sliding_window, logit_softcap, meta.prefill_tiles,
             )  # fmt: skip
         return out

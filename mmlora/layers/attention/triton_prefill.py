@@ -12,6 +12,8 @@ chunks), so it is the route for every batch that is not pure decode.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -24,18 +26,22 @@ from mmlora.triton_launch import fast
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_cs, stride_ch, stride_bt,
+    tile_seq_ptr, tile_t0_ptr, stride_qt, stride_qh, stride_ot, stride_oh, stride_cs, stride_ch, stride_bt,
     mult, cap_mult, window,
     GROUP: tl.constexpr, TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    TILED: tl.constexpr,
 ):  # fmt: skip
-    tile = tl.program_id(0)
-    b = tl.program_id(1)
     kvh = tl.program_id(2)
+    if TILED:  # tile i: request tile_seq[i], first query token tile_t0[i] (CUDA graphs: a fixed grid)
+        b = tl.load(tile_seq_ptr + tl.program_id(0))
+        t0 = tl.load(tile_t0_ptr + tl.program_id(0))
+    else:
+        b = tl.program_id(1)
+        t0 = tl.program_id(0) * TOKENS
     q_start = tl.load(query_start_loc_ptr + b)
     q_len = tl.load(query_start_loc_ptr + b + 1) - q_start
-    t0 = tile * TOKENS
     if t0 >= q_len:
         return
     seq_len = tl.load(seq_lens_ptr + b)
@@ -95,30 +101,80 @@ def prefill_attention(
     scale: float,
     sliding_window: int | None,
     logit_softcap: float | None,
+    tiles: PrefillTiles | None = None,
 ) -> None:
     """out[t, h] = causal softmax-attention of query token t over its request's cached keys.
 
     q, out [T, Hq, D] (last dim contiguous); k_cache/v_cache [N, page, Hkv, D] contiguous, already
     holding this forward's K/V; block_tables [>= num_seqs, M] int32; query_start_loc [num_seqs + 1]
-    and seq_lens [num_seqs] int32 on the device; max_query_len a host int that sizes the grid.
+    and seq_lens [num_seqs] int32 on the device; max_query_len a host int that sizes the grid. With
+    ``tiles`` the grid is instead the table's ``count`` query tiles (:func:`prefill_tile_table`), so it
+    depends on no batch (CUDA graphs of mixed steps).
     """
     _, page, hkv, d = k_cache.shape
     group = q.shape[1] // hkv
+    block_m, block_n, tokens = _tile_shape(group, d)
     block_d = next_pow2(d)
-    # rows = tokens x group heads; head_dim 256 takes smaller tiles to stay within registers
-    block_m = max(128 if block_d <= 128 else 64, next_pow2(group))
-    block_n = 64 if block_d <= 128 else 32
-    tokens = block_m // group
     mult, cap_mult = softmax_args(scale, logit_softcap)
     kc = k_cache.view(-1, hkv, d)
-    grid = (cdiv(max_query_len, tokens), num_seqs, hkv)
+    if tiles is None:
+        grid = (cdiv(max_query_len, tokens), num_seqs, hkv)
+        tile_seq = tile_t0 = query_start_loc  # unread
+    else:
+        if tiles.tokens != tokens:
+            raise ValueError(
+                f"the tile table has {tiles.tokens} tokens a tile, this attention takes {tokens}"
+            )
+        grid = (tiles.count, 1, hkv)
+        tile_seq, tile_t0 = tiles.seq, tiles.t0
     fast(_prefill_kernel)[grid](
-        q, kc, v_cache.view(-1, hkv, d), out, block_tables, query_start_loc, seq_lens,
+        q, kc, v_cache.view(-1, hkv, d), out, block_tables, query_start_loc, seq_lens, tile_seq, tile_t0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), kc.stride(0), kc.stride(1),
         block_tables.stride(0),
         mult, cap_mult, sliding_window or 0,
         GROUP=group, TOKENS=tokens, HEAD_DIM=d, BLOCK_D=block_d, PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n,
         USE_SOFTCAP=bool(logit_softcap), USE_WINDOW=bool(sliding_window),
-        DOT_PREC=dot_precision(q.dtype), UPCAST=dot_upcast(q.dtype),
+        DOT_PREC=dot_precision(q.dtype), UPCAST=dot_upcast(q.dtype), TILED=tiles is not None,
         num_warps=4 if block_m <= 64 else 8, num_stages=2,
     )  # fmt: skip
+
+
+def _tile_shape(group: int, head_dim: int) -> tuple[int, int, int]:
+    """(rows, key tile, query tokens) of a program: rows = tokens x group heads; head_dim 256 takes
+    smaller tiles to stay within registers."""
+    block_m = max(128 if next_pow2(head_dim) <= 128 else 64, next_pow2(group))
+    return block_m, (64 if next_pow2(head_dim) <= 128 else 32), block_m // group
+
+
+def prefill_tile_tokens(num_heads: int, num_kv_heads: int, head_dim: int) -> int:
+    """Query tokens per program of the prefill kernel for this head layout."""
+    return _tile_shape(num_heads // num_kv_heads, head_dim)[2]
+
+
+@dataclass
+class PrefillTiles:
+    """A fixed-size table of query tiles: tile i covers ``tokens`` query tokens of request ``seq[i]`` from
+    ``t0[i]``; the first ``count`` entries are launched (unused ones start past their request and exit)."""
+
+    seq: torch.Tensor  # int32 [>= count]
+    t0: torch.Tensor  # int32 [>= count]
+    count: int
+    tokens: int
+
+
+#: A query offset no request reaches: table entries past the batch's tiles point there and exit at once.
+UNUSED_TILE = 1 << 30
+
+
+def prefill_tile_table(query_lens: list[int], tokens: int, count: int) -> tuple[list[int], list[int]]:
+    """(seq, t0) lists of ``count`` entries: each request's query tiles in order, then unused entries.
+    A ValueError when the batch has more tiles than ``count``."""
+    seq, t0 = [], []
+    for b, n in enumerate(query_lens):
+        for t in range(0, n, tokens):
+            seq.append(b)
+            t0.append(t)
+    if len(seq) > count:
+        raise ValueError(f"{len(seq)} query tiles exceed the table's {count}")
+    pad = count - len(seq)
+    return seq + [0] * pad, t0 + [UNUSED_TILE] * pad
