@@ -150,10 +150,10 @@ class SchedulerConfig:
     max_num_batched_tokens: int = _f(2048, "Token budget of one forward (prefill chunks + decode tokens).")
     max_queued_requests: int = _f(4096, "Waiting requests beyond which new ones are refused.")
     disable_cuda_graph: bool = _f(False, "Run decode steps eagerly instead of replaying CUDA graphs.")
-    disable_mixed_cuda_graph: bool = _f(
+    enable_mixed_cuda_graph: bool = _f(
         False,
-        "Run prefill and mixed steps eagerly instead of replaying CUDA graphs per token bucket "
-        "(mmlora.engine.mixed_graph; with the triton attention backend, one process).",
+        "Replay prefill and mixed steps from CUDA graphs captured per token bucket (mmlora.engine.mixed_graph; "
+        "the triton attention backend, one process). Opt-in until it is timed on a GPU.",
     )
     disable_cpu_graph: bool = _f(
         False,

@@ -144,9 +144,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument(
-        "--disable-mixed-cuda-graph",
+        "--enable-mixed-cuda-graph",
         action="store_true",
-        help="run prefill and mixed steps eagerly (default: CUDA graphs per token bucket where the engine can)",
+        help="replay prefill and mixed steps from CUDA graphs per token bucket (mmlora.engine.mixed_graph)",
     )
     p.add_argument(
         "--disable-async-uploads",
@@ -304,7 +304,7 @@ def _engine(args: argparse.Namespace, slots: int, rank: int) -> Any:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         disable_cuda_graph=args.disable_cuda_graph,
-        disable_mixed_cuda_graph=getattr(args, "disable_mixed_cuda_graph", False),
+        enable_mixed_cuda_graph=getattr(args, "enable_mixed_cuda_graph", False),
         disable_lora_overlap=getattr(args, "disable_lora_overlap", False),
         **side_max_tokens(args),
         overlap_schedule=getattr(args, "overlap_schedule", "auto"),
@@ -429,7 +429,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     device, dtype = engine.device, engine.model.lm_head.weight.dtype
     lora_backend = engine.lora_backend
     overlap = engine.overlap
-    mixed_graphs = engine.runner.mixed_graphs is not None
+    graphs = engine.runner.mixed_graphs
+    mixed_graphs = {"on": graphs is not None, "graph_bytes": graphs.pool_bytes if graphs else 0}
     bw = copy_bandwidth(device)
     print(
         f"engine up on {device} ({dtype}) in {time.perf_counter() - t_start:.1f} s; copy bandwidth {bw / 1e12:.3f} TB/s"

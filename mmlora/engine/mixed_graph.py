@@ -114,6 +114,7 @@ class MixedGraphRunner:
         self.hidden = torch.zeros(self.max_tokens, hidden, dtype=dtype, **dev)
         self.rank_bounds = (0, *self.lora.rank_buckets)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph | None] = {}
+        self.pool_bytes = 0  # device memory the captures reserved
         self.num_replays = 0
         self.last_key: tuple[int, int] | None = None
         self._capture_all()
@@ -162,6 +163,7 @@ class MixedGraphRunner:
             self.graphs = {(b, r): None for b in self.buckets for r in self.rank_bounds}
             return
         t0 = time.monotonic()
+        reserved = torch.cuda.memory_reserved(self.device)
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device=self.device)
         for bucket in reversed(self.buckets):  # largest first: later graphs reuse its pool memory
@@ -177,12 +179,15 @@ class MixedGraphRunner:
                     self._forward(bucket)
                 self.graphs[(bucket, bound)] = graph
         torch.cuda.synchronize(self.device)
+        self.pool_bytes = torch.cuda.memory_reserved(self.device) - reserved
         logger.info(
-            "CUDA graphs: captured %d mixed-step graphs (token buckets %s x LoRA rank bounds %s) in %.1f s",
+            "CUDA graphs: captured %d mixed-step graphs (token buckets %s x LoRA rank bounds %s) in %.1f s, "
+            "%.2f GiB of graph memory",
             len(self.graphs),
             self.buckets,
             self.rank_bounds,
             time.monotonic() - t0,
+            self.pool_bytes / 2**30,
         )
 
     def close(self) -> None:

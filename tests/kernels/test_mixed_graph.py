@@ -148,15 +148,19 @@ def test_sgmv_over_fill_graph_equals_fill(backend, block_m, monkeypatch):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("mixed-graph")
-    base = make_checkpoint(root / "base", "llama")
-    adapters = {
-        "a": make_adapter(base, root / "a", seed=1, r=4, lora_alpha=8, target_modules=ALL_SEVEN),
-        "b": make_adapter(
-            base, root / "b", seed=2, r=2, lora_alpha=4, target_modules=["q_proj", "down_proj"]
-        ),
-    }
-    return base, {n: str(p) for n, p in adapters.items()}
+    def build(arch: str):
+        root = tmp_path_factory.mktemp(f"mixed-graph-{arch}")
+        base = make_checkpoint(root / "base", arch)
+        adapters = {
+            "a": make_adapter(base, root / "a", seed=1, r=4, lora_alpha=8, target_modules=ALL_SEVEN),
+            "b": make_adapter(
+                base, root / "b", seed=2, r=2, lora_alpha=4, target_modules=["q_proj", "down_proj"]
+            ),
+        }
+        return base, {n: str(p) for n, p in adapters.items()}
+
+    cache: dict[str, tuple] = {}
+    return lambda arch="llama": cache.setdefault(arch, build(arch))
 
 
 def _engine(base, adapters, device: str, **kw) -> mmlora.Engine:
@@ -190,11 +194,20 @@ class _KeyLog(dict):
         return super().__getitem__(key)
 
 
-@pytest.mark.parametrize("lora_backend", ["triton-sgmv", "triton-auto"])
-def test_static_buffer_path_matches_eager(tiny, lora_backend):
+@pytest.mark.parametrize(
+    ("arch", "lora_backend"),
+    [
+        ("llama", "triton-sgmv"),
+        ("llama", "triton-auto"),
+        ("mistral", "triton-auto"),
+        ("qwen2", "triton-sgmv"),
+    ],
+)
+def test_static_buffer_path_matches_eager(tiny, arch, lora_backend):
     """Prefill and mixed steps through the runner's padded buckets, tile tables and LoRA routing (no
-    capture) give the eager engine's tokens and logprobs."""
-    base, adapters = tiny
+    capture) give the eager engine's tokens and logprobs: GQA, a sliding window and head_dim 24
+    (mistral), qkv bias and tied embeddings (qwen2)."""
+    base, adapters = tiny(arch)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     kw = dict(lora_backend=lora_backend, disable_cuda_graph=True)
     ref = _generate(_engine(base, adapters, device, **kw))
@@ -211,7 +224,7 @@ def test_static_buffer_path_matches_eager(tiny, lora_backend):
 
 def test_prompt_logprobs_from_replayed_steps_equal_eager(tiny):
     """Prompt logprobs of every token come from the graph's hidden-state buffer, as eagerly."""
-    base, adapters = tiny
+    base, adapters = tiny()
     device = "cuda" if torch.cuda.is_available() else "cpu"
 
     def generate(engine: mmlora.Engine) -> list:
@@ -234,7 +247,7 @@ def test_prompt_logprobs_from_replayed_steps_equal_eager(tiny):
 
 
 def test_torch_attention_engines_keep_mixed_steps_eager(tiny):
-    base, adapters = tiny
+    base, adapters = tiny()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     engine = _engine(base, adapters, device, disable_cuda_graph=True, attention_backend="torch")
     engine.runner.enable_mixed_graphs(24, 5, engine.max_model_len, capture=False)
@@ -261,9 +274,9 @@ def test_captured_mixed_graphs_equal_eager(tmp_path, arch, lora_backend):
         ),
     }
     kw = dict(lora_backend=lora_backend)
-    ref = _generate(_engine(base, adapters, "cuda", disable_mixed_cuda_graph=True, **kw))
+    ref = _generate(_engine(base, adapters, "cuda", **kw))
     _free()
-    engine = _engine(base, adapters, "cuda", **kw)
+    engine = _engine(base, adapters, "cuda", enable_mixed_cuda_graph=True, **kw)
     got = _generate(engine)
     replays = engine.runner.mixed_graphs.num_replays
     del engine
