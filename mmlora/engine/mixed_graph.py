@@ -8,7 +8,8 @@ waits for the host. Replaying a captured graph launches the whole step at once.
 
 Graphs are captured at start-up for token buckets 16, 32, 64, 128, then every 256 up to
 ``max_num_batched_tokens``, each once without LoRA and once per rank bucket of the pool (as decode graphs
-are). A step runs in the smallest bucket that holds its tokens; the rest are padding rows (token 0 at
+are). A step runs in the smallest bucket that holds its tokens and, one segment entry each, its adapters
+(a bucket has one entry per request up to half its tokens); the rest are padding rows (token 0 at
 position 0, KV slot -1 so nothing is stored, LoRA slot -1, in no request). What shapes a launch is fixed
 per bucket and filled per step into buffers of fixed address:
 
@@ -198,13 +199,17 @@ class MixedGraphRunner:
 
     # ---- replay ---------------------------------------------------------------------------------
 
+    def bucket_of(self, tokens: int, num_slots: int) -> int | None:
+        """The smallest bucket with room for ``tokens`` tokens on ``num_slots`` distinct adapter slots
+        (one segment each once rows are ordered by slot), or None."""
+        return next((b for b in self.buckets if b >= tokens and self.segments(b) >= num_slots), None)
+
     def can_run(self, sched: ScheduledBatch) -> bool:
         n, tokens = len(sched), sum(sched.num_new)
         if not (0 < n <= self.max_seqs and 0 < tokens <= self.max_tokens):
             return False
-        bucket = next(b for b in self.buckets if b >= tokens)
         slots = {r.slot for r, k in zip(sched.requests, sched.num_new) if k > 0}
-        return len(slots) <= self.segments(bucket)
+        return self.bucket_of(tokens, len(slots)) is not None
 
     @torch.inference_mode()
     def run(
@@ -230,9 +235,9 @@ class MixedGraphRunner:
                 rows.append(qsl[-1] - 1)
                 sampling.append(b)
         tokens, n = len(ids), len(requests)
-        bucket = next(b for b in self.buckets if b >= tokens)
-        pad = bucket - tokens
         slots = [r.slot for r in requests]
+        bucket = self.bucket_of(tokens, len(set(slots)))
+        pad = bucket - tokens
         bound = self.lora.info.bound_of(slots)
         self.lora.info.fill_graph(num_new, slots, bucket, self.segments(bucket), bound)
         seqs = self.max_seqs

@@ -52,6 +52,20 @@ def test_token_buckets():
         token_buckets(0)
 
 
+def test_a_step_takes_the_smallest_bucket_with_room_for_its_tokens_and_adapters():
+    class Runner:  # the parts of a MixedGraphRunner that bucket_of reads
+        buckets = token_buckets(1000)
+        max_seqs = 64
+        segments = MixedGraphRunner.segments
+
+    pick = MixedGraphRunner.bucket_of.__get__(Runner())
+    assert pick(10, 3) == 16
+    assert pick(10, 9) == 32  # 16 tokens hold 8 segments
+    assert pick(300, 64) == 512
+    assert pick(100, 65) is None  # more adapter runs than requests a bucket holds
+    assert pick(1001, 1) is None
+
+
 def test_prefill_tile_table_lists_every_tile_then_unused_entries():
     seq, t0 = prefill_tile_table([5, 0, 1, 9], tokens=4, count=8)
     assert list(zip(seq, t0)) == [(0, 0), (0, 4), (2, 0), (3, 0), (3, 4), (3, 8)] + [(0, UNUSED_TILE)] * 2
