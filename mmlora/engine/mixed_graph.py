@@ -42,7 +42,6 @@ from mmlora.engine.overlap import resolve_placeholders
 from mmlora.engine.prompt_logprobs import record_prompt_logprobs
 from mmlora.engine.scheduler import ScheduledBatch
 from mmlora.forward import AttentionMetadata, ForwardBatch
-from mmlora.forward.lora import LoRABatchInfo
 from mmlora.layers.attention.triton_prefill import PrefillTiles, prefill_tile_table, prefill_tile_tokens
 
 logger = logging.getLogger(__name__)
@@ -159,7 +158,6 @@ class MixedGraphRunner:
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
-        info: LoRABatchInfo = self.lora.info
         if not self.capture:
             self.graphs = {(b, r): None for b in self.buckets for r in self.rank_bounds}
             return
@@ -169,7 +167,7 @@ class MixedGraphRunner:
         stream = torch.cuda.Stream(device=self.device)
         for bucket in reversed(self.buckets):  # largest first: later graphs reuse its pool memory
             for bound in self.rank_bounds:
-                info.fill_graph([], [], bucket, self.segments(bucket), bound)
+                self.lora.prepare_mixed_capture(bucket, self.segments(bucket), bound)
                 stream.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(stream):
                     for _ in range(2):  # compile Triton kernels, settle the allocator
@@ -238,8 +236,7 @@ class MixedGraphRunner:
         slots = [r.slot for r in requests]
         bucket = self.bucket_of(tokens, len(set(slots)))
         pad = bucket - tokens
-        bound = self.lora.info.bound_of(slots)
-        self.lora.info.fill_graph(num_new, slots, bucket, self.segments(bucket), bound)
+        bound = self.lora.prepare_mixed(num_new, slots, bucket, self.segments(bucket))
         seqs = self.max_seqs
         tile_seq, tile_t0 = prefill_tile_table(num_new, self.tile_tokens, self.tile_entries)
         i32 = qsl + [tokens] * (seqs - n) + seq_lens + [0] * (seqs - n) + tile_seq + tile_t0

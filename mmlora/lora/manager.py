@@ -413,6 +413,21 @@ class LoRAManager:
         self.info.fill_rows(row_slots, bound, layout, segments, runs)
         return bound, layout
 
+    def prepare_mixed(
+        self, seq_lens: list[int], seq_slots: list[int], num_tokens: int, num_segments: int
+    ) -> int:
+        """Before a mixed-step graph's replay (:mod:`mmlora.engine.mixed_graph`): per-request token counts
+        and slots (-1 = base) routed into a bucket of ``num_tokens`` tokens and ``num_segments`` segment
+        entries (``LoRABatchInfo.fill_graph``). Returns the rank bound of the graph to replay."""
+        bound = self.info.bound_of(seq_slots)
+        self.info.fill_graph(seq_lens, seq_slots, num_tokens, num_segments, bound)
+        return bound
+
+    def prepare_mixed_capture(self, num_tokens: int, num_segments: int, rank_bound: int) -> None:
+        """Before capturing a mixed-step graph: no request, every row padding, launches shaped for
+        ``rank_bound`` (one of 0 and :attr:`rank_buckets`)."""
+        self.info.fill_graph([], [], num_tokens, num_segments, rank_bound)
+
     @contextlib.contextmanager
     def prepared(self) -> Iterator[LoRABatchInfo]:
         """A forward over the routing last filled (by activate, prepare_capture or prepare_replay)."""

@@ -393,7 +393,7 @@ def test_every_step_launches_what_its_bucket_captured(tiny, lora_backend, monkey
         steps.append((graphs.last_key, log.calls))
 
     with torch.inference_mode():  # a capture's warm-up: first-use tables (RoPE) are built before it records
-        info.fill_graph([], [], 16, graphs.segments(16), 4)
+        runner.lora.prepare_mixed_capture(16, graphs.segments(16), 4)
         forward(16)
     for m in runner.model.modules():  # the RoPE tables that warm-up built
         for t in getattr(m, "_cache", None) or ():
@@ -406,7 +406,7 @@ def test_every_step_launches_what_its_bucket_captured(tiny, lora_backend, monkey
     for (bucket, bound), calls in steps:
         if (bucket, bound) not in captured:
             with torch.inference_mode(), log.mode:
-                info.fill_graph([], [], bucket, graphs.segments(bucket), bound)
+                runner.lora.prepare_mixed_capture(bucket, graphs.segments(bucket), bound)
                 log.start()
                 forward(bucket)
             log.on = False
