@@ -149,8 +149,10 @@ class TritonFusedDecodeBackend(TritonSGMVBackend):
 
     graph_layouts = ("rows",)  # the kernel finds runs itself, from token_slots
 
-    def defer_lora(self, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo) -> DeferredLoRA | None:
-        return None if self._decode_like(info) else super().defer_lora(x, weights, info)
+    def defer_lora(
+        self, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo, reader: str = "act"
+    ) -> DeferredLoRA | None:
+        return None if self._decode_like(info) else super().defer_lora(x, weights, info, reader)
 
     @staticmethod
     def _decode_like(info: LoRABatchInfo) -> bool:
