@@ -12,9 +12,13 @@ from __future__ import annotations
 import json
 import sys
 
-from mmlora.backends import triton_bgmv, triton_sgmv
+from mmlora.backends import triton_bgmv, triton_sgmv, triton_sgmv_norm
 
-TABLES = {"triton-sgmv": triton_sgmv.TUNING, "triton-bgmv": triton_bgmv.TUNING}
+TABLES = {
+    "triton-sgmv": triton_sgmv.TUNING,
+    "triton-bgmv": triton_bgmv.TUNING,
+    "triton-sgmv-norm": triton_sgmv_norm.TUNING,
+}
 
 
 def apply(spec: str) -> tuple[str, str, object]:
