@@ -13,6 +13,7 @@ import gc
 
 import pytest
 import torch
+from graph_safety import LaunchLog, assert_steps_replay_their_captures, persistent_storages, record_launches
 from test_attention import DEV, dense_attention, make_case
 from tiny_models import ALL_SEVEN, make_adapter, make_checkpoint
 
@@ -268,155 +269,43 @@ def test_torch_attention_engines_keep_mixed_steps_eager(tiny):
     assert engine.runner.mixed_graphs is None
 
 
-class _LaunchLog:
-    """Every kernel launch (FastKernel: grid, scalars, tensors) and every torch op (shapes, scalars) of the
-    forwards run while recording. A tensor stands for the persistent buffer it lives in (weights, KV
-    cache, adapter pool, the runner's and the routing's static buffers) or for "a temporary": a graph
-    replays the addresses it captured, so a step's launches must be its capture's, tensor for tensor."""
-
-    def __init__(self, persistent: dict[int, str]) -> None:
-        self.persistent = persistent
-        self.calls: list[tuple] = []
-        self.created: set[int] = set()  # storages the recorded forward allocated
-        self.on = False
-
-    def start(self) -> None:
-        self.calls, self.created, self.on = [], set(), True
-
-    def arg(self, v):  # noqa: ANN001, ANN201
-        if isinstance(v, torch.Tensor):
-            ptr = v.untyped_storage().data_ptr()
-            # Neither a persistent buffer nor made by this forward: a graph would keep reading what it
-            # captured, not this step's tensor.
-            where = self.persistent.get(
-                ptr, "temporary" if ptr in self.created or v.numel() == 0 else "outside"
-            )
-            offset = v.storage_offset() if where != "temporary" else None
-            return ("tensor", where, offset, v.dtype, tuple(v.shape), tuple(v.stride()))
-        if isinstance(v, (list, tuple)):
-            return tuple(self.arg(x) for x in v)
-        if isinstance(v, dict):
-            return tuple(sorted((k, self.arg(x)) for k, x in v.items()))
-        return v
-
-
-def _record_launches(monkeypatch, log: _LaunchLog) -> None:
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from mmlora.triton_launch import FastKernel
-
-    launch, launch_plan = FastKernel.launch, FastKernel.launch_plan
-
-    def quiet(call, *args):  # noqa: ANN001, ANN002, ANN202
-        # The launch's own torch ops (the interpreter copies its arguments) are not the step's.
-        on, log.on = log.on, False
-        try:
-            return call(*args)
-        finally:
-            log.on = on
-
-    def logged_launch(self, grid, args, kwargs):  # noqa: ANN001, ANN202
-        if log.on:
-            log.calls.append(
-                (getattr(self.fn, "__name__", str(self.fn)), tuple(grid), log.arg(args), log.arg(kwargs))
-            )
-        return quiet(launch, self, grid, args, kwargs)
-
-    def logged_plan(self, plan, tensors):  # noqa: ANN001, ANN202
-        if log.on:
-            values = list(plan.values)
-            for i, t in zip(plan.tensor_pos, tensors):
-                values[i] = t
-            log.calls.append(
-                (getattr(self.fn, "__name__", str(self.fn)), plan.grid, log.arg(values), log.arg(plan.kwargs))
-            )
-        return quiet(launch_plan, self, plan, tensors)
-
-    monkeypatch.setattr(FastKernel, "launch", logged_launch)
-    monkeypatch.setattr(FastKernel, "launch_plan", logged_plan)
-
-    class Ops(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-            kwargs = kwargs or {}
-            if log.on and func.namespace == "aten":
-                log.calls.append((str(func), log.arg(args), log.arg(kwargs)))
-            out = func(*args, **kwargs)
-            if log.on:
-                for t in out if isinstance(out, (tuple, list)) else (out,):
-                    if isinstance(t, torch.Tensor):
-                        log.created.add(t.untyped_storage().data_ptr())
-            return out
-
-    log.mode = Ops()
-
-
 @pytest.mark.parametrize("lora_backend", ["triton-sgmv", "triton-auto"])
 def test_every_step_launches_what_its_bucket_captured(tiny, lora_backend, monkeypatch):
-    """What a CUDA graph cannot follow, checked on any device: for every step the runner ran, its forward
-    (real routing) and the forward a capture of its (bucket, rank bound) runs (no request, every row
-    padding) make the same launches and torch ops: grids, scalars, and the same persistent buffers at
-    the same offsets (temporaries aside, which a graph's pool holds at fixed addresses)."""
+    """For every step the runner ran, its forward (real routing) and the forward a capture of its (bucket,
+    rank bound) runs (no request, every row padding) make the same launches and torch ops: grids, scalars,
+    and the same persistent buffers at the same offsets (graph_safety)."""
     base, adapters = tiny()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     engine = _engine(base, adapters, device, lora_backend=lora_backend, disable_cuda_graph=True)
     runner = engine.runner
     graphs = runner.mixed_graphs = MixedGraphRunner(runner, 24, 5, engine.max_model_len, capture=False)
-    info = runner.lora.info
-    persistent: dict[int, str] = {}
-    named = [
-        *((f"param {n}", t) for n, t in runner.model.named_parameters()),
-        *((f"buffer {n}", t) for n, t in runner.model.named_buffers()),
-        ("kv cache", engine.kv_cache.data),
-        *((f"runner {n}", getattr(graphs, n)) for n in ("i64", "i32", "block_tables", "hidden")),
-        *(
-            (f"routing {n}", getattr(info, n))
-            for n in ("seg_indptr", "seg_lens", "weight_indices", "token_slots", "ranks")
-        ),
-    ]
-    for m in runner.model.modules():
-        w = getattr(m, "weights", None)
-        if w is not None and hasattr(w, "A"):
-            named += [("pool A", w.A), ("pool B", w.B), ("pool scalings", w.scalings)]
-    for name, t in named:
-        persistent.setdefault(t.untyped_storage().data_ptr(), name)
-    log = _LaunchLog(persistent)
-    _record_launches(monkeypatch, log)
-    steps: list[tuple[tuple[int, int], list]] = []
     forward = graphs._forward
+    with torch.inference_mode():  # a capture's warm-up: first-use tables (RoPE, tile buffers) are built first
+        runner.lora.prepare_mixed_capture(16, graphs.segments(16), 4)
+        forward(16)
+    static = [(f"runner {n}", getattr(graphs, n)) for n in ("i64", "i32", "block_tables", "hidden")]
+    log = LaunchLog(persistent_storages(engine, [*static, ("routing tiles", runner.lora.info._tile_buf)]))
+    record_launches(monkeypatch, log)
+    steps: list[tuple] = []
 
     def recorded(bucket: int) -> None:
         log.start()
-        persistent.setdefault(info._tile_buf.untyped_storage().data_ptr(), "routing tiles")
         with log.mode:
             forward(bucket)
         log.on = False
         steps.append((graphs.last_key, log.calls))
 
-    with torch.inference_mode():  # a capture's warm-up: first-use tables (RoPE) are built before it records
-        runner.lora.prepare_mixed_capture(16, graphs.segments(16), 4)
-        forward(16)
-    for m in runner.model.modules():  # the RoPE tables that warm-up built
-        for t in getattr(m, "_cache", None) or ():
-            persistent.setdefault(t.untyped_storage().data_ptr(), "rope table")
+    def capture(key: tuple[int, int]) -> None:
+        bucket, bound = key
+        runner.lora.prepare_mixed_capture(bucket, graphs.segments(bucket), bound)
+        log.start()
+        forward(bucket)
+
     graphs._forward = recorded
     _generate(engine)
     graphs._forward = forward
     assert len(steps) > 3 and {key[1] for key, _ in steps} == {0, 4}
-    captured: dict[tuple[int, int], list] = {}
-    for (bucket, bound), calls in steps:
-        if (bucket, bound) not in captured:
-            with torch.inference_mode(), log.mode:
-                runner.lora.prepare_mixed_capture(bucket, graphs.segments(bucket), bound)
-                log.start()
-                forward(bucket)
-            log.on = False
-            captured[(bucket, bound)] = log.calls
-        ref = captured[(bucket, bound)]
-        for k, (got, want) in enumerate(zip(calls, ref)):
-            assert got == want, (bucket, bound, [str(c)[:200] for c in calls[max(0, k - 2) : k + 1]])
-        assert len(calls) == len(ref), (bucket, bound)
-    outside = {str(c)[:300] for _, calls in steps for c in calls if "'outside'" in str(c)}
-    assert not outside, outside  # a forward read a tensor made before it that is no static buffer
+    captured = assert_steps_replay_their_captures(log, steps, capture)
     lora_launches = [c[0] for (_, bound), calls in captured.items() if bound for c in calls]
     assert "_sgmv_shrink_kernel" in lora_launches and "_prefill_kernel" in lora_launches
 

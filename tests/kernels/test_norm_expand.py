@@ -188,3 +188,62 @@ def test_models_with_the_fused_norms_give_the_same_tokens(tiny, arch, monkeypatc
     for a, b in zip(on, off):
         assert a.output_ids == b.output_ids
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
+
+
+@pytest.mark.parametrize("lora_backend", ["triton-sgmv", "triton-auto"])
+def test_decode_graph_steps_with_the_fused_norms_launch_what_their_capture_did(
+    tiny, lora_backend, monkeypatch
+):
+    """The decode-graph runner's steps (static buffers, no capture) with the fusion on: every step makes the
+    launches of a capture of its (bucket, rank bound, layout), the fused norms among them (graph_safety)."""
+    from graph_safety import (
+        LaunchLog,
+        assert_steps_replay_their_captures,
+        persistent_storages,
+        record_launches,
+    )
+
+    from mmlora.engine.cuda_graph import CudaGraphRunner
+
+    base, adapters = tiny()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    engine = mmlora.Engine(
+        model=str(base), lora_paths=adapters, max_loras_per_batch=2, max_lora_rank=4, device=device,
+        dtype="float32", lora_backend=lora_backend, attention_backend="triton", disable_cuda_graph=True,
+        disable_cpu_graph=True, max_kv_tokens=1024, block_size=4, cpu_fused_lora=False, max_running_requests=4,
+    )  # fmt: skip
+    runner = engine.runner
+    graphs = runner.decode_graphs = CudaGraphRunner(runner, 4, engine.max_model_len, capture=False)
+    forward = graphs._forward
+    with torch.inference_mode():  # a capture's warm-up
+        runner.lora.prepare_capture(4, 4, runner.lora.graph_layouts[0])
+        forward(4)
+    names = ("i64", "seq_lens", "block_tables", "query_start_loc", "logits_rows")
+    log = LaunchLog(persistent_storages(engine, [(f"runner {n}", getattr(graphs, n)) for n in names]))
+    record_launches(monkeypatch, log)
+    steps: list[tuple] = []
+
+    def recorded(bs: int) -> torch.Tensor:
+        log.start()
+        with log.mode:
+            logits = forward(bs)
+        log.on = False
+        steps.append((graphs.last_key, log.calls))
+        return logits
+
+    def capture(key: tuple[int, int, str]) -> None:
+        bs, bound, layout = key
+        runner.lora.prepare_capture(bs, bound, layout)
+        log.start()
+        forward(bs)
+
+    graphs._forward = recorded
+    engine.generate(
+        input_ids=PROMPTS, lora_paths=["a", "a", "a", None], return_logprob=True,
+        sampling_params={"max_new_tokens": 5, "temperature": 0.0, "ignore_eos": True},
+    )  # fmt: skip
+    graphs._forward = forward
+    assert len(steps) > 3 and any(key[1] for key, _ in steps)
+    captured = assert_steps_replay_their_captures(log, steps, capture)
+    launched = {c[0] for key, calls in captured.items() if key[1] and key[2] == "runs" for c in calls}
+    assert "_sgmv_norm_expand_kernel" in launched
