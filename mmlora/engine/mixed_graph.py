@@ -38,6 +38,7 @@ import time
 import torch
 
 from mmlora.distributed.state import tp_group
+from mmlora.engine.model_runner import step_rows
 from mmlora.engine.overlap import resolve_placeholders
 from mmlora.engine.prompt_logprobs import record_prompt_logprobs
 from mmlora.engine.scheduler import ScheduledBatch
@@ -218,20 +219,10 @@ class MixedGraphRunner:
         order = sorted(range(len(sched)), key=lambda b: sched.requests[b].slot)
         requests = [sched.requests[b] for b in order]
         num_new = [sched.num_new[b] for b in order]
-        bsz = self.block_size
-        ids, pos, kv_slots, qsl, seq_lens, rows, sampling = [], [], [], [0], [], [], []
-        max_blocks = 1
-        for b, req, n in zip(order, requests, num_new):
-            start = req.num_computed
-            ids.extend(req.token_slice(start, start + n))
-            pos.extend(range(start, start + n))
-            kv_slots.extend(req.blocks[p // bsz] * bsz + p % bsz for p in range(start, start + n))
-            qsl.append(qsl[-1] + n)
-            seq_lens.append(start + n)
-            max_blocks = max(max_blocks, len(req.blocks))
-            if start + n == req.num_tokens:
-                rows.append(qsl[-1] - 1)
-                sampling.append(b)
+        step = step_rows(requests, num_new, self.block_size)
+        ids, pos, kv_slots, qsl, seq_lens = step.ids, step.positions, step.kv_slots, step.qsl, step.seq_lens
+        rows, sampling = step.logits_rows, [order[b] for b in step.sampling]
+        max_blocks = max(len(r.blocks) for r in requests)
         tokens, n = len(ids), len(requests)
         slots = [r.slot for r in requests]
         bucket = self.bucket_of(tokens, len(set(slots)))

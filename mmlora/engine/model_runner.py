@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 
 from mmlora.backends.onednn import packable_dtypes
@@ -9,6 +12,7 @@ from mmlora.distributed.state import tp_group
 from mmlora.distributed.step import StepRouting, send_forward
 from mmlora.engine.overlap import resolve_placeholders
 from mmlora.engine.prompt_logprobs import record_prompt_logprobs
+from mmlora.engine.request import Request
 from mmlora.engine.scheduler import ScheduledBatch
 from mmlora.forward import AttentionMetadata, ForwardBatch
 from mmlora.kvcache.allocator import KVCache
@@ -31,6 +35,39 @@ def adapter_order(sched: ScheduledBatch) -> list[int] | None:
     if runs <= len(set(slots)):  # every slot's requests are one run already
         return None
     return sorted(range(len(slots)), key=slots.__getitem__)
+
+
+@dataclass
+class StepRows:
+    """One forward's rows in batch order, as host lists: each request's new tokens (ids, positions, the KV
+    slot each is written to), ``query_start_loc`` and ``seq_lens`` per request, and the rows whose hidden
+    state is turned into logits with the batch indices of their requests (those that sample)."""
+
+    ids: list[int]
+    positions: list[int]
+    kv_slots: list[int]
+    qsl: list[int]
+    seq_lens: list[int]
+    logits_rows: list[int]
+    sampling: list[int]
+
+
+def step_rows(requests: Sequence[Request], num_new: Sequence[int], block_size: int) -> StepRows:
+    """The :class:`StepRows` of ``requests`` feeding ``num_new`` tokens each (their pages already hold them)."""
+    rows = StepRows([], [], [], [0], [], [], [])
+    for b, (req, n) in enumerate(zip(requests, num_new)):
+        start = req.num_computed
+        rows.ids.extend(req.token_slice(start, start + n))
+        rows.positions.extend(range(start, start + n))
+        rows.kv_slots.extend(
+            req.blocks[p // block_size] * block_size + p % block_size for p in range(start, start + n)
+        )
+        rows.qsl.append(rows.qsl[-1] + n)
+        rows.seq_lens.append(start + n)
+        if start + n == req.num_tokens:
+            rows.logits_rows.append(rows.qsl[-1] - 1)
+            rows.sampling.append(b)
+    return rows
 
 
 class ModelRunner:
@@ -105,22 +142,15 @@ class ModelRunner:
 
     def build(self, sched: ScheduledBatch) -> tuple[ForwardBatch, list[int]]:
         """The ForwardBatch, and the batch indices of requests that sample this step."""
-        ids: list[int] = []
-        positions: list[int] = []
-        slot_mapping: list[int] = []
-        qsl, seq_lens = [0], []
-        logits_rows, sampling = [], []
-        bs = self.block_size
-        for b, (req, n) in enumerate(zip(sched.requests, sched.num_new)):
-            start = req.num_computed
-            ids.extend(req.token_slice(start, start + n))
-            positions.extend(range(start, start + n))
-            slot_mapping.extend(req.blocks[p // bs] * bs + p % bs for p in range(start, start + n))
-            qsl.append(qsl[-1] + n)
-            seq_lens.append(start + n)
-            if start + n == req.num_tokens:
-                logits_rows.append(qsl[-1] - 1)
-                sampling.append(b)
+        rows = step_rows(sched.requests, sched.num_new, self.block_size)
+        ids, positions, slot_mapping, qsl, seq_lens = (
+            rows.ids,
+            rows.positions,
+            rows.kv_slots,
+            rows.qsl,
+            rows.seq_lens,
+        )
+        logits_rows, sampling = rows.logits_rows, rows.sampling
         max_blocks = max(len(r.blocks) for r in sched.requests)
         tables = [r.blocks + [0] * (max_blocks - len(r.blocks)) for r in sched.requests]
         attn = AttentionMetadata(

@@ -12,7 +12,6 @@ import gc
 
 import pytest
 import torch
-from tiny_models import ALL_SEVEN, make_adapter, make_checkpoint
 
 import mmlora
 from mmlora.engine.cuda_graph import CudaGraphRunner, batch_buckets
@@ -28,23 +27,6 @@ PROMPTS = [
 LORAS = ["a", None, "b", "a", "b", None]
 SAMPLING = {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    def build(arch: str):
-        root = tmp_path_factory.mktemp(f"graph-{arch}")
-        base = make_checkpoint(root / "base", arch)
-        adapters = {
-            "a": make_adapter(base, root / "a", seed=1, r=4, lora_alpha=8, target_modules=ALL_SEVEN),
-            "b": make_adapter(
-                base, root / "b", seed=2, r=2, lora_alpha=4, target_modules=["q_proj", "down_proj"]
-            ),
-        }
-        return base, {n: str(p) for n, p in adapters.items()}
-
-    cache: dict[str, tuple] = {}
-    return lambda arch="llama": cache.setdefault(arch, build(arch))
 
 
 def _engine(base, adapters, device: str, **kw) -> mmlora.Engine:

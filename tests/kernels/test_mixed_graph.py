@@ -161,23 +161,6 @@ def test_sgmv_over_fill_graph_equals_fill(backend, block_m, monkeypatch):
         LoRABatchInfo(bucket, 3, DEV, max_lora_rank=rank).fill_graph(seq_lens, slots, 32, 24, rank)
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    def build(arch: str):
-        root = tmp_path_factory.mktemp(f"mixed-graph-{arch}")
-        base = make_checkpoint(root / "base", arch)
-        adapters = {
-            "a": make_adapter(base, root / "a", seed=1, r=4, lora_alpha=8, target_modules=ALL_SEVEN),
-            "b": make_adapter(
-                base, root / "b", seed=2, r=2, lora_alpha=4, target_modules=["q_proj", "down_proj"]
-            ),
-        }
-        return base, {n: str(p) for n, p in adapters.items()}
-
-    cache: dict[str, tuple] = {}
-    return lambda arch="llama": cache.setdefault(arch, build(arch))
-
-
 def _engine(base, adapters, device: str, **kw) -> mmlora.Engine:
     opts = dict(
         model=str(base), lora_paths=adapters, max_loras_per_batch=2, max_lora_rank=4, max_running_requests=5,

@@ -20,7 +20,6 @@ if not torch.cuda.is_available():  # must precede the first triton import of the
 import pytest  # noqa: E402
 from test_lora_kernels import DEV, TOL, Case, make_case, reference  # noqa: E402
 from test_lora_paged import paged_weights  # noqa: E402
-from tiny_models import ALL_SEVEN, make_adapter, make_checkpoint, make_gemma2_checkpoint  # noqa: E402
 
 import mmlora  # noqa: E402
 from mmlora.backends import get_backend, triton_sgmv_norm  # noqa: E402
@@ -133,27 +132,6 @@ def test_a_packed_output_falls_back_to_the_expand_then_the_norm() -> None:
     pending = get_backend("triton-sgmv").defer_lora(c.x, c.weights, c.info, "norm")
     w, res = _inputs(c, 0.0, seed=1)
     assert pending.rms_norm(c.out.clone(), w, 1e-5, 0.0, res) is None
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    def build(arch: str):
-        root = tmp_path_factory.mktemp(f"norm-expand-{arch}")
-        base = (
-            make_gemma2_checkpoint(root / "base")
-            if arch == "gemma2"
-            else make_checkpoint(root / "base", arch)
-        )
-        adapters = {
-            "a": make_adapter(base, root / "a", seed=1, r=4, lora_alpha=8, target_modules=ALL_SEVEN),
-            "b": make_adapter(
-                base, root / "b", seed=2, r=2, lora_alpha=4, target_modules=["o_proj", "down_proj"]
-            ),
-        }
-        return base, {n: str(p) for n, p in adapters.items()}
-
-    cache: dict[str, tuple] = {}
-    return lambda arch="llama": cache.setdefault(arch, build(arch))
 
 
 PROMPTS = [[5, 9, 13, 2, 7], [31, 4, 4, 8, 19, 3, 6], [11, 12, 13] * 4, [40, 41, 2, 9]]
