@@ -263,12 +263,10 @@ class SGMVDeferred(DeferredLoRA):
         residual: torch.Tensor | None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
         from mmlora.backends.triton_sgmv_norm import norm_fits, sgmv_norm_expand
-        from mmlora.layers.fused_ops import check_norm_inputs
 
         if not norm_fits(x, self.weights, residual):
             return None
         self._check(x)
-        check_norm_inputs(x, weight, residual)
         return sgmv_norm_expand(
             x, weight, eps, offset, residual, self.h, self.weights, self.info, self.R,
             rank_bucket_bound(self.info, self.R),

@@ -33,7 +33,8 @@ from mmlora.triton_launch import fast
 
 #: ``norm_expand``: whether SGMV defers o_proj's and down_proj's expand to the norm at all;
 #: ``norm_max_tokens``: the largest batch that does; the column chunk of the expand pass and its loop's
-#: depth, warps. Unmeasured.
+#: depth, warps; ``max_block``: the widest row normalised in one tile (wider outputs are not fused).
+#: Unmeasured.
 TUNING = {
     "norm_expand": False,
     "norm_max_tokens": 256,
@@ -41,6 +42,7 @@ TUNING = {
     "stages": 2,
     "warps": 4,
     "max_split": 16,
+    "max_block": 16384,
 }
 
 
@@ -115,8 +117,6 @@ def _sgmv_norm_expand_kernel(
 def norm_fits(x: torch.Tensor, weights: LoRAWeights, residual: torch.Tensor | None) -> bool:
     """Whether ``x`` [T, N] (unit column stride, and ``residual`` alike) is a single-slice module's
     output this kernel reads: N within one norm tile."""
-    from mmlora.layers.fused_ops import TUNING as NORM_TUNING  # (fused_ops imports the backends)
-
     n = x.shape[-1]
     return (
         weights.n_slices == 1
@@ -124,7 +124,7 @@ def norm_fits(x: torch.Tensor, weights: LoRAWeights, residual: torch.Tensor | No
         and x.stride(-1) == 1
         and n == weights.slice_offsets[1]
         and x.dtype == weights.B.dtype
-        and next_pow2(n) <= NORM_TUNING["norm_max_block"]
+        and next_pow2(n) <= TUNING["max_block"]
         and (residual is None or (residual.shape == x.shape and residual.stride(-1) == 1))
     )
 
@@ -144,7 +144,8 @@ def sgmv_norm_expand(
     """``rms_norm(x + delta, weight, eps, offset, residual)`` (the contract of
     ``_sgmv_norm_expand_kernel``; the return of :func:`mmlora.layers.fused_ops.rms_norm`). ``h``: the
     shrink's planes [SPLIT_K, >= T, R]; ``rank_bound``: the batch's rank bucket (at most R). Inputs are the
-    caller's to check (:func:`norm_fits`, the backend's validation)."""
+    caller's to check (:func:`norm_fits`, the backend's validation of the expand's output, and the norm's
+    own: ``RMSNorm`` checks x, weight and residual first)."""
     T, N = x.shape
     y_dtype = x.dtype if offset else torch.promote_types(weight.dtype, x.dtype)
     y = torch.empty((T, N), dtype=y_dtype, device=x.device)

@@ -9,7 +9,7 @@ from torch import nn
 
 from mmlora.backends import cpu_kernels
 from mmlora.backends.base import DeferredLoRA
-from mmlora.layers.fused_ops import rms_norm
+from mmlora.layers.fused_ops import check_norm_inputs, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -31,6 +31,7 @@ class RMSNorm(nn.Module):
         ``lora``: the LoRA delta of the module that made x, deferred to this norm
         (``LoRALinear.forward_deferred(..., "norm")``): added to x first, fused where the backend can."""
         if lora is not None:
+            check_norm_inputs(x, self.weight, residual)
             fused = lora.rms_norm(x, self.weight, self.eps, self.offset, residual)
             if fused is not None:
                 return fused
