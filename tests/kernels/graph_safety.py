@@ -2,7 +2,7 @@
 replays the launches of its capture with the addresses it captured, so every step a graph runner serves
 must make exactly the launches and torch ops of a capture of its graph key, and read no tensor made
 before the forward that is not one of the runner's static buffers. Used by the mixed-step and decode
-graph tests."""
+graph tests, with the helpers they share (:class:`KeyLog`, :func:`assert_same_outputs`)."""
 
 from __future__ import annotations
 
@@ -141,3 +141,22 @@ def assert_steps_replay_their_captures(
     outside = {str(c)[:300] for _, calls in steps for c in calls if "'outside'" in str(c)}
     assert not outside, outside  # a forward read a tensor made before it that is no static buffer
     return captured
+
+
+class KeyLog(dict):
+    """A graph runner's graphs dict, logging every key a replay looks up."""
+
+    def __init__(self, graphs: dict) -> None:
+        super().__init__(graphs)
+        self.used: list[tuple] = []
+
+    def __getitem__(self, key):  # noqa: ANN001, ANN204
+        self.used.append(key)
+        return super().__getitem__(key)
+
+
+def assert_same_outputs(ref: list, got: list, atol: float) -> None:
+    """The same greedy tokens, and sampled-token logprobs within ``atol``, request by request."""
+    for r, g in zip(ref, got):
+        assert g.output_ids == r.output_ids, (r.output_ids, g.output_ids)
+        assert max(abs(a - b) for a, b in zip(r.logprobs, g.logprobs)) < atol

@@ -12,6 +12,7 @@ import gc
 
 import pytest
 import torch
+from graph_safety import KeyLog, assert_same_outputs
 
 import mmlora
 from mmlora.engine.cuda_graph import CudaGraphRunner, batch_buckets
@@ -43,12 +44,6 @@ def _generate(engine: mmlora.Engine) -> list:
     return engine.generate(input_ids=PROMPTS, lora_paths=LORAS, sampling_params=SAMPLING, return_logprob=True)
 
 
-def _assert_same(ref: list, got: list, atol: float) -> None:
-    for r, g in zip(ref, got):
-        assert g.output_ids == r.output_ids, (r.output_ids, g.output_ids)
-        assert max(abs(a - b) for a, b in zip(r.logprobs, g.logprobs)) < atol
-
-
 def _free() -> None:
     gc.collect()
     if torch.cuda.is_available():
@@ -67,18 +62,6 @@ def test_buckets():
 #: Mostly one adapter: sorted by slot, a full decode step is runs of several rows, so triton-auto
 #: replays its ``runs`` graphs (SGMV) for them, and its ``rows`` graphs (BGMV) for the last request alone.
 RUN_LORAS = ["a", "a", None, "a", "a", "b"]
-
-
-class _KeyLog(dict):
-    """The graphs dict, logging every key a replay looks up."""
-
-    def __init__(self, graphs: dict) -> None:
-        super().__init__(graphs)
-        self.used: list[tuple[int, int, str]] = []
-
-    def __getitem__(self, key):  # noqa: ANN001, ANN204
-        self.used.append(key)
-        return super().__getitem__(key)
 
 
 @pytest.mark.parametrize(
@@ -103,8 +86,8 @@ def test_static_buffer_path_matches_eager(tiny, lora_backend, loras):
     runner = engine.runner
     graphs = runner.decode_graphs = CudaGraphRunner(runner, 5, engine.max_model_len, capture=False)
     assert engine.kv_cache.allocator.num_blocks == 2048 // 4 - 1  # the padding page is reserved
-    graphs.graphs = _KeyLog(graphs.graphs)
-    _assert_same(ref, generate(engine), 1e-4)
+    graphs.graphs = KeyLog(graphs.graphs)
+    assert_same_outputs(ref, generate(engine), 1e-4)
     used = {layout for _, bound, layout in graphs.graphs.used if bound}
     assert used == set(runner.lora.graph_layouts), used  # triton-auto: both layouts were replayed
 
@@ -121,8 +104,8 @@ def test_decode_replays_the_graph_of_its_rank_bucket(tiny):
         engine.runner, 5, engine.max_model_len, capture=False
     )
     assert set(graphs.graphs) == {(b, r, "rows") for b in graphs.buckets for r in (0, 16, 32, 64)}
-    graphs.graphs = _KeyLog(graphs.graphs)
-    _assert_same(ref, _generate(engine), 1e-4)
+    graphs.graphs = KeyLog(graphs.graphs)
+    assert_same_outputs(ref, _generate(engine), 1e-4)
     assert {r for _, r, _ in graphs.graphs.used} == {0, 16}  # 0: steps left with base-only rows
 
 
@@ -201,7 +184,7 @@ def test_graph_tokens_equal_eager(tiny, arch, lora_backend, attention):
     del engine
     _free()
     assert replays > 0, "no decode step replayed a graph"
-    _assert_same(ref, got, 1e-4)
+    assert_same_outputs(ref, got, 1e-4)
 
 
 @cuda
@@ -220,13 +203,13 @@ def test_graphs_in_the_runs_layout_equal_eager(tiny, lora_backend):
     _free()
     engine = _engine(base, adapters, "cuda", lora_backend=lora_backend)
     graphs = engine.runner.decode_graphs
-    graphs.graphs = _KeyLog(graphs.graphs)
+    graphs.graphs = KeyLog(graphs.graphs)
     got = generate(engine)
     used = {layout for _, bound, layout in graphs.graphs.used if bound}
     layouts = set(engine.runner.lora.graph_layouts)
     del engine, graphs
     _free()
-    _assert_same(ref, got, 1e-4)
+    assert_same_outputs(ref, got, 1e-4)
     assert used == layouts, used
 
 
@@ -241,7 +224,7 @@ def test_triton_attention_matches_torch_reference_in_engine(tiny, arch, graphs):
     _free()
     got = _generate(_engine(base, adapters, "cuda", attention_backend="triton", **kw))
     _free()
-    _assert_same(ref, got, 1e-3)
+    assert_same_outputs(ref, got, 1e-3)
 
 
 @cuda
@@ -270,7 +253,7 @@ def test_graphs_on_dummy_preset_with_random_adapters(tmp_path, dtype):
     del engine
     _free()
     if dtype == "float32":
-        _assert_same(ref, got, 1e-3)
+        assert_same_outputs(ref, got, 1e-3)
         return
     # bf16: kernel split counts differ between graph and eager, so near-ties of random weights may flip.
     # The first token comes from the same eager prefill; the second of the first 16 rows from a graph
@@ -313,13 +296,13 @@ def test_graphs_per_rank_bound_match_eager_in_a_rank_64_pool(tmp_path):
     _free()
     engine = mmlora.Engine(**opts)
     graphs = engine.runner.decode_graphs
-    graphs.graphs = _KeyLog(graphs.graphs)
+    graphs.graphs = KeyLog(graphs.graphs)
     bounds = {}
     for k, r in rows.items():
         graphs.graphs.used.clear()
         got = engine.generate(input_ids=prompts, lora_paths=r, sampling_params=sp, return_logprob=True)
         bounds[k] = {b for _, b, _ in graphs.graphs.used}
-        _assert_same(ref[k], got, 1e-3)
+        assert_same_outputs(ref[k], got, 1e-3)
     del engine, graphs
     _free()
     assert 16 in bounds["rank-8 only"] <= {0, 16}  # 0: a step whose rows are all base-only

@@ -13,7 +13,14 @@ import gc
 
 import pytest
 import torch
-from graph_safety import LaunchLog, assert_steps_replay_their_captures, persistent_storages, record_launches
+from graph_safety import (
+    KeyLog,
+    LaunchLog,
+    assert_same_outputs,
+    assert_steps_replay_their_captures,
+    persistent_storages,
+    record_launches,
+)
 from test_attention import DEV, dense_attention, make_case
 from tiny_models import ALL_SEVEN, make_adapter, make_checkpoint
 
@@ -176,22 +183,6 @@ def _generate(engine: mmlora.Engine) -> list:
     return engine.generate(input_ids=PROMPTS, lora_paths=LORAS, sampling_params=SAMPLING, return_logprob=True)
 
 
-def _assert_same(ref: list, got: list, atol: float) -> None:
-    for r, g in zip(ref, got):
-        assert g.output_ids == r.output_ids, (r.output_ids, g.output_ids)
-        assert max(abs(a - b) for a, b in zip(r.logprobs, g.logprobs)) < atol
-
-
-class _KeyLog(dict):
-    def __init__(self, graphs: dict) -> None:
-        super().__init__(graphs)
-        self.used: list[tuple[int, int]] = []
-
-    def __getitem__(self, key):  # noqa: ANN001, ANN204
-        self.used.append(key)
-        return super().__getitem__(key)
-
-
 @pytest.mark.parametrize(
     ("arch", "lora_backend"),
     [
@@ -212,8 +203,8 @@ def test_static_buffer_path_matches_eager(tiny, arch, lora_backend):
     engine = _engine(base, adapters, device, **kw)
     runner = engine.runner
     graphs = runner.mixed_graphs = MixedGraphRunner(runner, 24, 5, engine.max_model_len, capture=False)
-    graphs.graphs = _KeyLog(graphs.graphs)
-    _assert_same(ref, _generate(engine), 1e-4)
+    graphs.graphs = KeyLog(graphs.graphs)
+    assert_same_outputs(ref, _generate(engine), 1e-4)
     assert graphs.num_replays > 0
     assert {bound for _, bound in graphs.graphs.used} == {0, 4}  # the pool rank 4 caps the bucket
     buckets = {bucket for bucket, _ in graphs.graphs.used}
@@ -321,4 +312,4 @@ def test_captured_mixed_graphs_equal_eager(tmp_path, arch, lora_backend):
     del engine
     _free()
     assert replays > 0, "no prefill or mixed step replayed a graph"
-    _assert_same(ref, got, 1e-4)
+    assert_same_outputs(ref, got, 1e-4)
