@@ -32,7 +32,8 @@ from mmlora.backends.triton_common import (
     rank_bucket_bound,
     rank_load_bound,
 )
-from mmlora.backends.triton_sgmv_kernels import _h_tile, _tile
+from mmlora.backends.triton_sgmv_kernels import _h_planes, _h_tile, _tile
+from mmlora.backends.triton_sgmv_norm import norm_fits, sgmv_norm_expand
 from mmlora.forward.lora import LoRABatchInfo, LoRAWeights
 from mmlora.triton_launch import fast
 
@@ -60,25 +61,6 @@ TUNING = {
     "run_warps": 4,
     "run_stages": 3,
 }
-
-
-@triton.jit
-def _h_planes(h_ptr, offs_m, m_ok, cols, cols_ok, SPLIT_K, stride_hs, stride_hm, dtype: tl.constexpr,
-              MAX_SPLIT: tl.constexpr):  # fmt: skip
-    """h [BLOCK_M, len(cols)] summed over the shrink's SPLIT_K planes and rounded to ``dtype``, as
-    ``_h_tile`` (which takes more than MAX_SPLIT planes); up to MAX_SPLIT the loads are unrolled (predicated
-    per plane), so they are all in flight together instead of one after another."""
-    if SPLIT_K > MAX_SPLIT:
-        h = _h_tile(h_ptr, offs_m, m_ok, cols, cols_ok, SPLIT_K, stride_hs, stride_hm, dtype)
-    else:
-        ptrs = h_ptr + offs_m[:, None] * stride_hm + cols[None, :]
-        hsum = tl.load(ptrs, mask=m_ok[:, None] & cols_ok[None, :], other=0.0).to(tl.float32)
-        for sp in tl.static_range(1, MAX_SPLIT):
-            in_plane = m_ok & (offs_m * 0 + sp < SPLIT_K)  # a tensor mask (the interpreter's & needs one)
-            plane = tl.load(ptrs + sp * stride_hs, mask=in_plane[:, None] & cols_ok[None, :], other=0.0)
-            hsum += plane.to(tl.float32)
-        h = hsum.to(dtype)
-    return h
 
 
 @triton.jit(do_not_specialize=("SPLIT_K", "M_TILES", "ACT"))
@@ -262,8 +244,6 @@ class SGMVDeferred(DeferredLoRA):
         offset: float,
         residual: torch.Tensor | None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
-        from mmlora.backends.triton_sgmv_norm import norm_fits, sgmv_norm_expand
-
         if not norm_fits(x, self.weights, residual):
             return None
         self._check(x)

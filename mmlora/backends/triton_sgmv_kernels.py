@@ -227,3 +227,22 @@ def _expand_group(
         prev = tl.load(o_ptrs, mask=o_mask)
         acc = tl.dot(ht, bt, input_precision=PREC)
         tl.store(o_ptrs, (prev.to(tl.float32) + acc * scale).to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+@triton.jit
+def _h_planes(h_ptr, offs_m, m_ok, cols, cols_ok, SPLIT_K, stride_hs, stride_hm, dtype: tl.constexpr,
+              MAX_SPLIT: tl.constexpr):  # fmt: skip
+    """h [BLOCK_M, len(cols)] summed over the shrink's SPLIT_K planes and rounded to ``dtype``, as
+    ``_h_tile`` (which takes more than MAX_SPLIT planes); up to MAX_SPLIT the loads are unrolled (predicated
+    per plane), so they are all in flight together instead of one after another."""
+    if SPLIT_K > MAX_SPLIT:
+        h = _h_tile(h_ptr, offs_m, m_ok, cols, cols_ok, SPLIT_K, stride_hs, stride_hm, dtype)
+    else:
+        ptrs = h_ptr + offs_m[:, None] * stride_hm + cols[None, :]
+        hsum = tl.load(ptrs, mask=m_ok[:, None] & cols_ok[None, :], other=0.0).to(tl.float32)
+        for sp in tl.static_range(1, MAX_SPLIT):
+            in_plane = m_ok & (offs_m * 0 + sp < SPLIT_K)  # a tensor mask (the interpreter's & needs one)
+            plane = tl.load(ptrs + sp * stride_hs, mask=in_plane[:, None] & cols_ok[None, :], other=0.0)
+            hsum += plane.to(tl.float32)
+        h = hsum.to(dtype)
+    return h

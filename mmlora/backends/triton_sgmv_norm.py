@@ -27,7 +27,7 @@ from mmlora.backends.triton_common import (
     rank_load_bound,
     rms_norm_scale,
 )
-from mmlora.backends.triton_sgmv_act import _h_planes
+from mmlora.backends.triton_sgmv_kernels import _h_planes
 from mmlora.forward.lora import RANK_TILE, LoRABatchInfo, LoRAWeights
 from mmlora.triton_launch import fast
 

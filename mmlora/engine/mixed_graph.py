@@ -21,7 +21,7 @@ per bucket and filled per step into buffers of fixed address:
 
 Each graph writes the final hidden states into one shared buffer, and the logits of the rows that sample
 are computed after the replay, so a graph keeps no output of its own. Requests are ordered by adapter
-slot first, as eager steps are (``model_runner.adapter_order``).
+slot first, as eager steps are (``model_runner.adapter_order``), so each adapter is one segment.
 
 The shared buffer holds every row's final hidden state, so prompt logprobs are taken from it as an
 eager step takes them. Where a step cannot replay, it runs eagerly: more requests or tokens than
@@ -38,7 +38,7 @@ import time
 import torch
 
 from mmlora.distributed.state import tp_group
-from mmlora.engine.model_runner import step_rows
+from mmlora.engine.model_runner import adapter_order, step_rows
 from mmlora.engine.overlap import resolve_placeholders
 from mmlora.engine.prompt_logprobs import record_prompt_logprobs
 from mmlora.engine.scheduler import ScheduledBatch
@@ -203,12 +203,14 @@ class MixedGraphRunner:
         (one segment each once rows are ordered by slot), or None."""
         return next((b for b in self.buckets if b >= tokens and self.segments(b) >= num_slots), None)
 
-    def can_run(self, sched: ScheduledBatch) -> bool:
+    def _bucket(self, sched: ScheduledBatch) -> int | None:
         n, tokens = len(sched), sum(sched.num_new)
         if not (0 < n <= self.max_seqs and 0 < tokens <= self.max_tokens):
-            return False
-        slots = {r.slot for r, k in zip(sched.requests, sched.num_new) if k > 0}
-        return self.bucket_of(tokens, len(slots)) is not None
+            return None
+        return self.bucket_of(tokens, len({r.slot for r, k in zip(sched.requests, sched.num_new) if k > 0}))
+
+    def can_run(self, sched: ScheduledBatch) -> bool:
+        return self._bucket(sched) is not None
 
     @torch.inference_mode()
     def run(
@@ -216,7 +218,8 @@ class MixedGraphRunner:
     ) -> tuple[torch.Tensor, list[int]]:
         """fp32 logits [B', V] of the requests that sample, and their batch indices (as
         ``ModelRunner.forward``). ``future``: the tokens the placeholders among the token ids stand for."""
-        order = sorted(range(len(sched)), key=lambda b: sched.requests[b].slot)
+        bucket = self._bucket(sched)
+        order = adapter_order(sched) or list(range(len(sched)))
         requests = [sched.requests[b] for b in order]
         num_new = [sched.num_new[b] for b in order]
         step = step_rows(requests, num_new, self.block_size)
@@ -225,7 +228,6 @@ class MixedGraphRunner:
         max_blocks = max(len(r.blocks) for r in requests)
         tokens, n = len(ids), len(requests)
         slots = [r.slot for r in requests]
-        bucket = self.bucket_of(tokens, len(set(slots)))
         pad = bucket - tokens
         bound = self.lora.prepare_mixed(num_new, slots, bucket, self.segments(bucket))
         seqs = self.max_seqs
@@ -234,7 +236,7 @@ class MixedGraphRunner:
         self.i32.copy_(torch.tensor(i32, dtype=torch.int32), non_blocking=True)
         i64 = torch.tensor([ids + [0] * pad, pos + [0] * pad, kv_slots + [-1] * pad], dtype=torch.int64)
         self.i64[:, :bucket].copy_(i64, non_blocking=True)
-        tables = [r.blocks[:max_blocks] + [0] * (max_blocks - len(r.blocks)) for r in requests]
+        tables = [r.blocks + [0] * (max_blocks - len(r.blocks)) for r in requests]
         self.block_tables[:n, :max_blocks].copy_(torch.tensor(tables, dtype=torch.int32), non_blocking=True)
         if future is not None and min(ids) < 0:
             static_ids = self.i64[0, :tokens]

@@ -143,21 +143,14 @@ class ModelRunner:
     def build(self, sched: ScheduledBatch) -> tuple[ForwardBatch, list[int]]:
         """The ForwardBatch, and the batch indices of requests that sample this step."""
         rows = step_rows(sched.requests, sched.num_new, self.block_size)
-        ids, positions, slot_mapping, qsl, seq_lens = (
-            rows.ids,
-            rows.positions,
-            rows.kv_slots,
-            rows.qsl,
-            rows.seq_lens,
-        )
-        logits_rows, sampling = rows.logits_rows, rows.sampling
+        ids, seq_lens = rows.ids, rows.seq_lens
         max_blocks = max(len(r.blocks) for r in sched.requests)
         tables = [r.blocks + [0] * (max_blocks - len(r.blocks)) for r in sched.requests]
         attn = AttentionMetadata(
-            query_start_loc=self._i32(qsl),
+            query_start_loc=self._i32(rows.qsl),
             seq_lens=self._i32(seq_lens),
             block_tables=torch.tensor(tables, dtype=torch.int32).to(self.device, non_blocking=True),
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64).to(self.device, non_blocking=True),
+            slot_mapping=torch.tensor(rows.kv_slots, dtype=torch.int64).to(self.device, non_blocking=True),
             num_seqs=len(sched),
             num_tokens=len(ids),
             max_query_len=max(sched.num_new),
@@ -171,7 +164,7 @@ class ModelRunner:
             chunks = [(r.mm_inputs, r.num_computed, n) for r, n in zip(sched.requests, sched.num_new)]
             pos, input_embeds, embed_rows = batch_inputs(chunks, self.model.encode_images, self.device)
         else:
-            pos = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
+            pos = torch.tensor(rows.positions, dtype=torch.long).to(self.device, non_blocking=True)
         input_ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
         if self.future is not None and min(ids) < 0:
             input_ids = resolve_placeholders(input_ids, self.future)
@@ -179,11 +172,11 @@ class ModelRunner:
             input_ids=input_ids,
             positions=pos,
             attn=attn,
-            logits_rows=torch.tensor(logits_rows, dtype=torch.long).to(self.device, non_blocking=True),
+            logits_rows=torch.tensor(rows.logits_rows, dtype=torch.long).to(self.device, non_blocking=True),
             input_embeds=input_embeds,
             embed_rows=embed_rows,
         )
-        return batch, sampling
+        return batch, rows.sampling
 
     @torch.inference_mode()
     def forward(self, sched: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:

@@ -46,6 +46,26 @@ def slot_runs(slots: Sequence[int], cap: int = RUN_TILE) -> list[tuple[int, int]
     return runs
 
 
+def length_tiles(
+    lengths: Sequence[int], block: int, width: int, absolute: bool
+) -> tuple[list[int], list[int]]:
+    """A fixed-size tile table over consecutive spans of ``lengths``: (span index, first token) of each
+    ``block``-token tile in order, the first token counted from the span's start, or from the first span's
+    when ``absolute``; then unused entries ((0, :data:`UNUSED_TILE`)) up to ``width``. A ValueError when the
+    spans need more than ``width`` tiles."""
+    spans, firsts, start = [], [], 0
+    for i, n in enumerate(lengths):
+        base = start if absolute else 0
+        for m in range(0, n, block):
+            spans.append(i)
+            firsts.append(base + m)
+        start += n
+    if len(spans) > width:
+        raise ValueError(f"{len(spans)} tiles exceed the table's {width} entries")
+    pad = width - len(spans)
+    return spans + [0] * pad, firsts + [UNUSED_TILE] * pad
+
+
 def rank_buckets(max_rank: int) -> tuple[int, ...]:
     """The rank bounds a batch can have under a pool of rank ``max_rank``: 16, 32, 64, ... (doubling,
     below ``max_rank``), then ``max_rank`` itself. One CUDA graph is captured per (batch, rank bucket)."""
@@ -280,16 +300,9 @@ class LoRABatchInfo:
             )
         # Only the entries the bucket launches are written (the most: the smallest tile's count).
         width = self.graph_tile_count(num_tokens, num_segments, GRAPH_TILE_SIZES[0])
-        rows = []
-        for block_m in GRAPH_TILE_SIZES:
-            seg, m0, start = [], [], 0
-            for i, n in enumerate(lens):
-                for m in range(start, start + n, block_m):
-                    seg.append(i)
-                    m0.append(m)
-                start += n
-            pad = width - len(seg)
-            rows += [seg + [0] * pad, m0 + [UNUSED_TILE] * pad]
+        rows = [
+            row for block_m in GRAPH_TILE_SIZES for row in length_tiles(lens, block_m, width, absolute=True)
+        ]
         table = torch.tensor(rows, dtype=torch.int32).view(len(GRAPH_TILE_SIZES), 2, width)
         self._tile_buf[:, :, :width].copy_(table, non_blocking=True)
         self.graph_tiles = {

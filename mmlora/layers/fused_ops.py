@@ -263,10 +263,7 @@ def rms_norm_triton(
     block: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`rms_norm` in one Triton launch. ``block`` overrides the tile width (tests: multi-tile rows)."""
-    _check_norm(x, weight, residual)
-    _same_device("rms_norm", x, weight, *(() if residual is None else (residual,)))
-    _check_dtype("rms_norm: x", x)
-    _check_dtype("rms_norm: weight", weight)
+    check_norm_inputs(x, weight, residual)
     N = x.shape[-1]
     x2 = _unit_cols(x.reshape(-1, N))
     rows = x2.shape[0]

@@ -15,7 +15,7 @@ if not torch.cuda.is_available():  # must precede the first triton import of the
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
-from test_lora_kernels import DEV, TOL, Case, make_case, reference  # noqa: E402
+from test_lora_kernels import TOL, Case, make_case, reference, route_as_graph_runs  # noqa: E402
 from test_lora_paged import paged_weights  # noqa: E402
 
 from mmlora.backends import get_backend, triton_sgmv, triton_sgmv_act  # noqa: E402
@@ -101,13 +101,8 @@ def test_fused_activation_on_a_paged_pool(U: int) -> None:
 def test_fused_activation_over_a_graphs_runs_layout() -> None:
     """A decode graph's routing: runs of rows on one slot, base rows, and empty segment entries."""
     c = make_case(*CASES["decode-distinct"], torch.bfloat16, seed=5)
-    slots = [0, 0, 0, -1, 3, 3, 1]
-    info = LoRABatchInfo(c.info.max_tokens, len(c.ranks), DEV, max_lora_rank=16)
-    for s, r in enumerate(c.ranks):
-        info.set_slot_rank(s, r)
-    info.fill_rows(slots, rank_bound=16, layout="runs", segments=len(slots))
-    c.info, c.token_slots = info, slots
-    _check(c, c.weights, info, 0)
+    route_as_graph_runs(c, [0, 0, 0, -1, 3, 3, 1])
+    _check(c, c.weights, c.info, 0)
 
 
 def test_other_layouts_fall_back_to_the_expand_then_the_activation() -> None:

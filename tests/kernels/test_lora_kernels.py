@@ -142,6 +142,16 @@ def make_case(
     )
 
 
+def route_as_graph_runs(c: Case, slots: list[int]) -> None:
+    """Re-route ``c`` as a decode graph's step: ``slots`` per row in the runs layout (runs of rows on one
+    slot, base rows, as many segment entries as rows, the unused ones empty), rank bound 16."""
+    info = LoRABatchInfo(c.info.max_tokens, len(c.ranks), c.x.device, max_lora_rank=16)
+    for s, r in enumerate(c.ranks):
+        info.set_slot_rank(s, r)
+    info.fill_rows(slots, rank_bound=16, layout="runs", segments=len(slots))
+    c.info, c.token_slots = info, slots
+
+
 def reference(c: Case) -> tuple[torch.Tensor, torch.Tensor]:
     """(h, out after add_lora) in fp64 by a per-token, per-slice loop over the contract."""
     T, n = len(c.token_slots), len(c.offsets) - 1

@@ -27,10 +27,9 @@ from tiny_models import ALL_SEVEN, make_adapter, make_checkpoint
 import mmlora
 from mmlora.backends import get_backend
 from mmlora.engine.mixed_graph import MixedGraphRunner, token_buckets
-from mmlora.forward.lora import GRAPH_TILE_SIZES, LoRABatchInfo, LoRAWeights
+from mmlora.forward.lora import GRAPH_TILE_SIZES, UNUSED_TILE, LoRABatchInfo, LoRAWeights
 from mmlora.layers.attention.triton_backend import store_kv_triton
 from mmlora.layers.attention.triton_prefill import (
-    UNUSED_TILE,
     PrefillTiles,
     prefill_attention,
     prefill_tile_table,

@@ -18,11 +18,11 @@ if not torch.cuda.is_available():  # must precede the first triton import of the
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
-from test_lora_kernels import DEV, TOL, Case, make_case, reference  # noqa: E402
+from test_lora_kernels import DEV, TOL, Case, make_case, reference, route_as_graph_runs  # noqa: E402
 from test_lora_paged import paged_weights  # noqa: E402
 
 import mmlora  # noqa: E402
-from mmlora.backends import get_backend, triton_sgmv_norm  # noqa: E402
+from mmlora.backends import get_backend, triton_sgmv_act, triton_sgmv_norm  # noqa: E402
 from mmlora.forward.lora import LoRABatchInfo, LoRAWeights  # noqa: E402
 from mmlora.layers import fused_ops  # noqa: E402
 
@@ -104,13 +104,8 @@ def test_fused_norm_on_a_paged_pool(U: int) -> None:
 def test_fused_norm_over_a_graphs_runs_layout() -> None:
     """A decode graph's routing: runs of rows on one slot, base rows, and empty segment entries."""
     c = make_case(*CASES["decode-distinct"], torch.bfloat16, seed=5)
-    slots = [0, 0, 0, -1, 3, 3, 1]
-    info = LoRABatchInfo(c.info.max_tokens, len(c.ranks), DEV, max_lora_rank=16)
-    for s, r in enumerate(c.ranks):
-        info.set_slot_rank(s, r)
-    info.fill_rows(slots, rank_bound=16, layout="runs", segments=len(slots))
-    c.info, c.token_slots = info, slots
-    _check(c, c.weights, info, 0.0, True)
+    route_as_graph_runs(c, [0, 0, 0, -1, 3, 3, 1])
+    _check(c, c.weights, c.info, 0.0, True)
 
 
 def test_deferral_for_norms_follows_its_switches(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -157,8 +152,8 @@ def test_models_with_the_fused_norms_give_the_same_tokens(tiny, arch, monkeypatc
         )  # fmt: skip
 
     calls = []
-    fused = triton_sgmv_norm.sgmv_norm_expand
-    monkeypatch.setattr(triton_sgmv_norm, "sgmv_norm_expand", lambda *a: calls.append(1) or fused(*a))
+    fused = triton_sgmv_act.sgmv_norm_expand  # where the deferred delta calls it
+    monkeypatch.setattr(triton_sgmv_act, "sgmv_norm_expand", lambda *a: calls.append(1) or fused(*a))
     on = generate()
     assert calls, "no norm took a deferred delta"
     monkeypatch.setitem(triton_sgmv_norm.TUNING, "norm_expand", False)

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from mmlora.backends.triton_common import cdiv, next_pow2
+from mmlora.forward.lora import length_tiles
 from mmlora.layers.attention.triton_common import attend_key_tile, dot_precision, dot_upcast, softmax_args
 from mmlora.triton_launch import fast
 
@@ -162,19 +163,8 @@ class PrefillTiles:
     tokens: int
 
 
-#: A query offset no request reaches: table entries past the batch's tiles point there and exit at once.
-UNUSED_TILE = 1 << 30
-
-
 def prefill_tile_table(query_lens: list[int], tokens: int, count: int) -> tuple[list[int], list[int]]:
-    """(seq, t0) lists of ``count`` entries: each request's query tiles in order, then unused entries.
-    A ValueError when the batch has more tiles than ``count``."""
-    seq, t0 = [], []
-    for b, n in enumerate(query_lens):
-        for t in range(0, n, tokens):
-            seq.append(b)
-            t0.append(t)
-    if len(seq) > count:
-        raise ValueError(f"{len(seq)} query tiles exceed the table's {count}")
-    pad = count - len(seq)
-    return seq + [0] * pad, t0 + [UNUSED_TILE] * pad
+    """(seq, t0) lists of ``count`` entries: each request's query tiles in order (t0 from the request's
+    first query token), then unused entries that exit at once. A ValueError when the batch has more tiles
+    than ``count``."""
+    return length_tiles(query_lens, tokens, count, absolute=False)
