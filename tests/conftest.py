@@ -18,6 +18,10 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        import triton_specs  # scripts/cuda_compile_check.py records this run's launches through it
+
+        triton_specs.install_from_env()
 
 _built: list[weakref.ref] = []  # every Engine built in this session, in order
 
