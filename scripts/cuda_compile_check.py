@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -224,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
         record_shapes(out)
     triton_dir = ensure_triton(args.triton, args.triton_dir or os.path.join(out, f"triton-{args.triton}"))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    # Triton's compile cache of this run only, emptied first: every variant is compiled, none found cached
+    env["TRITON_CACHE_DIR"] = cache = os.path.join(out, "triton-cache")
+    shutil.rmtree(cache, ignore_errors=True)
     env["PYTHONPATH"] = os.pathsep.join([triton_dir, ROOT, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     cmd = [sys.executable, os.path.abspath(__file__), "--compile-only", "--out", out]
     cmd += ["--arch", str(args.arch), "--jobs", str(args.jobs)]
