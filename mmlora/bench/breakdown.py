@@ -22,7 +22,9 @@ wrapping the instance attributes a step goes through (nothing in the engine know
 - adapter uploads into device slots: count, host seconds, GPU seconds, bytes;
 - Triton compiles (``knobs.runtime.jit_post_compile_hook``): a timed run should have none;
 - Python's cyclic garbage collector: collections per generation and the seconds they took (``gc.callbacks``):
-  a full collection walks every live object, so its cost grows with what the process holds.
+  a full collection walks every live object, so its cost grows with what the process holds;
+- the CUDA caching allocator's calls to the driver (``torch.cuda.memory_stats``): a run that grows or
+  frees device memory, or retries an allocation after freeing its cache (which synchronizes), shows it.
 
 Serial steps: the forward wrapper waits for the forward's last event before returning: the engine
 samples right after and would wait there anyway, so the wait moves from ``sample`` into ``gpu_wait_s``.
@@ -32,7 +34,6 @@ waited to read a launched step's tokens back, charged to that step's kind.
 
 from __future__ import annotations
 
-import gc
 import time
 from collections.abc import Callable
 from typing import Any
@@ -41,6 +42,7 @@ import torch
 
 import mmlora.engine.fault_isolation as sampling_module
 import mmlora.engine.overlap as overlap_module
+from mmlora.bench.process_counters import AllocatorCounter, CompileCounter, GCTimer
 from mmlora.lora.layer import LoRALinear
 
 KINDS = ("prefill", "mixed", "mixed_graph", "decode_graph", "decode_eager")
@@ -58,67 +60,6 @@ def step_kind(sched: Any, graphs: Any, mixed_graphs: Any = None) -> str:
     if all(decode):
         return "decode_eager"
     return "mixed" if any(decode) else "prefill"
-
-
-class _CompileCounter:
-    """Counts Triton JIT compiles (all kernels) through Triton's post-compile hook, chaining any other."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self.available = False
-        self._prev: Callable[..., Any] | None = None
-        self._knobs: Any = None
-
-    def install(self) -> None:
-        try:
-            from triton import knobs
-        except ImportError:  # no Triton (or one without knobs): compiles are not counted
-            return
-        self._knobs = knobs
-        self._prev = knobs.runtime.jit_post_compile_hook
-        prev = self._prev
-
-        def hook(*args: Any, **kwargs: Any) -> Any:
-            self.count += 1
-            return prev(*args, **kwargs) if prev is not None else None
-
-        knobs.runtime.jit_post_compile_hook = hook
-        self.available = True
-
-    def uninstall(self) -> None:
-        if self._knobs is not None:
-            self._knobs.runtime.jit_post_compile_hook = self._prev
-            self._knobs = None
-
-
-class _GCTimer:
-    """Collections per generation and their seconds, through ``gc.callbacks``."""
-
-    def __init__(self) -> None:
-        self.reset()
-        self._t0 = 0.0
-
-    def reset(self) -> None:
-        self.counts = [0, 0, 0]
-        self.seconds = [0.0, 0.0, 0.0]
-
-    def __call__(self, phase: str, info: dict[str, int]) -> None:
-        if phase == "start":
-            self._t0 = time.perf_counter()
-        else:
-            gen = info.get("generation", 2)
-            self.counts[gen] += 1
-            self.seconds[gen] += time.perf_counter() - self._t0
-
-    def install(self) -> None:
-        gc.callbacks.append(self)
-
-    def uninstall(self) -> None:
-        if self in gc.callbacks:
-            gc.callbacks.remove(self)
-
-    def summary(self) -> dict[str, Any]:
-        return {"collections": list(self.counts), "seconds": list(self.seconds), "total_s": sum(self.seconds)}
 
 
 class _Timer:
@@ -142,8 +83,9 @@ class StepBreakdown:
         self.engine = engine
         self.lora_sample_every = max(1, lora_sample_every)
         self.cuda = engine.device.type == "cuda"
-        self.compiles = _CompileCounter()
-        self.gc = _GCTimer()
+        self.compiles = CompileCounter()
+        self.gc = GCTimer()
+        self.allocator = AllocatorCounter(engine.device)
         self._undo: list[Callable[[], None]] = []
         self.host = dict.fromkeys(PHASES, 0.0)  # updated in place: the installed timers hold it
         self.reset()
@@ -165,6 +107,7 @@ class StepBreakdown:
         self._sampling_lora: list[tuple[Any, Any]] | None = None
         self._compiles_at_reset = self.compiles.count
         self.gc.reset()
+        self.allocator.reset()
 
     def _event(self) -> Any:
         return torch.cuda.Event(enable_timing=True) if self.cuda else None
@@ -348,6 +291,7 @@ class StepBreakdown:
             else None,
             "lora_sample_every": self.lora_sample_every,
             "python_gc": self.gc.summary(),
+            "cuda_allocator": self.allocator.summary(),
         }
 
 
@@ -390,6 +334,9 @@ def format_summary(summary: dict[str, Any]) -> str:
     pgc = summary.get("python_gc")
     if pgc is not None:
         lines.append(f"  python gc: collections {pgc['collections']} (gen 0/1/2), {ms(pgc['total_s'])} ms")
+    alloc = summary.get("cuda_allocator")
+    if alloc is not None:
+        lines.append("  cuda allocator: " + ", ".join(f"{k} {v}" for k, v in alloc.items()))
     return "\n".join(lines)
 
 

@@ -465,7 +465,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     breakdown = StepBreakdown(engine).install()
     t0 = time.perf_counter()
     _warmup(engine, args, adapters, recorder, bw, rng)
-    print(f"warm-up (the timed workload once, untimed) in {time.perf_counter() - t0:.1f} s")
+    warmup = {"seconds": time.perf_counter() - t0, "breakdown": breakdown.summary()}
+    print(f"warm-up (the timed workload once, untimed) in {warmup['seconds']:.1f} s")
+    print(format_summary(warmup["breakdown"]), flush=True)
     if not args.no_gc_freeze:
         freeze_startup_objects()  # as launch_server does once the engine is up
     runs = []
@@ -559,6 +561,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "weight_bytes": weights,
         "adapter_bytes_by_rank": adapter_bytes,
         "pool_rank": pool_rank,
+        "warmup": warmup,  # what the first run pays that timed runs must not (see _warmup)
         "runs": runs,
         "skipped_num_adapters": skipped,
         "mixed_over_base": {_point(r, args): r.get("over_base", 1.0) for r in runs},

@@ -44,6 +44,10 @@ def test_serving_cli_on_cpu(tmp_path, capsys):
         (u["bytes"] > 0) == (u["count"] > 0) for u in uploads
     )
     assert result["triton_compiles_in_timed_runs"] is not None
+    # The warm-up ran the timed workload once (its breakdown kept; no CUDA allocator on CPU).
+    warm = result["warmup"]["breakdown"]
+    assert warm["step_kinds"]["prefill"]["count"] >= 1 and warm["cuda_allocator"] is None
+    assert all(r["breakdown"]["cuda_allocator"] is None for r in result["runs"])
     assert {(m["batch"], m["lora"]) for m in result["decode_step"]} == {(2, True), (2, False)}
     # --micro-adapters 1: both rows on one adapter; no graphs on CPU, so no per-layout replays.
     assert [m["distinct_adapters"] for m in result["decode_step"]] == [1, 0]
