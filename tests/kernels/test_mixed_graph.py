@@ -82,27 +82,28 @@ def test_prefill_tile_table_lists_every_tile_then_unused_entries():
     assert prefill_tile_tokens(8, 8, 256) == 64
 
 
+@pytest.mark.parametrize("window,softcap", [(None, None), (9, 30.0)])
 @pytest.mark.parametrize("hq,hkv", [(4, 2), (4, 1)])
-def test_tiled_prefill_attention_equals_the_batch_grid(hq, hkv):
+def test_tiled_prefill_attention_equals_the_batch_grid(hq, hkv, window, softcap):
     """The same tiles from a table (padded with unused entries, as a graph captures it) give the grid's
-    output bit for bit, and fp64 attention's."""
+    output bit for bit, and fp64 attention's; also with a sliding window and a logit softcap (Gemma2)."""
     case = make_case([(0, 17), (2, 1), (16, 1), (13, 20), (32, 1)], hq=hq, hkv=hkv, d=32, page=8, seed=5)
     kc, vc = case.k_cache.clone(), case.v_cache.clone()
     store_kv_triton(case.k, case.v, kc, vc, case.meta.slot_mapping)
     meta, scale = case.meta, 32**-0.5
     args = (kc, vc, meta.block_tables, meta.query_start_loc, meta.seq_lens)
     grid_out = torch.zeros_like(case.q)
-    prefill_attention(case.q, *args, grid_out, meta.num_seqs, meta.max_query_len, scale, None, None)
+    prefill_attention(case.q, *args, grid_out, meta.num_seqs, meta.max_query_len, scale, window, softcap)
     tokens = prefill_tile_tokens(hq, hkv, 32)
     count = 64
     seq, t0 = prefill_tile_table(meta.query_lens_host, tokens, count)
     table = torch.tensor([seq, t0], dtype=torch.int32, device=DEV)
     tiled_out = torch.zeros_like(case.q)
     tiles = PrefillTiles(table[0], table[1], count, tokens)
-    prefill_attention(case.q, *args, tiled_out, meta.num_seqs, 10**6, scale, None, None, tiles)
+    prefill_attention(case.q, *args, tiled_out, meta.num_seqs, 10**6, scale, window, softcap, tiles)
     assert torch.equal(tiled_out, grid_out)
     torch.testing.assert_close(
-        tiled_out.double().cpu(), dense_attention(case, scale, None, None), atol=1e-5, rtol=1e-5
+        tiled_out.double().cpu(), dense_attention(case, scale, window, softcap), atol=1e-5, rtol=1e-5
     )
     with pytest.raises(ValueError, match="tokens a tile"):
         prefill_attention(
@@ -189,12 +190,14 @@ def _generate(engine: mmlora.Engine) -> list:
         ("llama", "triton-auto"),
         ("mistral", "triton-auto"),
         ("qwen2", "triton-sgmv"),
+        ("gemma2", "triton-auto"),
     ],
 )
 def test_static_buffer_path_matches_eager(tiny, arch, lora_backend):
     """Prefill and mixed steps through the runner's padded buckets, tile tables and LoRA routing (no
     capture) give the eager engine's tokens and logprobs: GQA, a sliding window and head_dim 24
-    (mistral), qkv bias and tied embeddings (qwen2)."""
+    (mistral), qkv bias and tied embeddings (qwen2), softcaps, sandwich norms and alternating windows
+    (gemma2)."""
     base, adapters = tiny(arch)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     kw = dict(lora_backend=lora_backend, disable_cuda_graph=True)
