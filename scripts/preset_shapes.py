@@ -126,15 +126,17 @@ def _engine_steps(preset: str, adapters: dict[str, str], backend: str) -> None:
         engine.close()
 
 
-def record_preset_shapes(path: str) -> None:
-    """Record the launches of every case of :data:`CASES` on every backend of :data:`BACKENDS` into
-    ``path`` (kernels not run)."""
+def record_preset_shapes(
+    path: str, cases: tuple[tuple[str, int], ...] = CASES, backends: tuple[str, ...] = BACKENDS
+) -> None:
+    """Record the launches of every case of ``cases`` ((preset, layers) as :data:`CASES`) on every
+    backend of ``backends`` into ``path`` (kernels not run)."""
     from mmlora.bench.adapters import write_random_adapters
     from mmlora.models.arch_config import ArchConfig
     from mmlora.models.presets import PRESETS, preset_config
 
     triton_specs.install(path, execute=False)
-    for preset, layers in CASES:
+    for preset, layers in cases:
         name = f"{preset}-{layers}l"
         PRESETS[name] = {**PRESETS[preset], "num_hidden_layers": layers}
         cfg = ArchConfig.from_hf(preset_config(name))
@@ -146,7 +148,7 @@ def record_preset_shapes(path: str) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             made = write_random_adapters(name, tmp, 2, [16, 64], distinct=2)
             adapters = {m["name"]: m["path"] for m in made}
-            for backend in BACKENDS:
+            for backend in backends:
                 print(f"  {name} {backend}", flush=True)
                 _engine_steps(name, adapters, backend)
     print(f"recorded {len(triton_specs.read([path]))} distinct launches to {os.path.basename(path)}")

@@ -106,3 +106,47 @@ def test_the_interpreter_runs_both_kernels_and_the_compiler_rejects_one(tmp_path
     assert "return" in failure["error"].lower(), failure["error"]
     cubins = [f for _, _, files in os.walk(tmp_path / "cache") for f in files if f.endswith(".cubin")]
     assert sorted(cubins) == ["scale_kernel.cubin"] * 2
+
+
+SHAPES = """
+import sys, preset_shapes
+preset_shapes.record_preset_shapes(sys.argv[1], cases=(("mistral-7b-v0.3", 1),), backends=("triton-auto",))
+"""
+
+
+def test_the_default_serving_kernels_compile_for_the_h200(tmp_path):
+    """What a Mistral-7B engine on triton-auto launches (warm-up, eager steps, decode and mixed-step graph
+    buffers, the fused ops; bf16, the H200's device facts) compiles for sm_90 with this machine's Triton,
+    so a kernel change that only the CUDA compiler rejects fails here, not in a device call. The whole
+    check (every preset and backend, the device's Triton): ``scripts/cuda_compile_check.py --shapes``."""
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", triton_specs.ENV)}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "scripts"), os.path.join(ROOT, "tests"), ROOT])
+    cmd = [sys.executable, "-c", SHAPES, str(out / "shapes.jsonl")]
+    ran = subprocess.run(
+        cmd, env={**env, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=900
+    )
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    script = os.path.join(ROOT, "scripts", "cuda_compile_check.py")
+    cmd = [sys.executable, script, "--compile-only", "--out", str(out), "--jobs", "1"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    summary = json.loads((out / "compile.json").read_text())
+    assert done.returncode == 0 and not summary["failures"], done.stdout[-5000:]
+    kernels = {name.split(":")[1] for name in summary["variants"]}
+    assert {
+        "_sgmv_shrink_kernel",
+        "_sgmv_expand_kernel",
+        "_sgmv_act_expand_kernel",
+        "_sgmv_norm_expand_kernel",
+        "_bgmv_shrink_kernel",
+        "_bgmv_expand_kernel",
+        "_prefill_kernel",
+        "_decode_split_kernel",
+        "_decode_reduce_kernel",
+        "_store_kv_kernel",
+        "_rms_norm_kernel",
+        "_act_and_mul_kernel",
+        "_rope_kernel",
+    } <= kernels, kernels
