@@ -245,7 +245,8 @@ class LoRAManager:
             )
 
     def load(self, name: str, path: str, pinned: bool = False) -> AdapterEntry:
-        """Validate fully, then register and cache on the host. Errors leave every state unchanged."""
+        """Validate fully, then register, cache on the host and, where free device pages allow, load into
+        a slot (:meth:`_fill_free_slot`). Errors leave every state unchanged."""
         if name in self._registry:
             raise ValueError(f"lora name {name!r} is already registered")
         if pinned:
@@ -256,8 +257,20 @@ class LoRAManager:
         self._pool.put_host(entry.uid, adapter, self._protected())
         if pinned:
             self.set_pinned(name, True)
+        self._fill_free_slot(entry)
         logger.info("loaded adapter %s (rank %d) from %s", name, adapter.rank, path)
         return entry
+
+    def _fill_free_slot(self, entry: AdapterEntry) -> None:
+        """Load a newly registered adapter into device pages no adapter holds, where there are enough
+        (never evicting one), so its first request finds it resident instead of waiting for its upload.
+        Beside the forwards where loads are asynchronous. At tp_size 1 only: a sharded pool sends each
+        slot write to the workers, and that path is exercised by admissions alone."""
+        if tp_group().is_parallel:
+            return
+        resident = self._pool.resident()  # all busy: only free pages can be taken
+        if self._pool.can_get_slot(entry.uid, resident):
+            self._pool.acquire_slot(entry.uid, resident)
 
     def set_pinned(self, name: str, pinned: bool) -> None:
         """A pinned adapter is never evicted from the host cache nor, once loaded, from its device slot."""

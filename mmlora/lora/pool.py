@@ -384,6 +384,10 @@ class LoRAPool:
     def slots_used(self) -> int:
         return len(self._slot_of)
 
+    def resident(self) -> set[int]:
+        """The adapters placed in device slots (loaded, or loading)."""
+        return set(self._slot_of)
+
     def close(self) -> None:
         """Drop the slot buffers and the host cache (``LoRALinear`` views of the buffers go separately)."""
         for slot in list(self._loading):

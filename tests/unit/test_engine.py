@@ -292,6 +292,26 @@ def test_load_unload_and_reused_name(tiny):
     assert by_path == x0
 
 
+def test_a_registered_adapter_takes_a_free_slot_and_never_evicts_one(tiny):
+    """Loading an adapter also loads it into free device pages, so its first request finds it resident;
+    with every slot held, loading evicts nothing and the adapter's request loads it as before."""
+    base, adapters = tiny
+    eng = engine(tiny, lora_paths=[], max_loras_per_batch=2)
+    eng.load_lora("x", str(adapters["a0"]))
+    eng.load_lora("y", str(adapters["a1"]))
+    assert eng.lora.slots_used == 2 and eng.stats()["lora_slot_loads_total"] == 2
+    eng.load_lora("z", str(adapters["a2"]))  # no free slot: x and y stay
+    assert eng.lora.slot_of(eng.lora.entry("z")) is None
+    assert {eng.lora.slot_of(eng.lora.entry(n)) for n in "xy"} == {0, 1}
+    got = eng.generate(["Hello world"] * 2, ["x", "y"], sampling_params=GREEDY)
+    assert eng.stats()["lora_slot_loads_total"] == 2  # both were resident
+    got += eng.generate(["Hello world"], ["z"], sampling_params=GREEDY)
+    assert eng.stats()["lora_slot_loads_total"] == 3 and eng.lora.slot_of(eng.lora.entry("z")) is not None
+    fresh = engine(tiny, max_loras_per_batch=1)  # one slot: every adapter loaded by its request
+    want = fresh.generate(["Hello world"] * 3, ["a0", "a1", "a2"], sampling_params=GREEDY)
+    assert [g.output_ids for g in got] == [w.output_ids for w in want]
+
+
 @pytest.mark.parametrize("n_prompt, n_out", [(5, 0), (5, 3), (1, 4), (0, 2)])
 def test_token_slice_and_token_at_match_the_joined_ids(n_prompt, n_out):
     """The eager step's and the graph runner's reads of a request's tokens, against ``all_ids`` itself."""

@@ -77,9 +77,12 @@ def test_a_finished_load_nobody_asked_about_frees_its_slot_for_eviction():
 
 
 def _engine(base: Path, adapters: dict[str, str]) -> mmlora.Engine:
+    # Idle adapters registered first take the three slots (a newly registered adapter is loaded into
+    # free pages), so a, b and c are registered but not resident: their requests load them.
+    idle = {f"idle-{name}": path for name, path in adapters.items()}
     return mmlora.Engine(
-        model=str(base), lora_paths=adapters, max_loras_per_batch=3, max_lora_rank=8, dtype="float32",
-        max_running_requests=2, max_num_batched_tokens=64, device="cpu",
+        model=str(base), lora_paths={**idle, **adapters}, max_loras_per_batch=3, max_lora_rank=8,
+        dtype="float32", max_running_requests=2, max_num_batched_tokens=64, device="cpu",
     )  # fmt: skip
 
 
