@@ -223,7 +223,8 @@ def test_a_load_beside_a_busy_stream_never_waits_for_it(tiny):
     ) as engine:  # fmt: skip
         lora = engine.lora
         assert lora.loads_async
-        entry = lora.resolve("a")
+        entry = lora.resolve("c")  # a and b took the two slots when they were registered: c loads here
+        assert lora._pool.slot_of(entry.uid) is None
         lora._pool.put_host(entry.uid, lora._read(entry.path), set())
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")  # any synchronizing call raises
