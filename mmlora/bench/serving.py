@@ -17,7 +17,8 @@ step) against its roofline floor, and its graph replayed in each LoRA row layout
 
 Adapters are random PEFT folders written by :mod:`mmlora.bench.adapters` (at most 16 distinct weight
 files; the rest are hard links under their own names, see there). Only the adapters a run uses are
-registered, before its clock starts: the host cache holds them all. Writes ``serving.json`` and
+registered, before its clock starts: the host cache holds them all, and those that fit into free device
+slots are loaded there (as registering does in a server). Writes ``serving.json`` and
 ``serving.png`` (output tokens/s against number of adapters, one line per system) into ``--out``.
 """
 
@@ -110,7 +111,8 @@ def side_max_tokens(args: argparse.Namespace) -> dict[str, int]:
 
 
 def _register(engine: Any, adapters: list[dict[str, Any]], names: set[str]) -> float:
-    """Load the named adapters into the host cache (not yet registered ones); seconds taken."""
+    """Register the named adapters not registered yet (host cache, and free device slots: see
+    ``LoRAManager.load``); seconds taken."""
     t0 = time.perf_counter()
     known = {e["name"] for e in engine.list_loras()}
     for a in adapters:
