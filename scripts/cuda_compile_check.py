@@ -21,6 +21,7 @@ Usage: ``python scripts/cuda_compile_check.py [--tests tests/kernels tests/model
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -91,31 +92,30 @@ def ensure_triton(version: str, target: str) -> str:
 # --- compile (runs with the device's Triton, without the interpreter) -------------------------------
 
 
-def _kernel(name: str) -> Any:
+@functools.cache
+def _binder(name: str, arch: int) -> tuple[Any, Any, Any]:
+    """(the @triton.jit function ``module:qualname``, a CUDA backend of ``arch``, the kernel's argument
+    binder), made once per kernel: every launch of it is bound with them."""
     import importlib
 
-    from triton.runtime.jit import JITFunction
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import JITFunction, create_function_from_signature
 
     module, qualname = name.split(":")
-    obj: Any = importlib.import_module(module)
+    kernel: Any = importlib.import_module(module)
     for part in qualname.split("."):
-        obj = getattr(obj, part)
-    obj = getattr(obj, "fn", obj) if not isinstance(obj, JITFunction) else obj
-    if not isinstance(obj, JITFunction):
+        kernel = getattr(kernel, part)
+    if not isinstance(kernel, JITFunction):
         raise TypeError(f"{name} is not a @triton.jit function in a process without the interpreter")
-    return obj
+    backend = make_backend(GPUTarget("cuda", arch, 32))
+    return kernel, backend, create_function_from_signature(kernel.signature, kernel.params, backend)
 
 
 def _bind(spec: dict[str, Any], arch: int) -> tuple[Any, ...]:
     """What ``JITFunction.run`` builds for this launch on a GPU of ``arch``: (kernel, signature,
     constants, attributes, options), with the key Triton caches the compiled kernel under."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import make_backend
-    from triton.runtime.jit import create_function_from_signature
-
-    kernel = _kernel(spec["kernel"])
-    backend = make_backend(GPUTarget("cuda", arch, 32))
-    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    kernel, backend, binder = _binder(spec["kernel"], arch)
     args = [triton_specs.decode(a) for a in spec["args"]]
     kwargs = {k: triton_specs.decode(v) for k, v in spec["kwargs"].items()}
     bound, specialization, options = binder(*args, **kwargs)

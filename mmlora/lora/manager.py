@@ -268,9 +268,7 @@ class LoRAManager:
         slot write to the workers, and that path is exercised by admissions alone."""
         if tp_group().is_parallel:
             return
-        resident = self._pool.resident()  # all busy: only free pages can be taken
-        if self._pool.can_get_slot(entry.uid, resident):
-            self._pool.acquire_slot(entry.uid, resident)
+        self._pool.acquire_slot(entry.uid, busy=self._pool.resident())  # all busy: free pages or nothing
 
     def set_pinned(self, name: str, pinned: bool) -> None:
         """A pinned adapter is never evicted from the host cache nor, once loaded, from its device slot."""

@@ -119,6 +119,24 @@ def persistent_storages(engine, extra: Iterable[tuple[str, torch.Tensor]]) -> di
     return out
 
 
+#: aten ops that copy a device value to the host (so wait for the device): a stream being captured into a
+#: CUDA graph refuses them. ``.item()`` and ``.tolist()`` reach ``item`` or ``_local_scalar_dense``; the
+#: others size their outputs by the data.
+HOST_SYNC_OPS = frozenset(
+    f"aten.{op}.default"
+    for op in (
+        "item",
+        "_local_scalar_dense",
+        "nonzero",
+        "masked_select",
+        "is_nonzero",
+        "equal",
+        "_unique2",
+        "unique_dim",
+    )
+)
+
+
 def assert_steps_replay_their_captures(
     log: LaunchLog,
     steps: list[tuple[Hashable, list]],
@@ -143,24 +161,6 @@ def assert_steps_replay_their_captures(
     syncs = {str(c[0]) for calls in captured.values() for c in calls if str(c[0]) in HOST_SYNC_OPS}
     assert not syncs, syncs  # fine on CPU, but a CUDA capture fails on them (they wait for the device)
     return captured
-
-
-#: aten ops that copy a device value to the host (so wait for the device): a stream being captured into a
-#: CUDA graph refuses them. ``.item()`` and ``.tolist()`` reach ``item`` or ``_local_scalar_dense``; the
-#: others size their outputs by the data.
-HOST_SYNC_OPS = frozenset(
-    f"aten.{op}.default"
-    for op in (
-        "item",
-        "_local_scalar_dense",
-        "nonzero",
-        "masked_select",
-        "is_nonzero",
-        "equal",
-        "_unique2",
-        "unique_dim",
-    )
-)
 
 
 class KeyLog(dict):
