@@ -90,7 +90,6 @@ def _fused_ops(hidden: int, intermediate: int, heads: int, kv_heads: int, head_d
 
 def _engine_steps(preset: str, adapters: dict[str, str], backend: str) -> None:
     import mmlora
-    from mmlora.backends import triton_sgmv_norm
     from mmlora.engine.cuda_graph import CudaGraphRunner
 
     engine = mmlora.Engine(
@@ -99,8 +98,6 @@ def _engine_steps(preset: str, adapters: dict[str, str], backend: str) -> None:
         max_num_batched_tokens=256, max_kv_tokens=4096, max_model_len=1024,
     )  # fmt: skip
     try:
-        norm = dict(triton_sgmv_norm.TUNING)
-        triton_sgmv_norm.TUNING["norm_expand"] = True  # its kernels too, though off by default
         with as_on_h200():
             engine.lora.warm_up_kernels()
             runner = engine.runner
@@ -122,7 +119,6 @@ def _engine_steps(preset: str, adapters: dict[str, str], backend: str) -> None:
                     sampling_params={"max_new_tokens": 3, "temperature": 0.0, "ignore_eos": True},
                 )
     finally:
-        triton_sgmv_norm.TUNING.update(norm)
         engine.close()
 
 

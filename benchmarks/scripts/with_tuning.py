@@ -12,12 +12,11 @@ from __future__ import annotations
 import json
 import sys
 
-from mmlora.backends import triton_bgmv, triton_sgmv, triton_sgmv_norm
+from mmlora.backends import triton_bgmv, triton_sgmv
 
 TABLES = {
     "triton-sgmv": triton_sgmv.TUNING,
     "triton-bgmv": triton_bgmv.TUNING,
-    "triton-sgmv-norm": triton_sgmv_norm.TUNING,
 }
 
 

@@ -44,19 +44,6 @@ class DeferredLoRA(ABC):
         caller then runs :meth:`apply` and its own activation)."""
         return None
 
-    def rms_norm(
-        self,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        eps: float,
-        offset: float,
-        residual: torch.Tensor | None,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
-        """``fused_ops.rms_norm(x + delta, weight, eps, offset, residual)`` in one go (x [T, out_features],
-        the module's output), or None where this delta cannot (the caller then runs :meth:`apply` and its
-        own norm)."""
-        return None
-
 
 class LoRABackend(ABC):
     """A family of batched LoRA kernels. Instances are stateless apart from scratch buffers and host-side
@@ -110,14 +97,11 @@ class LoRABackend(ABC):
         GEMM runs (both read ``x``) and finishes on the main stream. By default nothing runs early."""
         return lambda out: self.add_lora(out, x, weights, info)
 
-    def defer_lora(
-        self, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo, reader: str = "act"
-    ) -> DeferredLoRA | None:
+    def defer_lora(self, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo) -> DeferredLoRA | None:
         """The shrink now and the expand handed to the reader of the module's output (a
         :class:`DeferredLoRA`), or None where this backend does not defer for this batch (the layer then
-        adds the delta itself). Only asked where the layer's output goes to such a reader: ``reader``
-        "act" (gate_up's, to the gated activation) or "norm" (o_proj's and down_proj's, to the next
-        RMSNorm). By default never deferred."""
+        adds the delta itself). Only asked where the layer's output goes to such a reader (gate_up's, to
+        the gated activation). By default never deferred."""
         return None
 
     def splits_work(self, info: LoRABatchInfo) -> bool:

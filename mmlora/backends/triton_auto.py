@@ -60,10 +60,8 @@ class TritonAutoBackend(LoRABackend):
     def splits_work(self, info: LoRABatchInfo) -> bool:
         return self.pick(info).splits_work(info)
 
-    def defer_lora(
-        self, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo, reader: str = "act"
-    ) -> DeferredLoRA | None:
-        return self.pick(info).defer_lora(x, weights, info, reader)
+    def defer_lora(self, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo) -> DeferredLoRA | None:
+        return self.pick(info).defer_lora(x, weights, info)
 
     def start_lora(
         self, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo

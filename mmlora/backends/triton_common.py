@@ -240,15 +240,6 @@ def rank_bucket_bound(info: LoRABatchInfo, R: int) -> int:
 
 
 @triton.jit
-def rms_norm_scale(xn, w_ptr, cols, ok, offset, X_DTYPE: tl.constexpr, GEMMA: tl.constexpr):
-    """The weight step: Gemma ``xn * (offset + w)`` in fp32; Llama ``w * round(xn)`` (rounded to X_DTYPE)."""
-    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    if GEMMA:
-        return xn * (offset + w)
-    return xn.to(X_DTYPE).to(tl.float32) * w
-
-
-@triton.jit
 def gated_act(g, u, ACT, dtype: tl.constexpr):
     """``round(round(act(g)) * u)`` in ``dtype`` from fp32 ``g`` and ``u``: act SiLU (ACT 0) or
     tanh-approximated GELU (ACT 1; constexpr or a runtime int), in fp32. act(g) is rounded to the dtype

@@ -149,10 +149,8 @@ class TritonFusedDecodeBackend(TritonSGMVBackend):
 
     graph_layouts = ("rows",)  # the kernel finds runs itself, from token_slots
 
-    def defer_lora(
-        self, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo, reader: str = "act"
-    ) -> DeferredLoRA | None:
-        return None if self._decode_like(info) else super().defer_lora(x, weights, info, reader)
+    def defer_lora(self, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo) -> DeferredLoRA | None:
+        return None if self._decode_like(info) else super().defer_lora(x, weights, info)
 
     @staticmethod
     def _decode_like(info: LoRABatchInfo) -> bool:

@@ -39,7 +39,6 @@ from mmlora.backends.triton_common import (
 from mmlora.backends.triton_sgmv_act import TUNING as ACT_TUNING
 from mmlora.backends.triton_sgmv_act import SGMVDeferred
 from mmlora.backends.triton_sgmv_kernels import _sgmv_expand_kernel, _sgmv_shrink_kernel
-from mmlora.backends.triton_sgmv_norm import TUNING as NORM_TUNING
 from mmlora.forward.lora import RANK_TILE, LoRABatchInfo, LoRAWeights
 from mmlora.triton_launch import fast
 
@@ -346,20 +345,14 @@ class TritonSGMVBackend(FusedTritonBackend):
         fast(_sgmv_shrink_kernel).launch_plan(plan.shrink, (x, weights.A, h))
         fast(_sgmv_expand_kernel).launch_plan(plan.expand, (h, weights.B, out, weights.scalings))
 
-    def defer_lora(
-        self, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo, reader: str = "act"
-    ) -> SGMVDeferred | None:
-        """The shrink now; the expand deferred to gate_up's gated activation (``TUNING["act_expand"]``;
-        :mod:`mmlora.backends.triton_sgmv_act`) or to the RMSNorm after o_proj and down_proj
-        (``triton_sgmv_norm.TUNING["norm_expand"]``, decode-sized batches), which fuse it, or run it plainly."""
-        if not info.has_lora or info.num_tokens == 0:
+    def defer_lora(self, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo) -> SGMVDeferred | None:
+        """The shrink now; the expand deferred to gate_up's gated activation (``TUNING["act_expand"]``),
+        which fuses it (:mod:`mmlora.backends.triton_sgmv_act`), or runs it plainly."""
+        if not TUNING["act_expand"] or not info.has_lora or info.num_tokens == 0:
             return None
         tiles = _Tiles.of(info, _block_m(info.max_seg_len, ACT_TUNING["block_m"]))
-        if reader == "norm":
-            if not NORM_TUNING["norm_expand"] or info.num_tokens > NORM_TUNING["norm_max_tokens"]:
-                return None
-        elif not TUNING["act_expand"] or (tiles.block_m <= 16 and not ACT_TUNING["runs"]):
-            return None  # decode runs: measured slower fused
+        if tiles.block_m <= 16 and not ACT_TUNING["runs"]:  # decode runs: measured slower fused
+            return None
         R = self._input_rank(x, weights, info)
         partials = self._shrink_phase(x, weights, info, R)
 

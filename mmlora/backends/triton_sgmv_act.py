@@ -29,11 +29,9 @@ from mmlora.backends.triton_common import (
     cdiv,
     dot_upcast,
     gated_act,
-    rank_bucket_bound,
     rank_load_bound,
 )
 from mmlora.backends.triton_sgmv_kernels import _h_planes, _h_tile, _tile
-from mmlora.backends.triton_sgmv_norm import norm_fits, sgmv_norm_expand
 from mmlora.forward.lora import LoRABatchInfo, LoRAWeights
 from mmlora.triton_launch import fast
 
@@ -235,22 +233,6 @@ class SGMVDeferred(DeferredLoRA):
 
     def apply(self, out: torch.Tensor) -> None:
         self._expand(out)
-
-    def rms_norm(
-        self,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        eps: float,
-        offset: float,
-        residual: torch.Tensor | None,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
-        if not norm_fits(x, self.weights, residual):
-            return None
-        self._check(x)
-        return sgmv_norm_expand(
-            x, weight, eps, offset, residual, self.h, self.weights, self.info, self.R,
-            rank_bucket_bound(self.info, self.R),
-        )  # fmt: skip
 
     def act_and_mul(self, gate_up: torch.Tensor, act: int) -> torch.Tensor | None:
         if not fits_gate_up(gate_up, self.weights):

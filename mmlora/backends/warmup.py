@@ -51,13 +51,4 @@ def warm_up_lora_kernels(backend: LoRABackend, weights: Iterable[LoRAWeights], m
                 if pending is not None:
                     pending.act_and_mul(out, 0)
                     calls += 1
-                # single-slice modules: the expand deferred into the next RMSNorm (where switched on), with
-                # and without the residual add, Llama's and Gemma's weight step
-                pending = backend.defer_lora(x, w, info, "norm") if w.n_slices == 1 else None
-                if pending is not None:
-                    norm_w = torch.ones(out.shape[1], dtype=out.dtype, device=out.device)
-                    for offset in (0.0, 1.0):
-                        for residual in (out, None):
-                            if pending.rms_norm(out, norm_w, 1e-6, offset, residual) is not None:
-                                calls += 1
     return calls

@@ -93,9 +93,16 @@ def parse_args(argv: list[str] | None, description: str) -> argparse.Namespace:
     )
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument(
-        "--enable-mixed-cuda-graph",
+        "--disable-mixed-cuda-graph",
         action="store_true",
-        help="replay prefill and mixed steps from CUDA graphs per token bucket (mmlora.engine.mixed_graph)",
+        help="run prefill and mixed steps eagerly (default: replayed from CUDA graphs per token bucket, "
+        "mmlora.engine.mixed_graph)",
+    )
+    p.add_argument(  # the opt-in spelling of sessions 24-26's scripts
+        "--enable-mixed-cuda-graph",
+        dest="disable_mixed_cuda_graph",
+        action="store_false",
+        help="inverse of --disable-mixed-cuda-graph (the default)",
     )
     p.add_argument(
         "--disable-async-uploads",

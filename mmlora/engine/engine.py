@@ -93,7 +93,7 @@ class Engine(BatchAPI, AdapterAPI):
         # Under tensor parallelism every rank captures the same graphs (rank 0 tells the workers).
         if not config.scheduler.disable_cuda_graph and self.device.type == "cuda":
             self.runner.enable_cuda_graphs(config.scheduler.max_running_requests, self.max_model_len)
-            if config.scheduler.enable_mixed_cuda_graph:
+            if not config.scheduler.disable_mixed_cuda_graph:
                 self.runner.enable_mixed_graphs(
                     config.scheduler.max_num_batched_tokens,
                     config.scheduler.max_running_requests,

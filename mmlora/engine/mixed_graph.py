@@ -268,6 +268,6 @@ def capture_mixed_graphs(
     if reason is None and capture and runner.device.type != "cuda":
         reason = f"the engine runs on {runner.device}"
     if reason is not None:
-        logger.warning("CUDA graphs for mixed steps off: %s", reason)
+        logger.info("CUDA graphs for mixed steps off: %s", reason)
         return None
     return MixedGraphRunner(runner, max_tokens, max_seqs, max_model_len, capture)

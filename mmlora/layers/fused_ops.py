@@ -20,7 +20,7 @@ import triton.language as tl
 
 from mmlora.backends import cpu_kernels
 from mmlora.backends.base import DeferredLoRA
-from mmlora.backends.triton_common import cdiv, gated_act, next_pow2, rms_norm_scale
+from mmlora.backends.triton_common import cdiv, gated_act, next_pow2
 from mmlora.triton_launch import fast
 
 #: Launch heuristics (read at every launch, so a benchmark can sweep them): the widest row RMSNorm keeps
@@ -54,6 +54,15 @@ def _rms_norm_row(x_row, r_row, s_row, cols, ok, HAS_RESIDUAL: tl.constexpr, STO
 
 
 @triton.jit
+def _rms_norm_scale(xn, w_ptr, cols, ok, offset, X_DTYPE: tl.constexpr, GEMMA: tl.constexpr):
+    """The weight step: Gemma ``xn * (offset + w)`` in fp32; Llama ``w * round(xn)`` (rounded to X_DTYPE)."""
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    if GEMMA:
+        return xn * (offset + w)
+    return xn.to(X_DTYPE).to(tl.float32) * w
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr, r_ptr, w_ptr, y_ptr, s_ptr,
     N, stride_x, stride_r, stride_y, stride_s, eps, offset,
@@ -61,7 +70,7 @@ def _rms_norm_kernel(
 ):  # fmt: skip
     """RMSNorm of one row per program, optionally after a residual add:
     ``s = x + r`` (rounded to x.dtype; stored to S), ``y = s * rsqrt(mean(s^2) + eps)`` scaled by the
-    weight as :func:`~mmlora.backends.triton_common.rms_norm_scale` says.
+    weight as :func:`_rms_norm_scale` says.
 
     x, r, s [rows, N] (same dtype: fp32/fp16/bf16, unit column stride), w [N], y [rows, N] in y's
     dtype. Statistics in fp32. N <= BLOCK * NUM_TILES; with NUM_TILES > 1 the row is read twice.
@@ -76,7 +85,7 @@ def _rms_norm_kernel(
         ok = cols < N
         xf = _rms_norm_row(x_row, r_row, s_row, cols, ok, HAS_RESIDUAL, True)
         inv = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / N + eps)
-        y = rms_norm_scale(xf * inv, w_ptr, cols, ok, offset, x_ptr.dtype.element_ty, GEMMA)
+        y = _rms_norm_scale(xf * inv, w_ptr, cols, ok, offset, x_ptr.dtype.element_ty, GEMMA)
         tl.store(y_row + cols, y.to(y_ptr.dtype.element_ty), mask=ok)
     else:
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -90,7 +99,7 @@ def _rms_norm_kernel(
             cols = i * BLOCK + tl.arange(0, BLOCK)
             ok = cols < N
             xf = _rms_norm_row(x_row, r_row, s_row, cols, ok, HAS_RESIDUAL, False)  # recomputes the same s
-            y = rms_norm_scale(xf * inv, w_ptr, cols, ok, offset, x_ptr.dtype.element_ty, GEMMA)
+            y = _rms_norm_scale(xf * inv, w_ptr, cols, ok, offset, x_ptr.dtype.element_ty, GEMMA)
             tl.store(y_row + cols, y.to(y_ptr.dtype.element_ty), mask=ok)
 
 
@@ -224,15 +233,6 @@ def _same_device(name: str, *ts: torch.Tensor) -> None:
 # ---- RMSNorm --------------------------------------------------------------------------------------
 
 
-def check_norm_inputs(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> None:
-    """What :func:`rms_norm_triton` checks of its inputs (shapes, devices, dtypes), for kernels that fuse
-    more into the norm."""
-    _check_norm(x, weight, residual)
-    _same_device("rms_norm", x, weight, *(() if residual is None else (residual,)))
-    _check_dtype("rms_norm: x", x)
-    _check_dtype("rms_norm: weight", weight)
-
-
 def rms_norm_ref(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -263,7 +263,10 @@ def rms_norm_triton(
     block: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`rms_norm` in one Triton launch. ``block`` overrides the tile width (tests: multi-tile rows)."""
-    check_norm_inputs(x, weight, residual)
+    _check_norm(x, weight, residual)
+    _same_device("rms_norm", x, weight, *(() if residual is None else (residual,)))
+    _check_dtype("rms_norm: x", x)
+    _check_dtype("rms_norm: weight", weight)
     N = x.shape[-1]
     x2 = _unit_cols(x.reshape(-1, N))
     rows = x2.shape[0]

@@ -8,8 +8,7 @@ import torch
 from torch import nn
 
 from mmlora.backends import cpu_kernels
-from mmlora.backends.base import DeferredLoRA
-from mmlora.layers.fused_ops import check_norm_inputs, rms_norm
+from mmlora.layers.fused_ops import rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -22,20 +21,12 @@ class RMSNorm(nn.Module):
         self.offset = offset
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None, lora: DeferredLoRA | None = None
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """RMSNorm(x); with ``residual``, ``(RMSNorm(x + residual), x + residual)`` (the sum in x.dtype).
         One fused kernel on CUDA; on CPU the torch arithmetic (Gemma multiplies in fp32 before casting
         back, Llama casts to the dtype and then multiplies by the weight), or for Llama in fp32 / bf16 the
-        same arithmetic in one C call where the CPU kernels are built (:func:`cpu_kernels.rms_norm`).
-        ``lora``: the LoRA delta of the module that made x, deferred to this norm
-        (``LoRALinear.forward_deferred(..., "norm")``): added to x first, fused where the backend can."""
-        if lora is not None:
-            check_norm_inputs(x, self.weight, residual)
-            fused = lora.rms_norm(x, self.weight, self.eps, self.offset, residual)
-            if fused is not None:
-                return fused
-            lora.apply(x.view(-1, x.shape[-1]))
+        same arithmetic in one C call where the CPU kernels are built (:func:`cpu_kernels.rms_norm`)."""
         if self._in_c(x, residual):
             return cpu_kernels.rms_norm_unchecked(x, self.weight, self.eps, residual)
         return rms_norm(x, self.weight, self.eps, self.offset, residual)
@@ -52,13 +43,9 @@ class RMSNorm(nn.Module):
             and cpu_kernels.available()
         )
 
-    def add_norm(
-        self, x: torch.Tensor, residual: torch.Tensor | None, lora: DeferredLoRA | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """A decoder layer's entry: ``(RMSNorm(x + residual), x + residual)``, or ``(RMSNorm(x), x)`` for
-        the first layer (no residual yet); ``lora`` as for :meth:`forward`."""
+        the first layer (no residual yet)."""
         if residual is None:
-            if lora is not None:  # x is the residual stream itself: the delta goes into it
-                lora.apply(x.view(-1, x.shape[-1]))
             return self(x), x
-        return self(x, residual, lora)
+        return self(x, residual)

@@ -50,14 +50,12 @@ class LoRALinear(nn.Module):
         # Whether the base may hold a packed copy of its own that a fused call makes redundant.
         self._base_packed = hasattr(base, "release")
 
-    def forward_deferred(
-        self, x: torch.Tensor, reader: str = "act"
-    ) -> tuple[torch.Tensor, DeferredLoRA | None]:
+    def forward_deferred(self, x: torch.Tensor) -> tuple[torch.Tensor, DeferredLoRA | None]:
         """(base output, the LoRA delta still to add) where the backend defers the expand to the reader of
-        this output (:meth:`LoRABackend.defer_lora`: ``reader`` "act", a gate_up module's gated activation,
-        or "norm", the RMSNorm after o_proj and down_proj), else (:meth:`forward`'s output, None). Only a
-        reader that adds the delta may call this. A row-parallel base defers only on one process (its
-        delta must otherwise join the partial sum before the all-reduce)."""
+        this output (:meth:`LoRABackend.defer_lora`; a gate_up module's gated activation fuses it), else
+        (:meth:`forward`'s output, None). Only a reader that adds the delta may call this. A row-parallel
+        base defers only on one process (its delta must otherwise join the partial sum before the
+        all-reduce)."""
         info, backend = self.ctx.info, self.ctx.backend
         if (
             info is not None
@@ -66,7 +64,7 @@ class LoRALinear(nn.Module):
             and not (isinstance(self.base, RowParallelLinear) and tp_group().is_parallel)
             and not self._whole_beside(x, info)
         ):
-            pending = backend.defer_lora(x.reshape(-1, x.shape[-1]), self.weights, info, reader)
+            pending = backend.defer_lora(x.reshape(-1, x.shape[-1]), self.weights, info)
             if pending is not None:
                 return self.base(x), pending
         return self(x), None

@@ -11,8 +11,6 @@ qkv_proj, gate/up -> gate_up_proj).
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from mmlora.forward.batch import ForwardBatch
@@ -45,20 +43,13 @@ class Gemma2DecoderLayer(LlamaDecoderLayer):
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.norm_offset)
 
     def forward(
-        self,
-        hidden: torch.Tensor,
-        batch: ForwardBatch,
-        residual: torch.Tensor | None = None,
-        pending: Any = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, None]:
-        """(delta, residual, None) after this layer (see LlamaDecoderLayer; o_proj's and down_proj's
-        deferred LoRA deltas go to the sandwich norms right after them)."""
-        hidden, residual = self.input_layernorm.add_norm(hidden, residual, pending)
-        hidden, pending = self.self_attn.forward_deferred(hidden, batch)
-        hidden = self.post_attention_layernorm(hidden, lora=pending)
+        self, hidden: torch.Tensor, batch: ForwardBatch, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(delta, residual) after this layer; ``residual`` None: ``hidden`` is the whole hidden state."""
+        hidden, residual = self.input_layernorm.add_norm(hidden, residual)
+        hidden = self.post_attention_layernorm(self.self_attn(hidden, batch))
         hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
-        hidden, pending = self.mlp.forward_deferred(hidden)
-        return self.post_feedforward_layernorm(hidden, lora=pending), residual, None
+        return self.post_feedforward_layernorm(self.mlp(hidden)), residual
 
 
 class Gemma2Model(LlamaModel):

@@ -53,14 +53,6 @@ class LlamaAttention(nn.Module):
         self.v_cache: torch.Tensor | None = None
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        out, pending = self.forward_deferred(hidden, batch)
-        if pending is not None:
-            pending.apply(out)
-        return out
-
-    def forward_deferred(self, hidden: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, Any]:
-        """(output, o_proj's LoRA delta deferred to the norm that reads it, or None): see
-        ``LoRALinear.forward_deferred``; :meth:`forward` adds it here."""
         T = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
@@ -78,7 +70,7 @@ class LlamaAttention(nn.Module):
             sliding_window=self.sliding_window,
             logit_softcap=self.logit_softcap,
         )
-        return _deferred(self.o_proj, o.reshape(T, self.q_size), "norm")
+        return self.o_proj(o.reshape(T, self.q_size))
 
 
 class GatedMLP(nn.Module):
@@ -93,24 +85,12 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, cfg.mlp_bias, "intermediate_size")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out, pending = self.forward_deferred(x)
-        if pending is not None:
-            pending.apply(out)
-        return out
-
-    def forward_deferred(self, x: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        """(output, down_proj's LoRA delta deferred to the norm that reads it, or None)."""
         # A LoRA gate_up may leave its expand to the activation, which reads its output anyway.
-        gate_up, lora = _deferred(self.gate_up_proj, x, "act")
-        act = self.act_and_mul(gate_up) if lora is None else self.act_and_mul(gate_up, lora)
-        return _deferred(self.down_proj, act, "norm")
-
-
-def _deferred(module: nn.Module, x: torch.Tensor, reader: str) -> tuple[torch.Tensor, Any]:
-    """(module(x) without its LoRA delta, the delta deferred to ``reader``) where the module is a LoRA
-    layer that defers (``LoRALinear.forward_deferred``), else (module(x), None)."""
-    deferred = getattr(module, "forward_deferred", None)
-    return (module(x), None) if deferred is None else deferred(x, reader)
+        deferred = getattr(self.gate_up_proj, "forward_deferred", None)
+        if deferred is None:
+            return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
+        gate_up, lora = deferred(x)
+        return self.down_proj(self.act_and_mul(gate_up, lora))
 
 
 def llama_mlp(cfg: ArchConfig) -> GatedMLP:
@@ -137,20 +117,13 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.norm_offset)
 
     def forward(
-        self,
-        hidden: torch.Tensor,
-        batch: ForwardBatch,
-        residual: torch.Tensor | None = None,
-        pending: Any = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        """(delta, residual, the delta's LoRA still to add or None) after this layer; ``residual`` None:
-        ``hidden`` is the whole hidden state; ``pending``: ``hidden``'s own deferred LoRA delta (the last
-        layer's down_proj), which this layer's first norm adds."""
-        hidden, residual = self.input_layernorm.add_norm(hidden, residual, pending)
-        hidden, pending = self.self_attn.forward_deferred(hidden, batch)
-        hidden, residual = self.post_attention_layernorm(hidden, residual, pending)
-        hidden, pending = self.mlp.forward_deferred(hidden)
-        return hidden, residual, pending
+        self, hidden: torch.Tensor, batch: ForwardBatch, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(delta, residual) after this layer; ``residual`` None: ``hidden`` is the whole hidden state."""
+        hidden, residual = self.input_layernorm.add_norm(hidden, residual)
+        hidden = self.self_attn(hidden, batch)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -173,12 +146,10 @@ class LlamaModel(nn.Module):
         hidden = self.embed(batch.input_ids)
         if batch.input_embeds is not None:
             hidden = hidden.index_copy(0, batch.embed_rows, batch.input_embeds.to(hidden.dtype))
-        residual = pending = None
+        residual = None
         for layer in self.layers:
-            hidden, residual, pending = layer(hidden, batch, residual, pending)
-        if residual is None:
-            return self.norm(hidden)
-        return self.norm(hidden, residual, pending)[0]
+            hidden, residual = layer(hidden, batch, residual)
+        return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
 
 
 class LlamaForCausalLM(CausalLM):

@@ -139,7 +139,6 @@ def test_the_default_serving_kernels_compile_for_the_h200(tmp_path):
         "_sgmv_shrink_kernel",
         "_sgmv_expand_kernel",
         "_sgmv_act_expand_kernel",
-        "_sgmv_norm_expand_kernel",
         "_bgmv_shrink_kernel",
         "_bgmv_expand_kernel",
         "_prefill_kernel",
