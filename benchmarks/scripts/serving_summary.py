@@ -16,7 +16,8 @@ from pathlib import Path
 
 
 def main(out: Path, names: list[str]) -> None:
-    print((out / "rc.txt").read_text().strip())
+    if (out / "rc.txt").exists():
+        print((out / "rc.txt").read_text().strip())
     tests = out / "tests.txt"
     if tests.exists():
         print(tests.read_text().strip().splitlines()[-2:])
@@ -44,12 +45,16 @@ def _round(name: str, runs: dict) -> None:
     def kinds(r: dict) -> dict:
         return r.get("breakdown", {}).get("step_kinds", {})
 
+    def mixed(r: dict) -> dict:  # eager mixed steps and those replayed from graphs (since session 24)
+        parts = [kinds(r).get(k, {}) for k in ("mixed", "mixed_graph")]
+        return {f: sum(p.get(f) or 0 for p in parts) for f in ("wall_s", "forward_launch_s", "gpu_span_s")}
+
     def gc_s(r: dict) -> str:
         g = r.get("breakdown", {}).get("python_gc")
         return "-" if g is None else f"{g['total_s']:.2f} s ({g['collections'][2]} full)"
 
     base_span = kinds(base).get("decode_graph", {}).get("gpu_span_s", 0)
-    bmx = kinds(base).get("mixed", {})
+    bmx = mixed(base)
     print(
         f"== {name}: base-only {base['output_tok_per_s']:.0f} tok/s, TTFT p50 "
         f"{base['ttft_p50_s'] * 1e3:.0f} ms, decode {base['decode_seconds']:.2f} s, mixed wall "
@@ -58,7 +63,7 @@ def _round(name: str, runs: dict) -> None:
     for n, r in sorted(runs.items()):
         if not n:
             continue
-        dg, mx = kinds(r).get("decode_graph", {}), kinds(r).get("mixed", {})
+        dg, mx = kinds(r).get("decode_graph", {}), mixed(r)
         up = r.get("breakdown", {}).get("adapter_uploads", {})
         print(
             f"  n={n:5d}: {r['output_tok_per_s']:.0f} tok/s = "
