@@ -59,6 +59,20 @@ def test_seed_flags_parse():
     assert server_cfg.host == "127.0.0.1" and server_cfg.port == 30000 and server_cfg.api_key is None
 
 
+@pytest.mark.parametrize(
+    ("argv", "disabled"),
+    [
+        ([], False),  # the default since session 26's H200 runs
+        (["--disable-mixed-cuda-graph"], True),
+        (["--enable-mixed-cuda-graph"], False),  # the opt-in spelling of earlier scripts
+        (["--disable-mixed-cuda-graph", "--enable-mixed-cuda-graph"], False),  # the last one wins
+    ],
+)
+def test_mixed_step_graphs_are_on_unless_disabled(argv, disabled):
+    engine_cfg, _ = launch_server.parse_args(["--model-path", "m", *argv])
+    assert engine_cfg.scheduler.disable_mixed_cuda_graph is disabled
+
+
 @pytest.fixture(scope="module")
 def seed_server(tiny):
     port = free_port()

@@ -300,3 +300,14 @@ def test_serving_two_tenants_workload_on_cpu(tmp_path, capsys):
             assert run["light_latency_p99_s"] >= run["light_ttft_p99_s"] > 0
     assert len(result["per_round"]) == 2 and result["worse_round"] in (0, 1)
     assert "worse round" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "disabled"),
+    [([], False), (["--disable-mixed-cuda-graph"], True), (["--enable-mixed-cuda-graph"], False)],
+)
+def test_serving_runs_mixed_step_graphs_unless_told_not_to(argv, disabled):
+    from mmlora.bench.serving_cli import parse_args
+
+    args = parse_args(["--model", "dummy:tiny-llama", *argv], "serving")
+    assert args.disable_mixed_cuda_graph is disabled
