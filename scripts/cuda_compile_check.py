@@ -15,6 +15,9 @@ jitted helper). This script finds them first:
    ``--arch``. It prints the variants per kernel and every failure, writes ``compile.json`` and exits 1 if
    any variant fails to compile.
 
+``--tuning BACKEND:KNOB=JSON ...`` records the shapes once more per override, each alone over the defaults:
+the variants a launch-setting sweep on the GPU would compile (``--presets`` / ``--backends`` narrow it).
+
 Usage: ``python scripts/cuda_compile_check.py [--tests tests/kernels tests/models] [--shapes] [--out DIR]``.
 """
 
@@ -51,6 +54,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--arch", type=int, default=90, help="CUDA compute capability, as an int (90 = sm_90)")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compile processes")
     p.add_argument("--compile-only", action="store_true", help="compile the specs already under --out")
+    p.add_argument(
+        "--tuning",
+        nargs="*",
+        default=[],
+        metavar="BACKEND:KNOB=JSON",
+        help="with --shapes: also record with each of these Triton TUNING overrides alone "
+        "(e.g. triton-sgmv:run_waves=4)",
+    )
+    p.add_argument("--presets", nargs="*", default=None, help="with --shapes: only these presets")
+    p.add_argument("--backends", nargs="*", default=None, help="with --shapes: only these LoRA backends")
     p.add_argument("--record-shapes", action="store_true", help=argparse.SUPPRESS)  # the --shapes subprocess
     return p.parse_args(argv)
 
@@ -74,9 +87,11 @@ def record_tests(paths: list[str], out: str) -> None:
     subprocess.run(cmd, cwd=ROOT, env=env, check=True)
 
 
-def record_shapes(out: str) -> None:
+def record_shapes(out: str, tuning: list[str], presets: list[str] | None, backends: list[str] | None) -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, os.path.abspath(__file__), "--record-shapes", "--out", out]
+    cmd = [sys.executable, os.path.abspath(__file__), "--record-shapes", "--out", out, "--tuning", *tuning]
+    cmd += ["--presets", *presets] if presets else []
+    cmd += ["--backends", *backends] if backends else []
     print("recording the presets' shapes", flush=True)
     subprocess.run(cmd, cwd=ROOT, env=env, check=True)
 
@@ -205,13 +220,49 @@ def compile_all(out: str, arch: int, jobs: int) -> int:
     return 1 if errors else 0
 
 
+def tuning_override(spec: str) -> tuple[dict[str, Any], str, Any]:
+    """(the TUNING table, knob, value) of a ``BACKEND:KNOB=JSON`` override; an unknown one is an error."""
+    from mmlora.backends import triton_bgmv, triton_fused_decode, triton_sgmv, triton_sgmv_act
+
+    tables = {
+        "triton-sgmv": triton_sgmv.TUNING,
+        "triton-bgmv": triton_bgmv.TUNING,
+        "triton-sgmv-act": triton_sgmv_act.TUNING,
+        "triton-fused": triton_fused_decode.TUNING,
+    }
+    backend, _, setting = spec.partition(":")
+    knob, eq, value = setting.partition("=")
+    if backend not in tables or not eq or knob not in tables[backend]:
+        raise SystemExit(f"--tuning {spec!r}: expected BACKEND:KNOB=JSON, BACKEND one of {sorted(tables)} "
+                         "and KNOB one of its TUNING keys")  # fmt: skip
+    return tables[backend], knob, json.loads(value)
+
+
+def _record_shapes_here(out: str, args: argparse.Namespace) -> None:
+    """The --shapes recording (under the interpreter): the defaults, then each --tuning override alone."""
+    from preset_shapes import BACKENDS, CASES, record_preset_shapes  # this folder's workload
+
+    cases = tuple(c for c in CASES if not args.presets or c[0] in args.presets)
+    backends = tuple(args.backends or BACKENDS)
+    if not cases:
+        raise SystemExit(f"--presets {args.presets}: none of {[c[0] for c in CASES]}")
+    overrides = [tuning_override(spec) for spec in args.tuning]
+    record_preset_shapes(os.path.join(out, "shapes.jsonl"), cases, backends)
+    for i, (table, knob, value) in enumerate(overrides):
+        saved = table[knob]
+        table[knob] = value
+        try:
+            print(f"recording with {args.tuning[i]}", flush=True)
+            record_preset_shapes(os.path.join(out, f"shapes-tuning{i}.jsonl"), cases, backends)
+        finally:
+            table[knob] = saved
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out = os.path.abspath(args.out)
     if args.record_shapes:
-        from preset_shapes import record_preset_shapes  # this folder's workload, run under the interpreter
-
-        record_preset_shapes(os.path.join(out, "shapes.jsonl"))
+        _record_shapes_here(out, args)
         return 0
     if args.compile_only:
         return compile_all(out, args.arch, args.jobs)
@@ -222,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.tests:
         record_tests(args.tests, out)
     if args.shapes:
-        record_shapes(out)
+        record_shapes(out, args.tuning, args.presets, args.backends)
     triton_dir = ensure_triton(args.triton, args.triton_dir or os.path.join(out, f"triton-{args.triton}"))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     # Triton's compile cache of this run only, emptied first: every variant is compiled, none found cached

@@ -131,20 +131,23 @@ def record_preset_shapes(
     from mmlora.models.arch_config import ArchConfig
     from mmlora.models.presets import PRESETS, preset_config
 
-    triton_specs.install(path, execute=False)
-    for preset, layers in cases:
-        name = f"{preset}-{layers}l"
-        PRESETS[name] = {**PRESETS[preset], "num_hidden_layers": layers}
-        cfg = ArchConfig.from_hf(preset_config(name))
-        with as_on_h200():
-            _fused_ops(
-                cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-                cfg.head_dim,
-            )  # fmt: skip
-        with tempfile.TemporaryDirectory() as tmp:
-            made = write_random_adapters(name, tmp, 2, [16, 64], distinct=2)
-            adapters = {m["name"]: m["path"] for m in made}
-            for backend in backends:
-                print(f"  {name} {backend}", flush=True)
-                _engine_steps(name, adapters, backend)
+    uninstall = triton_specs.install(path, execute=False)
+    try:
+        for preset, layers in cases:
+            name = f"{preset}-{layers}l"
+            PRESETS[name] = {**PRESETS[preset], "num_hidden_layers": layers}
+            cfg = ArchConfig.from_hf(preset_config(name))
+            with as_on_h200():
+                _fused_ops(
+                    cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+                    cfg.head_dim,
+                )  # fmt: skip
+            with tempfile.TemporaryDirectory() as tmp:
+                made = write_random_adapters(name, tmp, 2, [16, 64], distinct=2)
+                adapters = {m["name"]: m["path"] for m in made}
+                for backend in backends:
+                    print(f"  {name} {backend}", flush=True)
+                    _engine_steps(name, adapters, backend)
+    finally:
+        uninstall()
     print(f"recorded {len(triton_specs.read([path]))} distinct launches to {os.path.basename(path)}")

@@ -90,6 +90,18 @@ def _kernel_times(backend, points: list, calls: int = 20) -> dict[str, float]:  
     return times
 
 
+def _chosen_points(args: argparse.Namespace) -> list[tuple[str, int, int, str | None]]:
+    if not args.point:
+        return SMOKE_CASES if args.smoke else CASES
+    points = []
+    for spec in args.point:
+        case, b, n, *rest = spec.split(":")
+        if case not in {c for c, *_ in CASES} or rest not in ([], ["runs"]):
+            raise SystemExit(f"--point {spec!r}: expected CASE:B:ADAPTERS[:runs] with CASE one of the cases")
+        points.append((case, int(b), int(n), "runs" if rest else None))
+    return points
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--smoke", action="store_true")
@@ -103,11 +115,19 @@ def main() -> None:
     )
     p.add_argument("--profile-mode", default="default", help="the mode whose kernels are profiled")
     p.add_argument("--cases", nargs="*", default=None, help="only these case names")
+    p.add_argument(
+        "--point",
+        nargs="*",
+        default=None,
+        metavar="CASE:B:ADAPTERS[:runs]",
+        help="time these points instead of the built-in ones, e.g. decode-runs:72:24:runs (a serving run's "
+        "mean decode batch on 32 adapters: 73 rows, 23 distinct adapters a step)",
+    )
     args = p.parse_args()
     device = torch.device("cpu" if args.smoke else "cuda")
     bw = None if args.smoke else copy_bandwidth(device)
     results = []
-    for case, B, n, segments in SMOKE_CASES if args.smoke else CASES:
+    for case, B, n, segments in _chosen_points(args):
         if args.cases and case not in args.cases:
             continue
         name = "triton-sgmv" if case in ("decode-runs", "mixed", "mixed-sorted", "prefill") else "triton-bgmv"
