@@ -32,6 +32,7 @@ eagerly. Needs the triton attention backend, a LoRA backend whose launches a gra
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 
@@ -262,12 +263,26 @@ def capture_mixed_graphs(
     max_model_len: int,
     capture: bool = True,
 ) -> MixedGraphRunner | None:
-    """A MixedGraphRunner, or None (with a warning saying why) when this engine cannot use one.
-    ``capture=False``: the static-buffer path run eagerly, on any device (tests)."""
+    """A MixedGraphRunner, or None (logging why) when this engine cannot use one or the device has no room
+    for the captures: they are on by default, so running out of memory there turns them off instead of
+    failing the engine's start. ``capture=False``: the static-buffer path run eagerly, on any device
+    (tests)."""
     reason = mixed_graph_refusal(runner, tp_group().is_parallel)
     if reason is None and capture and runner.device.type != "cuda":
         reason = f"the engine runs on {runner.device}"
     if reason is not None:
         logger.info("CUDA graphs for mixed steps off: %s", reason)
         return None
-    return MixedGraphRunner(runner, max_tokens, max_seqs, max_model_len, capture)
+    try:
+        return MixedGraphRunner(runner, max_tokens, max_seqs, max_model_len, capture)
+    except torch.cuda.OutOfMemoryError as exc:
+        error = str(exc).strip().splitlines()[0] if str(exc).strip() else "CUDA out of memory"
+    gc.collect()  # the partly built runner and its graphs, then their pool's blocks
+    torch.cuda.empty_cache()
+    logger.warning(
+        "CUDA graphs for mixed steps off: out of device memory while capturing them (%s); prefill and "
+        "mixed steps run eagerly. Leave more memory outside mem_fraction_static, lower "
+        "max_num_batched_tokens, or pass --disable-mixed-cuda-graph to skip the capture",
+        error,
+    )
+    return None

@@ -245,6 +245,29 @@ def test_torch_attention_engines_keep_mixed_steps_eager(tiny):
     assert engine.runner.mixed_graphs is None
 
 
+def test_running_out_of_memory_while_capturing_leaves_mixed_steps_eager(tiny, monkeypatch, caplog):
+    """Mixed-step graphs are on by default, so a device without room for their captures gets eager mixed
+    steps and a warning that says what to change, not an engine that fails to start."""
+    from mmlora.engine import mixed_graph
+
+    base, adapters = tiny()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    engine = _engine(base, adapters, device, disable_cuda_graph=True, lora_backend="triton-sgmv")
+    ref = _generate(engine)
+
+    def no_room(*args, **kwargs):  # noqa: ANN002, ANN003
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 512.00 MiB")
+
+    monkeypatch.setattr(mixed_graph, "MixedGraphRunner", no_room)
+    with caplog.at_level("WARNING", logger="mmlora.engine.mixed_graph"):
+        engine.runner.enable_mixed_graphs(24, 5, engine.max_model_len, capture=False)
+    assert engine.runner.mixed_graphs is None
+    assert "out of device memory" in caplog.text and "--disable-mixed-cuda-graph" in caplog.text
+    assert "Tried to allocate 512.00 MiB" in caplog.text
+    engine.flush_cache()  # the same prompts again: computed, not read from the prefix cache
+    assert_same_outputs(ref, _generate(engine), 1e-5)
+
+
 @pytest.mark.parametrize("lora_backend", ["triton-sgmv", "triton-auto"])
 def test_every_step_launches_what_its_bucket_captured(tiny, lora_backend, monkeypatch):
     """For every step the runner ran, its forward (real routing) and the forward a capture of its (bucket,
