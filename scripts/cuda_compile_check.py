@@ -220,33 +220,17 @@ def compile_all(out: str, arch: int, jobs: int) -> int:
     return 1 if errors else 0
 
 
-def tuning_override(spec: str) -> tuple[dict[str, Any], str, Any]:
-    """(the TUNING table, knob, value) of a ``BACKEND:KNOB=JSON`` override; an unknown one is an error."""
-    from mmlora.backends import triton_bgmv, triton_fused_decode, triton_sgmv, triton_sgmv_act
-
-    tables = {
-        "triton-sgmv": triton_sgmv.TUNING,
-        "triton-bgmv": triton_bgmv.TUNING,
-        "triton-sgmv-act": triton_sgmv_act.TUNING,
-        "triton-fused": triton_fused_decode.TUNING,
-    }
-    backend, _, setting = spec.partition(":")
-    knob, eq, value = setting.partition("=")
-    if backend not in tables or not eq or knob not in tables[backend]:
-        raise SystemExit(f"--tuning {spec!r}: expected BACKEND:KNOB=JSON, BACKEND one of {sorted(tables)} "
-                         "and KNOB one of its TUNING keys")  # fmt: skip
-    return tables[backend], knob, json.loads(value)
-
-
 def _record_shapes_here(out: str, args: argparse.Namespace) -> None:
     """The --shapes recording (under the interpreter): the defaults, then each --tuning override alone."""
     from preset_shapes import BACKENDS, CASES, record_preset_shapes  # this folder's workload
+
+    from mmlora.backends.tuning import parse_override
 
     cases = tuple(c for c in CASES if not args.presets or c[0] in args.presets)
     backends = tuple(args.backends or BACKENDS)
     if not cases:
         raise SystemExit(f"--presets {args.presets}: none of {[c[0] for c in CASES]}")
-    overrides = [tuning_override(spec) for spec in args.tuning]
+    overrides = [parse_override(spec) for spec in args.tuning]
     record_preset_shapes(os.path.join(out, "shapes.jsonl"), cases, backends)
     for i, (table, knob, value) in enumerate(overrides):
         saved = table[knob]
@@ -266,6 +250,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.compile_only:
         return compile_all(out, args.arch, args.jobs)
+    if args.tuning:
+        from mmlora.backends.tuning import parse_override
+
+        for spec in args.tuning:  # refused now, not after minutes of recording
+            parse_override(spec)
     os.makedirs(out, exist_ok=True)
     for f in os.listdir(out):
         if ".jsonl" in f:

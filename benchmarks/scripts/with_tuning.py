@@ -9,29 +9,15 @@ first, so the run's log says what it ran with.
 
 from __future__ import annotations
 
-import json
 import sys
 
-from mmlora.backends import triton_bgmv, triton_sgmv
-
-TABLES = {
-    "triton-sgmv": triton_sgmv.TUNING,
-    "triton-bgmv": triton_bgmv.TUNING,
-}
+from mmlora.backends.tuning import parse_override
 
 
 def apply(spec: str) -> tuple[str, str, object]:
-    backend, _, setting = spec.partition(":")
-    knob, eq, value = setting.partition("=")
-    if backend not in TABLES or not eq:
-        raise SystemExit(
-            f"override {spec!r}: expected BACKEND:KNOB=JSON with BACKEND one of {sorted(TABLES)}"
-        )
-    table = TABLES[backend]
-    if knob not in table:
-        raise SystemExit(f"override {spec!r}: {backend} has no knob {knob!r} (knobs: {sorted(table)})")
-    table[knob] = json.loads(value)
-    return backend, knob, table[knob]
+    table, knob, value = parse_override(spec)
+    table[knob] = value
+    return spec.partition(":")[0], knob, value
 
 
 def main(argv: list[str]) -> int:

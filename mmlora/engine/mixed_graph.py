@@ -276,7 +276,7 @@ def capture_mixed_graphs(
     try:
         return MixedGraphRunner(runner, max_tokens, max_seqs, max_model_len, capture)
     except torch.cuda.OutOfMemoryError as exc:
-        error = str(exc).strip().splitlines()[0] if str(exc).strip() else "CUDA out of memory"
+        error = (str(exc).strip() or "CUDA out of memory").splitlines()[0]
     gc.collect()  # the partly built runner and its graphs, then their pool's blocks
     torch.cuda.empty_cache()
     logger.warning(

@@ -152,15 +152,13 @@ def test_the_default_serving_kernels_compile_for_the_h200(tmp_path):
 
 
 def test_tuning_overrides_name_a_real_knob():
-    """--tuning takes BACKEND:KNOB=JSON for a knob the backend's TUNING has; anything else is refused
-    before minutes of recording are spent."""
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
-    import cuda_compile_check
-
+    """--tuning (and with_tuning.py) take BACKEND:KNOB=JSON for a knob the backend's TUNING has; anything
+    else is refused before minutes of recording are spent."""
     from mmlora.backends import triton_sgmv
+    from mmlora.backends.tuning import parse_override
 
-    table, knob, value = cuda_compile_check.tuning_override("triton-sgmv:run_expand_group=4")
+    table, knob, value = parse_override("triton-sgmv:run_expand_group=4")
     assert table is triton_sgmv.TUNING and knob == "run_expand_group" and value == 4
     for bad in ("triton-sgmv:no_such_knob=1", "no-such-backend:waves=2", "triton-sgmv:waves"):
         with pytest.raises(SystemExit, match="BACKEND:KNOB=JSON"):
-            cuda_compile_check.tuning_override(bad)
+            parse_override(bad)
