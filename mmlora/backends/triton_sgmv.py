@@ -49,14 +49,20 @@ from mmlora.triton_launch import fast
 #: ``benchmarks/scripts/lora_tuning_sweep.py``, 2026-12-02, in ``benchmarks/results/``): shrink at 32
 #: tokens and 2 waves made a 4096-token prefill over 8 adapters 0.885x as long (411 -> 364 us summed
 #: over the four projections) and a mixed step 0.935x; 2 warps for 16-token expand tiles made decode
-#: graphs' runs 0.94-0.99x; 64-token and 512-column expand tiles were no faster.
+#: graphs' runs 0.94-0.99x then (4 since 2026-12-05, see below); 64-token and 512-column expand tiles
+#: were no faster.
 TUNING = {
     "shrink_block_m": 32,
     "block_m": 32,
     "block_n": 256,
     "shrink_warps": 4,
     "expand_warps": 4,
-    "run_expand_warps": 2,
+    # 4 warps for 16-token expand tiles (decode runs): H200, decode runs of rank-16 adapters at serving's
+    # composition (B=72 on 24 and 6 adapters, B=128 and 256 on 32) and rank-64 adapters in the paged pool,
+    # benchmarks/scripts/decode_lora_anatomy.py, 2026-12-05, two rounds in each of two calls: 0.92-0.98x
+    # the time of 2 warps at every point (B=72 on 24 adapters 54.6 -> 52.9 us, rank 64 120.0 -> 111.0);
+    # 8 warps 0.91-1.08x. (2 was chosen on 2026-12-02, when a program took one column tile.)
+    "run_expand_warps": 4,
     # Ranks per step of the expand's loop, capped by the batch's rank bucket (a power of two >= 16):
     # ``run_expand_rank_step`` for 16-token tiles (decode runs), ``expand_rank_step`` for the rest. Loads
     # stop at the slot's rank either way, so a step reads no more bytes, in fewer dependent steps. H200,

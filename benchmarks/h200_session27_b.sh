@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Session 27, after h200_session27_a.sh found run_expand_warps=4 faster at every decode-runs point (now the
+# default): where a whole decode step's GPU time goes, base-only against LoRA (decode_graph_profile.py);
+# the SGMV GPU tests under the new default; issue 23's slow rank mixes {64} and {8, 64}, two rounds.
+# Usage: bash benchmarks/h200_session27_b.sh OUTDIR
+set -u
+out=${1:?output folder}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PWD/benchmarks/scripts
+date -u > "$out/date.txt"
+timeout 170 python benchmarks/scripts/decode_graph_profile.py --point 32:32 72:24 72:6 128:32 \
+  --out "$out/profile.json" > "$out/profile.txt" 2>&1
+echo "profile rc=$? at ${SECONDS} s" | tee "$out/summary.txt"
+timeout 130 python -m pytest -q -x -rfE -p no:cacheprovider tests/kernels/test_lora_kernels.py \
+  tests/kernels/test_lora_paged.py tests/kernels/test_rank_buckets.py -k "sgmv or runs or auto" \
+  > "$out/tests.txt" 2>&1
+echo "tests rc=$? at ${SECONDS} s: $(tail -1 "$out/tests.txt")" | tee -a "$out/summary.txt"
+timeout $((570 - SECONDS)) python -m mmlora.bench serving --model dummy:mistral-7b-v0.3 \
+  --num-adapters 32 --num-requests 192 --hf-batch 0 --rank-mixes 64 8,64 --pool-rank 64 \
+  --sweep-rounds 2 --out "$out/mixes" > "$out/mixes.log" 2>&1
+echo "mixes rc=$? at ${SECONDS} s" | tee -a "$out/summary.txt"
+grep "^==" "$out/profile.txt" | cut -c1-300
+grep -E "^(FAILED|ERROR)" "$out/tests.txt" | head -5
+grep -iE "Error|Traceback" "$out/mixes.log" | head -5
+grep "mmlora \|base-only ranks" "$out/mixes.log" | sed 's/.*run\/s\]//' | cut -c1-200
