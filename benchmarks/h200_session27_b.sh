@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Session 27, after h200_session27_a.sh found run_expand_warps=4 faster at every decode-runs point (now the
 # default): where a whole decode step's GPU time goes, base-only against LoRA (decode_graph_profile.py);
-# the SGMV GPU tests under the new default; issue 23's slow rank mixes {64} and {8, 64}, two rounds.
+# the fused decode kernel (triton-fused: one launch a module) at serving's decode-runs composition against
+# SGMV, with its launch knobs as modes; issue 23's slow rank mixes {64} and {8, 64}, two rounds.
 # Usage: bash benchmarks/h200_session27_b.sh OUTDIR
 set -u
 out=${1:?output folder}
@@ -11,15 +12,19 @@ date -u > "$out/date.txt"
 timeout 170 python benchmarks/scripts/decode_graph_profile.py --point 32:32 72:24 72:6 128:32 \
   --out "$out/profile.json" > "$out/profile.txt" 2>&1
 echo "profile rc=$? at ${SECONDS} s" | tee "$out/summary.txt"
-timeout 130 python -m pytest -q -x -rfE -p no:cacheprovider tests/kernels/test_lora_kernels.py \
-  tests/kernels/test_lora_paged.py tests/kernels/test_rank_buckets.py -k "sgmv or runs or auto" \
-  > "$out/tests.txt" 2>&1
-echo "tests rc=$? at ${SECONDS} s: $(tail -1 "$out/tests.txt")" | tee -a "$out/summary.txt"
+pts=(decode-runs:72:24 decode-runs:72:6 decode-runs:128:32)
+timeout 150 python benchmarks/scripts/decode_lora_anatomy.py --rounds 2 --backend triton-fused --point "${pts[@]}" \
+  --mode c512:chunk=512 c2048:chunk=2048 c4096:chunk=4096 k64:block_k=64 k256:block_k=256 w8:warps=8 \
+  w2:warps=2 n256:block_n=256 --out "$out/fused.json" > "$out/fused.txt" 2>&1
+echo "fused rc=$? at ${SECONDS} s" | tee -a "$out/summary.txt"
+timeout 60 python benchmarks/scripts/decode_lora_anatomy.py --rounds 2 --point "${pts[@]}" \
+  --out "$out/sgmv.json" > "$out/sgmv.txt" 2>&1
+echo "sgmv rc=$? at ${SECONDS} s" | tee -a "$out/summary.txt"
 timeout $((570 - SECONDS)) python -m mmlora.bench serving --model dummy:mistral-7b-v0.3 \
   --num-adapters 32 --num-requests 192 --hf-batch 0 --rank-mixes 64 8,64 --pool-rank 64 \
   --sweep-rounds 2 --out "$out/mixes" > "$out/mixes.log" 2>&1
 echo "mixes rc=$? at ${SECONDS} s" | tee -a "$out/summary.txt"
 grep "^==" "$out/profile.txt" | cut -c1-300
-grep -E "^(FAILED|ERROR)" "$out/tests.txt" | head -5
+grep -h "^==" "$out/fused.txt" "$out/sgmv.txt" | cut -c1-400
 grep -iE "Error|Traceback" "$out/mixes.log" | head -5
 grep "mmlora \|base-only ranks" "$out/mixes.log" | sed 's/.*run\/s\]//' | cut -c1-200

@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import lora_tuning_sweep as sweep  # noqa: E402
 
-from mmlora.backends import get_backend, triton_bgmv, triton_sgmv  # noqa: E402
+from mmlora.backends import get_backend, triton_bgmv, triton_fused_decode, triton_sgmv  # noqa: E402
 from mmlora.bench.serving_parts import copy_bandwidth  # noqa: E402
 from mmlora.forward.lora import page_weights, slot_runs  # noqa: E402
 
@@ -63,6 +63,14 @@ def _tight_runs(points: list, bound: int) -> int:
             runs = slot_runs(rows)
             info.fill_rows(rows, bound, "runs", segments=len(runs), runs=runs)
     return points[0].infos[0].num_segments
+
+
+def _one_row_a_segment(points: list) -> None:
+    """Refill the decode points' infos in the ``rows`` layout (one segment a row): the fused decode
+    kernel's graph layout, where it finds the runs itself."""
+    for pt in points:
+        for info in pt.infos:
+            info.fill_rows(info.token_slots[: info.num_tokens].tolist(), info.rank_bound, "rows")
 
 
 def _kernel_times(backend, points: list, calls: int = 20) -> dict[str, float]:  # noqa: ANN001
@@ -114,6 +122,13 @@ def main() -> None:
         "--mode", nargs="*", default=[], help="extra modes NAME:knob=json,... of the case backend's TUNING"
     )
     p.add_argument("--profile-mode", default="default", help="the mode whose kernels are profiled")
+    p.add_argument(
+        "--backend",
+        default=None,
+        choices=("triton-sgmv", "triton-bgmv", "triton-fused"),
+        help="time every case with this backend (default: SGMV for runs, mixed and prefill, BGMV for rows); "
+        "triton-fused routes decode batches one row a segment, as its graphs capture them",
+    )
     p.add_argument("--cases", nargs="*", default=None, help="only these case names")
     p.add_argument(
         "--point",
@@ -130,14 +145,24 @@ def main() -> None:
     for case, B, n, segments in _chosen_points(args):
         if args.cases and case not in args.cases:
             continue
-        name = "triton-sgmv" if case in ("decode-runs", "mixed", "mixed-sorted", "prefill") else "triton-bgmv"
+        default = (
+            "triton-sgmv" if case in ("decode-runs", "mixed", "mixed-sorted", "prefill") else "triton-bgmv"
+        )
+        name = args.backend or default
         backend = get_backend(name)
         points = sweep._points(case, B, n, args.rank, args.smoke, device, pool_rank=args.pool_rank)
         if args.page_rank:
             for pt in points:
                 pt.weights = page_weights(pt.weights, args.page_rank)
         entries = _tight_runs(points, points[0].infos[0].rank_bound) if segments == "runs" else None
-        tuning = (triton_sgmv if name == "triton-sgmv" else triton_bgmv).TUNING
+        if name == "triton-fused" and case.startswith("decode"):
+            _one_row_a_segment(points)
+            entries = B
+        tuning = {
+            "triton-sgmv": triton_sgmv,
+            "triton-bgmv": triton_bgmv,
+            "triton-fused": triton_fused_decode,
+        }[name].TUNING
         modes = {"default": {}}
         for extra in args.mode:
             label, _, settings = extra.partition(":")
