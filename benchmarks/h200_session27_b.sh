@@ -15,7 +15,8 @@ echo "profile rc=$? at ${SECONDS} s" | tee "$out/summary.txt"
 pts=(decode-runs:72:24 decode-runs:72:6 decode-runs:128:32)
 timeout 150 python benchmarks/scripts/decode_lora_anatomy.py --rounds 2 --backend triton-fused --point "${pts[@]}" \
   --mode c512:chunk=512 c2048:chunk=2048 c4096:chunk=4096 k64:block_k=64 k256:block_k=256 w8:warps=8 \
-  w2:warps=2 n256:block_n=256 --out "$out/fused.json" > "$out/fused.txt" 2>&1
+  w2:warps=2 n256:block_n=256 c4096k256:chunk=4096,block_k=256 c2048w8:chunk=2048,warps=8 --profile-mode c2048 \
+  --out "$out/fused.json" > "$out/fused.txt" 2>&1
 echo "fused rc=$? at ${SECONDS} s" | tee -a "$out/summary.txt"
 timeout 60 python benchmarks/scripts/decode_lora_anatomy.py --rounds 2 --point "${pts[@]}" \
   --out "$out/sgmv.json" > "$out/sgmv.txt" 2>&1
