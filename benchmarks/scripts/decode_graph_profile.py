@@ -67,6 +67,10 @@ def profile_replays(graph: torch.cuda.CUDAGraph, replays: int = 10) -> dict:
         for e in prof.events()
         if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith("Memcpy")
     )
+    if not kernels:
+        raise SystemExit(
+            "the profiler saw no kernels of the graph replays (CUPTI without graph kernel records?)"
+        )
     # Replays are separated by host syncs (tens of us); split where a gap exceeds the largest in-graph gap.
     spans, current = [], [kernels[0]]
     for k in kernels[1:]:
