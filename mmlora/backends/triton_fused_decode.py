@@ -43,8 +43,9 @@ from mmlora.forward import LoRABatchInfo, LoRAWeights
 from mmlora.triton_launch import fast
 
 #: Launch settings: rows per head, columns per program (a slice is split into chunks of this many),
-#: column tile inside a chunk, in_features tile, warps. Unmeasured guesses.
-TUNING = {"block_m": 16, "chunk": 1024, "block_n": 128, "block_k": 128, "warps": 4}
+#: column tile inside a chunk, in_features tile, warps, software-pipeline depth of the in_features loop
+#: (None: Triton's default). Unmeasured guesses.
+TUNING = {"block_m": 16, "chunk": 1024, "block_n": 128, "block_k": 128, "warps": 4, "stages": None}
 
 
 @triton.jit
@@ -134,12 +135,13 @@ def fused_decode_add_lora(
     chunks = cdiv(max(widths), chunk)
     T = info.num_tokens
     grid = (T * n * chunks,)
+    stages = {} if TUNING["stages"] is None else {"num_stages": TUNING["stages"]}
     fast(_fused_decode_kernel)[grid](
         x, A, B, out, scalings, info.token_slots, info.ranks,
         T, x.shape[1], R, x.stride(0), *a_strides, *b_strides, out.stride(0), scalings.stride(0), *offset_args(slice_offsets), chunks,
         N_SLICES=n, U=U, BLOCK_M=TUNING["block_m"], BLOCK_R=max(16, next_pow2(R)), BLOCK_K=TUNING["block_k"],
         CHUNK=chunk, BLOCK_N=min(TUNING["block_n"], chunk), UPCAST=dot_upcast(x.dtype),
-        PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=TUNING["warps"],
+        PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=TUNING["warps"], **stages,
     )  # fmt: skip
 
 
