@@ -16,7 +16,12 @@ read per slot at run time: a CUDA graph captured for a token count is right for 
 Measured on an H200 (bf16, rank 16, Mistral-7B qkv and gate_up, ``bench kernels --quick``, 2026-12-02,
 ``benchmarks/results/h200-2026-12-02-session7/call3/kernels``): 1.6-2x slower than BGMV wherever it runs
 itself (qkv at 32 distinct rows 28.3 vs 17.7 us, gate_up 60.7 vs 31.8 us), probably because each
-column chunk redoes the whole in_features reduction. It stays an option (``lora_backend="triton-fused"``), not a default.
+column chunk redoes the whole in_features reduction. Again at serving's decode runs (2026-12-05,
+``benchmarks/scripts/decode_lora_anatomy.py --backend triton-fused``, 14 launch settings, two rounds,
+``benchmarks/results/h200-2026-12-05-session27/``): at best 2.5-3.8x SGMV's two launches (B=72 rows on 24
+adapters 150-154 vs 52 us a layer, four projections): one program streaming a whole in_features
+reduction is far slower than SGMV's split-K shrink. It stays an option (``lora_backend="triton-fused"``),
+not a default.
 """
 
 from __future__ import annotations
