@@ -73,6 +73,14 @@ class LoRABackend(ABC):
         """``out [T, out] += lora(x [T, in])`` for the batch described by ``info`` (the semantics above);
         a no-op when no row has an adapter."""
 
+    def add_lora_after_base(
+        self, out: torch.Tensor, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo
+    ) -> None:
+        """:meth:`add_lora`, called right after the kernel that wrote ``out`` (the base GEMM), which did not
+        write ``x``: a backend may start its work that reads only ``x`` while that kernel drains. By
+        default the plain :meth:`add_lora`."""
+        self.add_lora(out, x, weights, info)
+
     def fused_linear(
         self,
         x: torch.Tensor,

@@ -57,6 +57,11 @@ class TritonAutoBackend(LoRABackend):
     def add_lora(self, out: torch.Tensor, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo) -> None:
         self.pick(info).add_lora(out, x, weights, info)
 
+    def add_lora_after_base(
+        self, out: torch.Tensor, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo
+    ) -> None:
+        self.pick(info).add_lora_after_base(out, x, weights, info)
+
     def splits_work(self, info: LoRABatchInfo) -> bool:
         return self.pick(info).splits_work(info)
 

@@ -165,6 +165,22 @@ class FusedTritonBackend(LoRABackend):
             return
         self._fused(out, x, weights, info, R)
 
+    def add_lora_after_base(
+        self, out: torch.Tensor, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo
+    ) -> None:
+        if not info.has_lora:
+            return
+        R = self._validated_rank(out, x, weights, info)
+        if info.num_tokens == 0:
+            return
+        self._fused_after_base(out, x, weights, info, R)
+
+    def _fused_after_base(
+        self, out: torch.Tensor, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo, R: int
+    ) -> None:
+        """``_fused`` right after the kernel that wrote ``out`` (see ``add_lora_after_base``)."""
+        self._fused(out, x, weights, info, R)
+
     def _validated_rank(
         self, out: torch.Tensor, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo
     ) -> int:

@@ -39,77 +39,9 @@ from mmlora.backends.triton_common import (
 from mmlora.backends.triton_sgmv_act import TUNING as ACT_TUNING
 from mmlora.backends.triton_sgmv_act import SGMVDeferred
 from mmlora.backends.triton_sgmv_kernels import _sgmv_expand_kernel, _sgmv_shrink_kernel
+from mmlora.backends.triton_sgmv_tuning import TUNING
 from mmlora.forward.lora import RANK_TILE, LoRABatchInfo, LoRAWeights
 from mmlora.triton_launch import fast
-
-#: Launch heuristics (read at every launch, so a benchmark can sweep them): the largest token tile of
-#: shrink and of expand, expand's column tile, warps per program (expand: ``run_expand_warps`` for
-#: 16-token tiles, i.e. batches whose segments are decode runs), the most splits of in_features, and how
-#: many programs per SM shrink aims for. Chosen on an H200 (bf16, rank 16, Mistral-7B shapes,
-#: ``benchmarks/scripts/lora_tuning_sweep.py``, 2026-12-02, in ``benchmarks/results/``): shrink at 32
-#: tokens and 2 waves made a 4096-token prefill over 8 adapters 0.885x as long (411 -> 364 us summed
-#: over the four projections) and a mixed step 0.935x; 2 warps for 16-token expand tiles made decode
-#: graphs' runs 0.94-0.99x then (4 since 2026-12-05, see below); 64-token and 512-column expand tiles
-#: were no faster.
-TUNING = {
-    "shrink_block_m": 32,
-    "block_m": 32,
-    "block_n": 256,
-    "shrink_warps": 4,
-    "expand_warps": 4,
-    # 4 warps for 16-token expand tiles (decode runs): H200, decode runs of rank-16 adapters at serving's
-    # composition (B=72 on 24 and 6 adapters, B=128 and 256 on 32) and rank-64 adapters in the paged pool,
-    # benchmarks/scripts/decode_lora_anatomy.py, 2026-12-05, two rounds in each of two calls: 0.92-0.98x
-    # the time of 2 warps at every point (B=72 on 24 adapters 54.6 -> 52.9 us, rank 64 120.0 -> 111.0);
-    # 8 warps 0.91-1.08x. (2 was chosen on 2026-12-02, when a program took one column tile.)
-    "run_expand_warps": 4,
-    # Ranks per step of the expand's loop, capped by the batch's rank bucket (a power of two >= 16):
-    # ``run_expand_rank_step`` for 16-token tiles (decode runs), ``expand_rank_step`` for the rest. Loads
-    # stop at the slot's rank either way, so a step reads no more bytes, in fewer dependent steps. H200,
-    # rank-64 pool (benchmarks/scripts/decode_lora_anatomy.py, 2026-12-03, two rounds; 16 before): decode
-    # runs B=128 321 -> 206 us with 32 (234 with 64), mixed step 1632 -> 904 us with 64 (1071 with 32),
-    # 4096-token prefill 1237 -> 702 us with 64.
-    "expand_rank_step": 64,
-    "run_expand_rank_step": 32,
-    "max_split_k": 16,
-    "waves": 2,
-    # Shrinks over 16-token tiles (decode runs, as decode graphs replay them): in_features per step of
-    # the loop, and waves aimed for; None: as above (128; ``waves``). Not yet swept on a GPU: session 8's
-    # one-knob sweep (waves 1-16 for all shrinks) had the runs layout 80.7-90.8 us with waves=4 best and
-    # never varied the step, and decode runs take about 2.6x their bytes floor (session 17), down's shrink
-    # 13 us against about 4.
-    "run_shrink_block_k": None,
-    "run_waves": None,
-    # ... and the software pipeline's depth of their in_features loop (None: Triton's default): few programs
-    # each stream a long loop there, so loads in flight per program bound the bandwidth.
-    "run_shrink_stages": None,
-    # Expands over 16-token tiles load their out tile and scaling before the rank loop (EARLY_OUT), in
-    # flight with the B tile: a small expand is a chain of dependent loads (segment, slot, rank, B, h, out)
-    # and takes about 5 us whatever its bytes (o's: 5.0 us for 6 MB, session 17). Off: not yet timed.
-    "run_expand_early_out": False,
-    # Expands over 16-token tiles with column tiles grouped by this many per program (None or 1: one tile
-    # a program), where the batch's rank bucket fits one ``run_expand_rank_step``: h and the scaling are
-    # loaded once and B / out streamed through a loop ``run_expand_group_stages`` deep. H200, decode runs
-    # of rank-16 adapters in the default pool (benchmarks/scripts/decode_lora_anatomy.py, 2026-12-03, two
-    # rounds, four cases): groups of 2 0.93-0.97x as long as none (B=128 on 31 runs 65.5 -> 63.2 us, B=256
-    # on 128 runs 91.3 -> 84.9 us), 4 1.0-1.08x (gate_up's expand faster, o's and down's slower: fewer
-    # programs), 8 and 16 1.13-1.8x; in serving (32 adapters, two rounds) the decode graphs' GPU span
-    # 4.98 -> 4.88 s against base-only's 3.9 s.
-    "run_expand_group": 2,
-    "run_expand_group_stages": 2,
-    # Batches of at least this many tokens run the shrink on the side stream beside the base GEMM
-    # (``splits_work``); None: never. H200, prefill forwards of 1024-2048 tokens over 32 rank-16 adapters
-    # (benchmarks/scripts/lora_prefill_side_ab.py, 2026-12-03, three rounds): 1.00-1.03x the GPU time of
-    # one stream at 512, same bits; so off.
-    "side_min_tokens": None,
-    # The expand as a programmatic dependent launch of its shrink (Hopper+). H200, decode graphs on 32
-    # rank-16 adapters (benchmarks/scripts/lora_pdl_ab.py, 2026-12-03, two rounds): B=64 and 128 (SGMV
-    # runs) 0.95-0.97x the replay time, B=32 (BGMV, side-stream split: unchanged) 0.99-1.0x; same tokens.
-    "pdl": True,
-    # gate_up's expand deferred into the gated activation (``defer_lora``: one read of gate_up's output
-    # and no write, one launch fewer; :mod:`mmlora.backends.triton_sgmv_act`). False: the plain expand.
-    "act_expand": True,
-}
 
 
 def _block_m(max_seg_len: int, cap: int) -> int:
@@ -159,14 +91,15 @@ class _Tiles:
 
 
 def _shrink_launch(
-    job: ShrinkJob, fp32_planes: bool, pdl: bool = False, whole_rank: bool = True
+    job: ShrinkJob, fp32_planes: bool, pdl: bool = False, whole_rank: bool = True, after: bool = False
 ) -> tuple[tuple[int], tuple, dict, tuple[int, int, int], torch.dtype]:
     """(grid, positional args with None for h, keyword args, h's padded shape, h's dtype) of shrink's
     launch. The rank tile follows the batch's rank bucket (``job.top_rank``), not the pool rank, so a
     rank-16 batch of a rank-64 pool runs the rank-16 pool's tiles: one compile per bucket, all made by
     the warm-up; programs still stop at their slot's rank. ``whole_rank``: every column of h up to the
     pool rank is written (zeros past each rank); otherwise only those below the bucket, all that the
-    fused expand reads (it stops at :func:`rank_load_bound`, at most the bucket)."""
+    fused expand reads (it stops at :func:`rank_load_bound`, at most the bucket). ``after``: launched as a
+    programmatic dependent of the kernel before it (``AFTER`` in the kernel), which must not write x."""
     x, A, info, n, R, skip_pad, split_k = job
     T, in_f, top_rank = info.num_tokens, x.shape[1], job.top_rank
     ns_p2 = next_pow2(n)
@@ -195,8 +128,10 @@ def _shrink_launch(
     kwargs = dict(
         N_SLICES=n, NS_P2=ns_p2, SKIP_PAD=skip_pad, U=U, BLOCK_M=tiles.block_m, BLOCK_R=block_r, BLOCK_K=block_k,
         UPCAST=dot_upcast(x.dtype), PREC="ieee" if x.dtype == torch.float32 else "tf32", TILED=tiles.tiled,
-        PDL=pdl, num_warps=TUNING["shrink_warps"],
+        PDL=pdl, AFTER=after, num_warps=TUNING["shrink_warps"],
     )  # fmt: skip
+    if after:
+        kwargs["launch_pdl"] = True
     stages = TUNING["run_shrink_stages"] if runs else None
     if stages is not None:
         kwargs["num_stages"] = stages
@@ -276,11 +211,15 @@ class _ModulePlan:
 
     __slots__ = ("shrink", "expand", "h_shape", "h_dtype")
 
-    def __init__(self, job: ShrinkJob, weights: LoRAWeights, out_stride: int, pdl: bool) -> None:
-        # ``pdl``: the expand follows its shrink on the stream, as a programmatic dependent.
+    def __init__(
+        self, job: ShrinkJob, weights: LoRAWeights, out_stride: int, pdl: bool, after: bool = False
+    ) -> None:
+        # ``pdl``: the expand a programmatic dependent of its shrink; ``after``: the shrink one of the kernel
+        # before it. An expand reading out before its wait (EARLY_OUT) could then read it unwritten.
         pdl = pdl_launch(job.x.device, pdl)
+        after = pdl and pdl_launch(job.x.device, after) and not TUNING["run_expand_early_out"]
         grid, args, kwargs, self.h_shape, self.h_dtype = _shrink_launch(
-            job, fp32_planes=True, pdl=pdl, whole_rank=False
+            job, fp32_planes=True, pdl=pdl, whole_rank=False, after=after
         )
         self.shrink = fast(_sgmv_shrink_kernel).plan(grid, args, kwargs, (0, 1, 2))
         splits, rows, cols = self.h_shape
@@ -298,19 +237,20 @@ class _ModulePlan:
         out_stride: int,
         split_k: int | None,
         pdl: bool,
+        after: bool = False,
     ) -> _ModulePlan:
         """The plan for this module shape and an out of row stride ``out_stride`` in this forward (made
-        once, shared by the layers)."""
+        once, shared by the layers); ``after``: see ``_shrink_launch``."""
         A, B, scalings = weights.A, weights.B, weights.scalings
         # Everything the launch arithmetic reads of this call, but the batch (the plan is per forward).
         key = (
             "sgmv_module", x.shape[1], x.stride(0), x.dtype, A.shape, A.stride(), B.shape, B.stride(),
-            scalings.stride(0), weights.slice_offsets, out_stride, R, split_k, pdl,
+            scalings.stride(0), weights.slice_offsets, out_stride, R, split_k, pdl, after,
         )  # fmt: skip
         plan = info.host_derived.get(key)
         if plan is None:
             job = ShrinkJob(x, A, info, weights.n_slices, R, True, split_k)
-            plan = info.host_derived[key] = _ModulePlan(job, weights, out_stride, pdl)
+            plan = info.host_derived[key] = _ModulePlan(job, weights, out_stride, pdl, after)
         return plan
 
 
@@ -346,7 +286,23 @@ class TritonSGMVBackend(FusedTritonBackend):
     ) -> None:
         """Shrink knows the slice count, so it skips rank padding per slice; its planes are always fp32
         (expand rounds h to x.dtype), so the kernels' signatures do not depend on the batch."""
-        plan = _ModulePlan.of(x, weights, info, R, out.stride(0), self.split_k, TUNING["pdl"])
+        self._launch(out, x, weights, info, R, after=False)
+
+    def _fused_after_base(
+        self, out: torch.Tensor, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo, R: int
+    ) -> None:
+        self._launch(out, x, weights, info, R, after=TUNING["shrink_pdl"])
+
+    def _launch(
+        self,
+        out: torch.Tensor,
+        x: torch.Tensor,
+        weights: LoRAWeights,
+        info: LoRABatchInfo,
+        R: int,
+        after: bool,
+    ) -> None:
+        plan = _ModulePlan.of(x, weights, info, R, out.stride(0), self.split_k, TUNING["pdl"], after)
         h = torch.empty(plan.h_shape, dtype=plan.h_dtype, device=x.device)
         fast(_sgmv_shrink_kernel).launch_plan(plan.shrink, (x, weights.A, h))
         fast(_sgmv_expand_kernel).launch_plan(plan.expand, (h, weights.B, out, weights.scalings))

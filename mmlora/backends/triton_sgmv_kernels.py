@@ -39,6 +39,7 @@ def _sgmv_shrink_kernel(
     N_SLICES: tl.constexpr, NS_P2: tl.constexpr, SKIP_PAD: tl.constexpr, U: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr, PREC: tl.constexpr, TILED: tl.constexpr, PDL: tl.constexpr,
+    AFTER: tl.constexpr,
 ):  # fmt: skip
     """Shrink, split over in_features: for segment i with slot w[i] >= 0 and split k:
     ``h[k, s[i]:s[i+1]] = x[s[i]:s[i+1], Kk] @ A[w[i], :, Kk].T`` (sum over k gives the shrink).
@@ -49,6 +50,9 @@ def _sgmv_shrink_kernel(
     BLOCK_R ranks) x one split; every element of h in the R_TILES rank tiles is written: rows of
     base-only segments and columns past the adapter's rank as zeros. fp32 accumulation. TILED: token tiles come from the tile table
     (tile i: segment tile_seg[i], first token tile_m0[i]) instead of M_TILES per segment.
+    AFTER: launched as a programmatic dependent of the kernel before it (the base GEMM), which it overlaps:
+    it reads nothing that kernel writes, and waits for it (``gdc_wait``) before every exit, so its
+    completion, which the expand waits for, implies that kernel's.
     """
     if PDL:  # the expand (a programmatic dependent) may start now; it waits before reading h
         tl.extra.cuda.gdc_launch_dependents()
@@ -60,6 +64,8 @@ def _sgmv_shrink_kernel(
     )
     seg_end = tl.load(seg_indptr_ptr + seg + 1)
     if m0 >= seg_end:
+        if AFTER:
+            tl.extra.cuda.gdc_wait()
         return
     slot = tl.load(weight_indices_ptr + seg)
     if SKIP_PAD:
@@ -76,6 +82,8 @@ def _sgmv_shrink_kernel(
     h_mask = m_ok[:, None] & col_ok[None, :]
     if (slot < 0) | (pid_r * BLOCK_R >= rank):
         tl.store(h_ptrs, tl.zeros((BLOCK_M, NS_P2 * BLOCK_R), dtype=h_ptr.dtype.element_ty), mask=h_mask)
+        if AFTER:
+            tl.extra.cuda.gdc_wait()
         return
     w_ok = col_ok & (r < rank)
     a_base = a_ptr + slot.to(tl.int64) * stride_as + a_row_offset(j // BLOCK_R, r, R, U, stride_ap, stride_ar)
@@ -94,6 +102,8 @@ def _sgmv_shrink_kernel(
             at = at.to(tl.float32)
         acc = tl.dot(xt, at, acc, input_precision=PREC)
     tl.store(h_ptrs, acc.to(h_ptr.dtype.element_ty), mask=h_mask)
+    if AFTER:
+        tl.extra.cuda.gdc_wait()
 
 
 @triton.jit

@@ -87,6 +87,7 @@ class StepBreakdown:
         self.gc = GCTimer()
         self.allocator = AllocatorCounter(engine.device)
         self._undo: list[Callable[[], None]] = []
+        self._in_lora = False  # inside a timed LoRA call (add_lora_after_base may call add_lora)
         self.host = dict.fromkeys(PHASES, 0.0)  # updated in place: the installed timers hold it
         self.reset()
 
@@ -145,6 +146,7 @@ class StepBreakdown:
         self._wrap(runner, "forward", self._timed_forward(runner.forward))
         backend = next(m for m in eng.model.modules() if isinstance(m, LoRALinear)).ctx.backend
         self._wrap(backend, "add_lora", self._timed_lora(backend.add_lora))
+        self._wrap(backend, "add_lora_after_base", self._timed_lora(backend.add_lora_after_base))
         self._wrap(backend, "fused_linear", self._timed_lora(backend.fused_linear, counts=_fused))
         pool = eng.lora._pool  # a benchmark instrument: the pool's slot writes are the uploads
         self._wrap(pool, "write_slot", self._timed_upload(pool.write_slot))
@@ -230,10 +232,16 @@ class StepBreakdown:
         """``inner`` timed as LoRA work where ``counts(its result, its arguments)`` (every call by default)."""
 
         def add_lora(*args: Any, **kwargs: Any) -> Any:
+            if self._in_lora:
+                return inner(*args, **kwargs)
             sink = self._sampling_lora
             start = self._record() if sink is not None else None
             t0 = time.perf_counter()
-            out = inner(*args, **kwargs)
+            self._in_lora = True
+            try:
+                out = inner(*args, **kwargs)
+            finally:
+                self._in_lora = False
             if not counts(out, args):
                 return out
             self.host["lora_host"] += time.perf_counter() - t0

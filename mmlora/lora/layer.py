@@ -127,5 +127,5 @@ class LoRALinear(nn.Module):
             main.wait_stream(side)
             finish(out.view(-1, out.shape[-1]))
         elif lora:
-            backend.add_lora(out.view(-1, out.shape[-1]), flat_x, self.weights, info)
+            backend.add_lora_after_base(out.view(-1, out.shape[-1]), flat_x, self.weights, info)
         return self.base.reduce(out) if row_parallel else out

@@ -1,5 +1,6 @@
 """The LoRA expand as a programmatic dependent launch of its shrink (PDL, ``TUNING["pdl"]`` of the BGMV
-and SGMV backends): it starts while the shrink runs and waits for it only before reading its partials.
+and SGMV backends): it starts while the shrink runs and waits for it only before reading its partials;
+and SGMV's shrink as one of the base GEMM before it (``TUNING["shrink_pdl"]``, ``add_lora_after_base``).
 On a Hopper GPU: a chain of layers (base GEMM, LoRA add, the next layer reading that output), eager and
 in a CUDA graph replayed with new inputs, gives the same bits with PDL as without, and matches the
 float64 reference; the expand was really compiled for a dependent launch. On CPU and older GPUs PDL
@@ -32,16 +33,77 @@ def test_pdl_is_off_on_cpu_and_when_not_asked() -> None:
         assert pdl_launch(torch.device("cuda"), True) == HOPPER
 
 
-@pytest.mark.skipif(not HOPPER, reason="needs a Hopper (sm90+) GPU")
+def _sgmv_plan(monkeypatch, hopper: bool, after: bool, **tuning):  # noqa: ANN001, ANN003, ANN202
+    """The SGMV module plan of a small decode-runs batch as on a Hopper GPU (``pdl_launch`` answering what
+    it would there; launch plans are only built, never launched), ``after`` as ``_fused_after_base`` asks."""
+    monkeypatch.setattr(triton_sgmv, "pdl_launch", lambda device, wanted: wanted and hopper)
+    for knob, value in tuning.items():
+        monkeypatch.setitem(triton_sgmv.TUNING, knob, value)
+    S, R, hidden = 4, 16, 64
+    w = LoRAWeights(torch.zeros(S, 3 * R, hidden), torch.zeros(S, 96, R), torch.ones(S, 3), (0, 32, 64, 96))
+    info = LoRABatchInfo(10, S, torch.device("cpu"))
+    for slot in range(S):
+        info.set_slot_rank(slot, R)
+    info.fill([3, 2, 4, 1], [0, 1, 3, -1])
+    x = torch.zeros(10, hidden)
+    shrink_after = triton_sgmv.TUNING["shrink_pdl"] if after else False
+    plan = triton_sgmv._ModulePlan.of(x, w, info, R, 96, None, triton_sgmv.TUNING["pdl"], shrink_after)
+    shrink = fast(triton_sgmv._sgmv_shrink_kernel)
+    # The interpreter's plans keep every keyword; compiled kernels' keep constexprs among the values.
+    after_flag = shrink.names and plan.shrink.values[shrink.names.index("AFTER")]
+    return (after_flag if shrink.names else plan.shrink.kwargs["AFTER"]), plan.shrink.kwargs.get(
+        "launch_pdl", False
+    )
+
+
 @pytest.mark.parametrize(
-    "name,module,lens,slots",
+    "hopper,after,tuning,want",
     [
-        ("triton-bgmv", triton_bgmv, [1] * 24, [i % 5 - 1 for i in range(24)]),  # decode rows, some base
-        ("triton-sgmv", triton_sgmv, [3, 2, 4, 1, 6], [0, 1, 3, -1, 2]),  # decode runs
-        ("triton-sgmv", triton_sgmv, [70, 5, 50], [2, -1, 0]),  # prefill segments
+        (True, True, {"shrink_pdl": True}, True),
+        (True, False, {"shrink_pdl": True}, False),  # plain add_lora: whatever wrote x may still run
+        (True, True, {"shrink_pdl": False}, False),
+        (True, True, {"shrink_pdl": True, "pdl": False}, False),  # only with the expand's PDL wait
+        (True, True, {"shrink_pdl": True, "run_expand_early_out": True}, False),  # out read before the wait
+        (False, True, {"shrink_pdl": True}, False),  # CPU, interpreter, pre-Hopper
     ],
 )
-def test_pdl_chain_equals_plain_launches_and_the_reference(name, module, lens, slots, monkeypatch) -> None:
+def test_the_shrink_follows_the_base_gemm_as_a_dependent_only_where_that_is_safe(
+    hopper, after, tuning, want, monkeypatch
+) -> None:
+    """AFTER (the shrink waits for the kernel before it at every exit) and the dependent launch come
+    together, and only for ``add_lora_after_base`` on Hopper with the expand's PDL and no early out read."""
+    monkeypatch.setitem(triton_sgmv.TUNING, "pdl", True)
+    monkeypatch.setitem(triton_sgmv.TUNING, "run_expand_early_out", False)
+    got_after, got_launch = _sgmv_plan(monkeypatch, hopper, after, **tuning)
+    assert bool(got_after) is want and bool(got_launch) is want
+
+
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper (sm90+) GPU")
+@pytest.mark.parametrize(
+    "name,module,lens,slots,shrink_pdl",
+    [
+        (
+            "triton-bgmv",
+            triton_bgmv,
+            [1] * 24,
+            [i % 5 - 1 for i in range(24)],
+            False,
+        ),  # decode rows, some base
+        ("triton-sgmv", triton_sgmv, [3, 2, 4, 1, 6], [0, 1, 3, -1, 2], False),  # decode runs
+        ("triton-sgmv", triton_sgmv, [70, 5, 50], [2, -1, 0], False),  # prefill segments
+        (
+            "triton-sgmv",
+            triton_sgmv,
+            [3, 2, 4, 1, 6],
+            [0, 1, 3, -1, 2],
+            True,
+        ),  # ... the shrink after the GEMM
+        ("triton-sgmv", triton_sgmv, [70, 5, 50], [2, -1, 0], True),
+    ],
+)
+def test_pdl_chain_equals_plain_launches_and_the_reference(
+    name, module, lens, slots, shrink_pdl, monkeypatch
+) -> None:
     dev, dt = torch.device("cuda"), torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
     S, R, hidden, offs = 4, 16, 512, (0, 512, 640, 768)
@@ -57,13 +119,15 @@ def test_pdl_chain_equals_plain_launches_and_the_reference(name, module, lens, s
         info.set_slot_rank(s, r)
     info.fill(lens, slots)
     backend = get_backend(name)
+    if shrink_pdl:
+        monkeypatch.setitem(module.TUNING, "shrink_pdl", True)
 
     def chain(x: torch.Tensor) -> list[torch.Tensor]:
         """Each layer's output (base GEMM then LoRA); the next layer reads its first ``hidden`` columns."""
         outs = []
         for W, w in stacks:
             out = x @ W.T
-            backend.add_lora(out, x, w, info)
+            backend.add_lora_after_base(out, x, w, info)
             outs.append(out)
             x = out[:, :hidden].contiguous()
         return outs
@@ -84,6 +148,9 @@ def test_pdl_chain_equals_plain_launches_and_the_reference(name, module, lens, s
         x = out[:, :hidden].contiguous()
     expands = fast(module._bgmv_expand_kernel if module is triton_bgmv else module._sgmv_expand_kernel)
     assert any(k.metadata.launch_pdl for k in expands._compiled.values()), "no expand compiled for PDL"
+    if shrink_pdl:
+        shrinks = fast(module._sgmv_shrink_kernel)._compiled.values()
+        assert any(k.metadata.launch_pdl for k in shrinks), "no shrink compiled as the GEMM's dependent"
 
     # Captured with PDL and replayed with new inputs: the plain launches' bits.
     def plain(static: torch.Tensor) -> list[torch.Tensor]:

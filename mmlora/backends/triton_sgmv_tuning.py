@@ -1,0 +1,74 @@
+"""The SGMV backend's launch heuristics (:mod:`mmlora.backends.triton_sgmv` re-exports ``TUNING``): read at
+every launch, so a benchmark can sweep them; each with the measurement that chose it."""
+
+#: Launch heuristics (read at every launch, so a benchmark can sweep them): the largest token tile of
+#: shrink and of expand, expand's column tile, warps per program (expand: ``run_expand_warps`` for
+#: 16-token tiles, i.e. batches whose segments are decode runs), the most splits of in_features, and how
+#: many programs per SM shrink aims for. Chosen on an H200 (bf16, rank 16, Mistral-7B shapes,
+#: ``benchmarks/scripts/lora_tuning_sweep.py``, 2026-12-02, in ``benchmarks/results/``): shrink at 32
+#: tokens and 2 waves made a 4096-token prefill over 8 adapters 0.885x as long (411 -> 364 us summed
+#: over the four projections) and a mixed step 0.935x; 2 warps for 16-token expand tiles made decode
+#: graphs' runs 0.94-0.99x then (4 since 2026-12-05, see below); 64-token and 512-column expand tiles
+#: were no faster.
+TUNING = {
+    "shrink_block_m": 32,
+    "block_m": 32,
+    "block_n": 256,
+    "shrink_warps": 4,
+    "expand_warps": 4,
+    # 4 warps for 16-token expand tiles (decode runs): H200, decode runs of rank-16 adapters at serving's
+    # composition (B=72 on 24 and 6 adapters, B=128 and 256 on 32) and rank-64 adapters in the paged pool,
+    # benchmarks/scripts/decode_lora_anatomy.py, 2026-12-05, two rounds in each of two calls: 0.92-0.98x
+    # the time of 2 warps at every point (B=72 on 24 adapters 54.6 -> 52.9 us, rank 64 120.0 -> 111.0);
+    # 8 warps 0.91-1.08x. (2 was chosen on 2026-12-02, when a program took one column tile.)
+    "run_expand_warps": 4,
+    # Ranks per step of the expand's loop, capped by the batch's rank bucket (a power of two >= 16):
+    # ``run_expand_rank_step`` for 16-token tiles (decode runs), ``expand_rank_step`` for the rest. Loads
+    # stop at the slot's rank either way, so a step reads no more bytes, in fewer dependent steps. H200,
+    # rank-64 pool (benchmarks/scripts/decode_lora_anatomy.py, 2026-12-03, two rounds; 16 before): decode
+    # runs B=128 321 -> 206 us with 32 (234 with 64), mixed step 1632 -> 904 us with 64 (1071 with 32),
+    # 4096-token prefill 1237 -> 702 us with 64.
+    "expand_rank_step": 64,
+    "run_expand_rank_step": 32,
+    "max_split_k": 16,
+    "waves": 2,
+    # Shrinks over 16-token tiles (decode runs, as decode graphs replay them): in_features per step of
+    # the loop, and waves aimed for; None: as above (128; ``waves``). Not yet swept on a GPU: session 8's
+    # one-knob sweep (waves 1-16 for all shrinks) had the runs layout 80.7-90.8 us with waves=4 best and
+    # never varied the step, and decode runs take about 2.6x their bytes floor (session 17), down's shrink
+    # 13 us against about 4.
+    "run_shrink_block_k": None,
+    "run_waves": None,
+    # ... and the software pipeline's depth of their in_features loop (None: Triton's default): few programs
+    # each stream a long loop there, so loads in flight per program bound the bandwidth.
+    "run_shrink_stages": None,
+    # Expands over 16-token tiles load their out tile and scaling before the rank loop (EARLY_OUT), in
+    # flight with the B tile: a small expand is a chain of dependent loads (segment, slot, rank, B, h, out)
+    # and takes about 5 us whatever its bytes (o's: 5.0 us for 6 MB, session 17). Off: not yet timed.
+    "run_expand_early_out": False,
+    # Expands over 16-token tiles with column tiles grouped by this many per program (None or 1: one tile
+    # a program), where the batch's rank bucket fits one ``run_expand_rank_step``: h and the scaling are
+    # loaded once and B / out streamed through a loop ``run_expand_group_stages`` deep. H200, decode runs
+    # of rank-16 adapters in the default pool (benchmarks/scripts/decode_lora_anatomy.py, 2026-12-03, two
+    # rounds, four cases): groups of 2 0.93-0.97x as long as none (B=128 on 31 runs 65.5 -> 63.2 us, B=256
+    # on 128 runs 91.3 -> 84.9 us), 4 1.0-1.08x (gate_up's expand faster, o's and down's slower: fewer
+    # programs), 8 and 16 1.13-1.8x; in serving (32 adapters, two rounds) the decode graphs' GPU span
+    # 4.98 -> 4.88 s against base-only's 3.9 s.
+    "run_expand_group": 2,
+    "run_expand_group_stages": 2,
+    # Batches of at least this many tokens run the shrink on the side stream beside the base GEMM
+    # (``splits_work``); None: never. H200, prefill forwards of 1024-2048 tokens over 32 rank-16 adapters
+    # (benchmarks/scripts/lora_prefill_side_ab.py, 2026-12-03, three rounds): 1.00-1.03x the GPU time of
+    # one stream at 512, same bits; so off.
+    "side_min_tokens": None,
+    # The expand as a programmatic dependent launch of its shrink (Hopper+). H200, decode graphs on 32
+    # rank-16 adapters (benchmarks/scripts/lora_pdl_ab.py, 2026-12-03, two rounds): B=64 and 128 (SGMV
+    # runs) 0.95-0.97x the replay time, B=32 (BGMV, side-stream split: unchanged) 0.99-1.0x; same tokens.
+    "pdl": True,
+    # ... and the shrink of ``add_lora_after_base`` a dependent of the base GEMM (needs ``pdl``; not with
+    # ``run_expand_early_out``). Not yet timed on a GPU.
+    "shrink_pdl": False,
+    # gate_up's expand deferred into the gated activation (``defer_lora``: one read of gate_up's output
+    # and no write, one launch fewer; :mod:`mmlora.backends.triton_sgmv_act`). False: the plain expand.
+    "act_expand": True,
+}
