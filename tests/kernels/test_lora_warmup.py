@@ -52,9 +52,13 @@ def test_warm_up_runs_each_layout_once_per_distinct_shape_and_rank_bucket() -> N
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device (compiles are what is counted)")
 @pytest.mark.parametrize("backend", ["triton-sgmv", "triton-bgmv", "triton-auto"])
-def test_no_compile_after_warm_up(backend: str) -> None:
+@pytest.mark.parametrize("shrink_pdl", [False, True])  # SGMV's shrink after the base GEMM: its own variants
+def test_no_compile_after_warm_up(backend: str, shrink_pdl: bool, monkeypatch) -> None:
     from triton import knobs
 
+    from mmlora.backends import triton_sgmv
+
+    monkeypatch.setitem(triton_sgmv.TUNING, "shrink_pdl", shrink_pdl)
     dev, slots, R, max_tokens = torch.device("cuda"), 8, 64, 4096
     weights = pool(dev, slots, R)
     be = get_backend(backend)
@@ -80,6 +84,7 @@ def test_no_compile_after_warm_up(backend: str) -> None:
                 x = torch.randn(sum(lens), w.A.shape[2], device=dev, dtype=w.A.dtype)
                 out = torch.zeros(sum(lens), w.B.shape[1], device=dev, dtype=w.A.dtype)
                 be.add_lora(out, x, w, info)
+                be.add_lora_after_base(out, x, w, info)
                 pending = be.defer_lora(x, w, info) if w.gated_pair else None
                 if pending is not None:  # gate_up: the expand inside the gated activation, both kinds
                     for act in (0, 1):
