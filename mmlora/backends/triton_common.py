@@ -158,22 +158,28 @@ class FusedTritonBackend(LoRABackend):
         self._checked: dict[int, CheckedWeights] = {}  # id(weights) -> what its full check found
 
     def add_lora(self, out: torch.Tensor, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo) -> None:
-        if not info.has_lora:
-            return
-        R = self._validated_rank(out, x, weights, info)
-        if info.num_tokens == 0:
-            return
-        self._fused(out, x, weights, info, R)
+        self._checked_launch(self._fused, out, x, weights, info)
 
     def add_lora_after_base(
         self, out: torch.Tensor, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo
     ) -> None:
+        self._checked_launch(self._fused_after_base, out, x, weights, info)
+
+    def _checked_launch(
+        self,
+        launch: Callable[..., None],
+        out: torch.Tensor,
+        x: torch.Tensor,
+        weights: LoRAWeights,
+        info: LoRABatchInfo,
+    ) -> None:
+        """``launch(out, x, weights, info, R)`` after the call's checks, where there is anything to do."""
         if not info.has_lora:
             return
         R = self._validated_rank(out, x, weights, info)
         if info.num_tokens == 0:
             return
-        self._fused_after_base(out, x, weights, info, R)
+        launch(out, x, weights, info, R)
 
     def _fused_after_base(
         self, out: torch.Tensor, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo, R: int
