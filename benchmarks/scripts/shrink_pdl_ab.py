@@ -23,8 +23,7 @@ MODES = ("plain", "shrink_pdl")
 
 
 def set_mode(engine: mmlora.Engine, bucket: int, mode: str, side: torch.cuda.Stream) -> None:
-    triton_sgmv.TUNING["shrink_pdl"] = mode == "shrink_pdl"
-    engine.lora.info.host_derived.clear()  # launch plans are per forward: new ones in this mode
+    triton_sgmv.TUNING["shrink_pdl"] = mode == "shrink_pdl"  # launch plans are keyed by it
     recapture(engine, bucket, True, side)
 
 

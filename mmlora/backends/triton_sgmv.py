@@ -217,7 +217,7 @@ class _ModulePlan:
         # ``pdl``: the expand a programmatic dependent of its shrink; ``after``: the shrink one of the kernel
         # before it. An expand reading out before its wait (EARLY_OUT) could then read it unwritten.
         pdl = pdl_launch(job.x.device, pdl)
-        after = pdl and pdl_launch(job.x.device, after) and not TUNING["run_expand_early_out"]
+        after = pdl and after and not TUNING["run_expand_early_out"]
         grid, args, kwargs, self.h_shape, self.h_dtype = _shrink_launch(
             job, fp32_planes=True, pdl=pdl, whole_rank=False, after=after
         )

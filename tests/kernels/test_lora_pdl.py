@@ -50,10 +50,11 @@ def _sgmv_plan(monkeypatch, hopper: bool, after: bool, **tuning):  # noqa: ANN00
     plan = triton_sgmv._ModulePlan.of(x, w, info, R, 96, None, triton_sgmv.TUNING["pdl"], shrink_after)
     shrink = fast(triton_sgmv._sgmv_shrink_kernel)
     # The interpreter's plans keep every keyword; compiled kernels' keep constexprs among the values.
-    after_flag = shrink.names and plan.shrink.values[shrink.names.index("AFTER")]
-    return (after_flag if shrink.names else plan.shrink.kwargs["AFTER"]), plan.shrink.kwargs.get(
-        "launch_pdl", False
-    )
+    if shrink.names:
+        after_flag = plan.shrink.values[shrink.names.index("AFTER")]
+    else:
+        after_flag = plan.shrink.kwargs["AFTER"]
+    return after_flag, plan.shrink.kwargs.get("launch_pdl", False)
 
 
 @pytest.mark.parametrize(
