@@ -189,7 +189,8 @@ def _expand_launch(
         N_SLICES=n, U=U, BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=dot_upcast(B.dtype),
         PREC="ieee" if B.dtype == torch.float32 else "tf32", TILED=tiles.tiled,
         EARLY_OUT=runs and TUNING["run_expand_early_out"], N_GROUP=group,
-        GROUP_STAGES=TUNING["run_expand_group_stages"] if group > 1 else 1, num_warps=warps, **pdl_options(pdl),
+        GROUP_STAGES=TUNING["run_expand_group_stages"] if group > 1 else 1,
+        H_UNROLL=(TUNING["run_expand_h_unroll"] or 0) if runs else 0, num_warps=warps, **pdl_options(pdl),
     )  # fmt: skip
     return (tiles.count * n * n_tiles,), args, kwargs
 

@@ -125,7 +125,7 @@ def _sgmv_expand_kernel(
     M_TILES, N_TILES,
     N_SLICES: tl.constexpr, U: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr, PREC: tl.constexpr, TILED: tl.constexpr, PDL: tl.constexpr,
-    EARLY_OUT: tl.constexpr, N_GROUP: tl.constexpr, GROUP_STAGES: tl.constexpr,
+    EARLY_OUT: tl.constexpr, N_GROUP: tl.constexpr, GROUP_STAGES: tl.constexpr, H_UNROLL: tl.constexpr,
 ):  # fmt: skip
     """Expand, all slices in one launch: for segment i with slot w[i] >= 0 and slice j:
     ``y[s[i]:s[i+1], o[j]:o[j+1]] += h[s[i]:s[i+1], j*R:j*R+r] @ B[w[i], o[j]:o[j+1], :r].T * sc[w[i], j]``.
@@ -159,7 +159,7 @@ def _sgmv_expand_kernel(
         _expand_group(
             h_ptr, b_ptr, out_ptr, scal_ptr, ranks_ptr, slot, s, m0, seg_end, n0, hi, R, SPLIT_K,
             stride_hs, stride_hm, stride_bs, stride_bp, stride_bn, stride_om, stride_ss,
-            N_GROUP, U, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PREC, PDL, GROUP_STAGES,
+            N_GROUP, U, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PREC, PDL, GROUP_STAGES, H_UNROLL,
         )  # fmt: skip
         return
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -186,8 +186,17 @@ def _sgmv_expand_kernel(
         bt = tl.where((kk < rank)[:, None], bt, 0.0)
         if PDL:
             tl.extra.cuda.gdc_wait()
-        ht = _h_tile(
-            h_ptr, offs_m, m_ok, s * R + kk, k_ok, SPLIT_K, stride_hs, stride_hm, b_ptr.dtype.element_ty
+        ht = _h_sum(
+            h_ptr,
+            offs_m,
+            m_ok,
+            s * R + kk,
+            k_ok,
+            SPLIT_K,
+            stride_hs,
+            stride_hm,
+            b_ptr.dtype.element_ty,
+            H_UNROLL,
         )
         if UPCAST:
             ht = ht.to(tl.float32)
@@ -207,7 +216,7 @@ def _expand_group(
     stride_hs, stride_hm, stride_bs, stride_bp, stride_bn, stride_om, stride_ss,
     N_GROUP: tl.constexpr, U: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr,
-    GROUP_STAGES: tl.constexpr,
+    GROUP_STAGES: tl.constexpr, H_UNROLL: tl.constexpr,
 ):  # fmt: skip
     """The expand's N_GROUP column tiles from ``n0`` (within ``[.., hi)``) for one token tile of one slot
     and slice, its whole rank in one BLOCK_K step (see ``_sgmv_expand_kernel``)."""
@@ -220,7 +229,9 @@ def _expand_group(
     b_rows = b_ptr + slot.to(tl.int64) * stride_bs + b_rank_offset(kk, U, stride_bp)
     if PDL:
         tl.extra.cuda.gdc_wait()
-    ht = _h_tile(h_ptr, offs_m, m_ok, s * R + kk, k_ok, SPLIT_K, stride_hs, stride_hm, b_ptr.dtype.element_ty)
+    ht = _h_sum(
+        h_ptr, offs_m, m_ok, s * R + kk, k_ok, SPLIT_K, stride_hs, stride_hm, b_ptr.dtype.element_ty, H_UNROLL
+    )
     if UPCAST:
         ht = ht.to(tl.float32)
     for t in tl.range(0, N_GROUP, num_stages=GROUP_STAGES):
@@ -255,4 +266,15 @@ def _h_planes(h_ptr, offs_m, m_ok, cols, cols_ok, SPLIT_K, stride_hs, stride_hm,
             plane = tl.load(ptrs + sp * stride_hs, mask=in_plane[:, None] & cols_ok[None, :], other=0.0)
             hsum += plane.to(tl.float32)
         h = hsum.to(dtype)
+    return h
+
+
+@triton.jit
+def _h_sum(h_ptr, offs_m, m_ok, cols, cols_ok, SPLIT_K, stride_hs, stride_hm, dtype: tl.constexpr,
+           UNROLL: tl.constexpr):  # fmt: skip
+    """h summed over its planes as ``_h_planes`` with UNROLL (> 0) unrolled loads, else as ``_h_tile``."""
+    if UNROLL > 0:
+        h = _h_planes(h_ptr, offs_m, m_ok, cols, cols_ok, SPLIT_K, stride_hs, stride_hm, dtype, UNROLL)
+    else:
+        h = _h_tile(h_ptr, offs_m, m_ok, cols, cols_ok, SPLIT_K, stride_hs, stride_hm, dtype)
     return h

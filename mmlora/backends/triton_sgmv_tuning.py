@@ -56,6 +56,12 @@ TUNING = {
     # 4.98 -> 4.88 s against base-only's 3.9 s.
     "run_expand_group": 2,
     "run_expand_group_stages": 2,
+    # Expands over 16-token tiles sum up to this many of the shrink's split-K planes of h with unrolled
+    # loads, all in flight together (None: a loop that waits for each plane before it loads the next). A
+    # decode run's shrink makes about 8 planes (serving's B=72 on 24 adapters), so its expand waits for
+    # 8 dependent L2 reads before its dot product; the fused activation has summed its planes unrolled
+    # since 2026-12-04. Same sums in the same order. Not yet timed on a GPU.
+    "run_expand_h_unroll": None,
     # Batches of at least this many tokens run the shrink on the side stream beside the base GEMM
     # (``splits_work``); None: never. H200, prefill forwards of 1024-2048 tokens over 32 rank-16 adapters
     # (benchmarks/scripts/lora_prefill_side_ab.py, 2026-12-03, three rounds): 1.00-1.03x the GPU time of

@@ -359,6 +359,37 @@ def test_sgmv_run_expand_groups(name: str, dtype: torch.dtype, group: int, stage
     assert_out(c, c.out, want, out0)
 
 
+# Splits of at most 4: these cases' in_features (32-64) make no more.
+@pytest.mark.parametrize("unroll,split_k,group", [(16, 3, 1), (4, 4, 2), (2, 4, 2)])
+@pytest.mark.parametrize(
+    "name,dtype",
+    [
+        ("decode-distinct-qkv", torch.float32),
+        ("decode-basemix-qkv", torch.bfloat16),
+        ("decode-zipf-single", torch.float32),
+    ],
+)
+def test_sgmv_run_expand_h_unroll(
+    name: str, dtype: torch.dtype, unroll: int, split_k: int, group: int, monkeypatch
+) -> None:  # noqa: ANN001
+    """``run_expand_h_unroll``: decode-run expands summing h's split-K planes with unrolled loads (more
+    planes than unrolled: the loop) give the reference, NaN padding included, and the looped sum's bits."""
+    monkeypatch.setitem(triton_sgmv.TUNING, "run_expand_group", group)
+    c = make_case(*CPU_CASES[name], dtype=dtype, seed=13, pad_value=float("nan"))
+    assert c.info.max_seg_len <= 16  # the batches the knob applies to
+    _, want = reference(c)
+    out0 = c.out.clone()
+    backend = get_backend("triton-sgmv")
+    monkeypatch.setattr(backend, "split_k", split_k)
+    looped = c.out.clone()
+    backend.add_lora(looped, c.x, c.weights, c.info)
+    monkeypatch.setitem(triton_sgmv.TUNING, "run_expand_h_unroll", unroll)
+    c.info.host_derived.clear()  # the launch plans of this forward, made with the knob off
+    backend.add_lora(c.out, c.x, c.weights, c.info)
+    assert_out(c, c.out, want, out0)
+    assert torch.equal(c.out.nan_to_num(), looped.nan_to_num())
+
+
 @pytest.mark.parametrize(
     "name,picked", [("decode-basemix-qkv", "triton-bgmv"), ("prefill-uniform-qkv", "triton-sgmv")]
 )
