@@ -126,6 +126,7 @@ def _sgmv_expand_kernel(
     N_SLICES: tl.constexpr, U: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr, PREC: tl.constexpr, TILED: tl.constexpr, PDL: tl.constexpr,
     EARLY_OUT: tl.constexpr, N_GROUP: tl.constexpr, GROUP_STAGES: tl.constexpr, H_UNROLL: tl.constexpr,
+    B_FIRST: tl.constexpr,
 ):  # fmt: skip
     """Expand, all slices in one launch: for segment i with slot w[i] >= 0 and slice j:
     ``y[s[i]:s[i+1], o[j]:o[j+1]] += h[s[i]:s[i+1], j*R:j*R+r] @ B[w[i], o[j]:o[j+1], :r].T * sc[w[i], j]``.
@@ -159,7 +160,7 @@ def _sgmv_expand_kernel(
         _expand_group(
             h_ptr, b_ptr, out_ptr, scal_ptr, ranks_ptr, slot, s, m0, seg_end, n0, hi, R, SPLIT_K,
             stride_hs, stride_hm, stride_bs, stride_bp, stride_bn, stride_om, stride_ss,
-            N_GROUP, U, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PREC, PDL, GROUP_STAGES, H_UNROLL,
+            N_GROUP, U, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PREC, PDL, GROUP_STAGES, H_UNROLL, B_FIRST,
         )  # fmt: skip
         return
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -216,10 +217,12 @@ def _expand_group(
     stride_hs, stride_hm, stride_bs, stride_bp, stride_bn, stride_om, stride_ss,
     N_GROUP: tl.constexpr, U: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr,
-    GROUP_STAGES: tl.constexpr, H_UNROLL: tl.constexpr,
+    GROUP_STAGES: tl.constexpr, H_UNROLL: tl.constexpr, B_FIRST: tl.constexpr,
 ):  # fmt: skip
     """The expand's N_GROUP column tiles from ``n0`` (within ``[.., hi)``) for one token tile of one slot
-    and slice, its whole rank in one BLOCK_K step (see ``_sgmv_expand_kernel``)."""
+    and slice, its whole rank in one BLOCK_K step (see ``_sgmv_expand_kernel``). B_FIRST (0 or 1): the
+    first tile's B is loaded before the wait for the shrink (which does not write B) and its out tile
+    right after it, before h: both in flight with h's loads instead of after them."""
     offs_m = m0 + tl.arange(0, BLOCK_M)
     m_ok = offs_m < seg_end
     rank = tl.load(ranks_ptr + slot)
@@ -227,27 +230,50 @@ def _expand_group(
     k_ok = kk < rank_load_bound(rank, R)
     scale = tl.load(scal_ptr + slot * stride_ss + s)
     b_rows = b_ptr + slot.to(tl.int64) * stride_bs + b_rank_offset(kk, U, stride_bp)
+    if B_FIRST:
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < hi
+        b_first = _group_b(b_rows, offs_n, n_ok, kk, k_ok, rank, stride_bn, UPCAST)
     if PDL:
         tl.extra.cuda.gdc_wait()
+    if B_FIRST:
+        # Out is read only after the wait: with a shrink that is itself a dependent launch of the base
+        # GEMM (``AFTER``), that GEMM may still be writing it before then.
+        o_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+        o_mask = m_ok[:, None] & n_ok[None, :]
+        prev_first = tl.load(o_ptrs, mask=o_mask)
     ht = _h_sum(
         h_ptr, offs_m, m_ok, s * R + kk, k_ok, SPLIT_K, stride_hs, stride_hm, b_ptr.dtype.element_ty, H_UNROLL
     )
     if UPCAST:
         ht = ht.to(tl.float32)
-    for t in tl.range(0, N_GROUP, num_stages=GROUP_STAGES):
+    if B_FIRST:
+        _group_store(ht, b_first, prev_first, o_ptrs, o_mask, scale, out_ptr.dtype.element_ty, PREC)
+    for t in tl.range(B_FIRST, N_GROUP, num_stages=GROUP_STAGES):
         offs_n = n0 + t * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = offs_n < hi
-        bt = tl.load(
-            b_rows[:, None] + offs_n[None, :] * stride_bn, mask=n_ok[None, :] & k_ok[:, None], other=0.0
-        )
-        bt = tl.where((kk < rank)[:, None], bt, 0.0)  # B's padding past the rank may hold anything
-        if UPCAST:
-            bt = bt.to(tl.float32)
+        bt = _group_b(b_rows, offs_n, n_ok, kk, k_ok, rank, stride_bn, UPCAST)
         o_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
         o_mask = m_ok[:, None] & n_ok[None, :]
         prev = tl.load(o_ptrs, mask=o_mask)
-        acc = tl.dot(ht, bt, input_precision=PREC)
-        tl.store(o_ptrs, (prev.to(tl.float32) + acc * scale).to(out_ptr.dtype.element_ty), mask=o_mask)
+        _group_store(ht, bt, prev, o_ptrs, o_mask, scale, out_ptr.dtype.element_ty, PREC)
+
+
+@triton.jit
+def _group_b(b_rows, offs_n, n_ok, kk, k_ok, rank, stride_bn, UPCAST: tl.constexpr):
+    """B's tile [BLOCK_K, len(offs_n)] of a grouped expand, 0 past the slot's rank."""
+    bt = tl.load(b_rows[:, None] + offs_n[None, :] * stride_bn, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+    bt = tl.where((kk < rank)[:, None], bt, 0.0)  # B's padding past the rank may hold anything
+    if UPCAST:
+        bt = bt.to(tl.float32)
+    return bt
+
+
+@triton.jit
+def _group_store(ht, bt, prev, o_ptrs, o_mask, scale, dtype: tl.constexpr, PREC: tl.constexpr):
+    """``out = prev + (h @ B) * scale`` for one tile of a grouped expand (fp32 sums, rounded once)."""
+    acc = tl.dot(ht, bt, input_precision=PREC)
+    tl.store(o_ptrs, (prev.to(tl.float32) + acc * scale).to(dtype), mask=o_mask)
 
 
 @triton.jit

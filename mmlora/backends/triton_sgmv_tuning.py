@@ -56,6 +56,9 @@ TUNING = {
     # 4.98 -> 4.88 s against base-only's 3.9 s.
     "run_expand_group": 2,
     "run_expand_group_stages": 2,
+    # ... and such a program loads its first tile's B before it waits for the shrink (as an ungrouped
+    # program does; PDL) and its out tile right after, both before h, not after h's loads. Not yet timed.
+    "run_expand_group_b_first": False,
     # Expands over 16-token tiles sum up to this many of the shrink's split-K planes of h with unrolled
     # loads, all in flight together (None: a loop that waits for each plane before it loads the next). A
     # decode run's shrink makes about 8 planes (serving's B=72 on 24 adapters), so its expand waits for

@@ -342,12 +342,17 @@ GROUP_CASES = [
 ]
 
 
+@pytest.mark.parametrize("b_first", [False, True])
 @pytest.mark.parametrize("group,stages", [(2, 2), (3, 1), (8, 3)])
 @pytest.mark.parametrize("name,dtype", GROUP_CASES, ids=[f"{n}-{str(d)[6:]}" for n, d in GROUP_CASES])
-def test_sgmv_run_expand_groups(name: str, dtype: torch.dtype, group: int, stages: int, monkeypatch) -> None:  # noqa: ANN001
+def test_sgmv_run_expand_groups(
+    name: str, dtype: torch.dtype, group: int, stages: int, b_first: bool, monkeypatch
+) -> None:  # noqa: ANN001
     """``run_expand_group``: an expand program over several column tiles (h loaded once, B and out
-    streamed) gives the reference, NaN padding included. 16-column tiles, so the slices of 16-64 columns
-    make groups that are full, partial and past a slice's end."""
+    streamed; with ``run_expand_group_b_first`` the first tile's loads issued before h's) gives the
+    reference, NaN padding included. 16-column tiles, so the slices of 16-64 columns make groups that are
+    full, partial and past a slice's end."""
+    monkeypatch.setitem(triton_sgmv.TUNING, "run_expand_group_b_first", b_first)
     monkeypatch.setitem(triton_sgmv.TUNING, "block_n", 16)
     monkeypatch.setitem(triton_sgmv.TUNING, "run_expand_group", group)
     monkeypatch.setitem(triton_sgmv.TUNING, "run_expand_group_stages", stages)
@@ -359,16 +364,19 @@ def test_sgmv_run_expand_groups(name: str, dtype: torch.dtype, group: int, stage
     assert_out(c, c.out, want, out0)
 
 
-# Splits of at most 4: these cases' in_features (32-64) make no more.
-@pytest.mark.parametrize("unroll,split_k,group", [(16, 3, 1), (4, 4, 2), (2, 4, 2)])
-@pytest.mark.parametrize(
-    "name,dtype",
-    [
+# Splits of at most 4 where in_features is 32-64; decode-wide-in-qkv's 1024 make 8, as serving's decode runs.
+H_UNROLL_CASES = [
+    (name, dtype, *knobs)
+    for name, dtype in [
         ("decode-distinct-qkv", torch.float32),
         ("decode-basemix-qkv", torch.bfloat16),
         ("decode-zipf-single", torch.float32),
-    ],
-)
+    ]
+    for knobs in [(16, 3, 1), (4, 4, 2), (2, 4, 2)]
+] + [("decode-wide-in-qkv", torch.bfloat16, 16, 8, 2), ("decode-wide-in-qkv", torch.float32, 4, 8, 1)]
+
+
+@pytest.mark.parametrize("name,dtype,unroll,split_k,group", H_UNROLL_CASES)
 def test_sgmv_run_expand_h_unroll(
     name: str, dtype: torch.dtype, unroll: int, split_k: int, group: int, monkeypatch
 ) -> None:  # noqa: ANN001

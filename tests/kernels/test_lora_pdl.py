@@ -79,31 +79,27 @@ def test_the_shrink_follows_the_base_gemm_as_a_dependent_only_where_that_is_safe
     assert bool(got_after) is want and bool(got_launch) is want
 
 
+#: SGMV's decode-run expand knobs that move loads around the PDL wait (h's planes unrolled after it; the
+#: first grouped tile's B before it and its out right after it).
+LATENCY_KNOBS = {"run_expand_h_unroll": 16, "run_expand_group_b_first": True}
+RUNS = ([3, 2, 4, 1, 6], [0, 1, 3, -1, 2])  # decode runs, one base-only
+
+
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper (sm90+) GPU")
 @pytest.mark.parametrize(
-    "name,module,lens,slots,shrink_pdl",
+    "name,module,lens,slots,tuning",
     [
-        (
-            "triton-bgmv",
-            triton_bgmv,
-            [1] * 24,
-            [i % 5 - 1 for i in range(24)],
-            False,
-        ),  # decode rows, some base
-        ("triton-sgmv", triton_sgmv, [3, 2, 4, 1, 6], [0, 1, 3, -1, 2], False),  # decode runs
-        ("triton-sgmv", triton_sgmv, [70, 5, 50], [2, -1, 0], False),  # prefill segments
-        (
-            "triton-sgmv",
-            triton_sgmv,
-            [3, 2, 4, 1, 6],
-            [0, 1, 3, -1, 2],
-            True,
-        ),  # ... the shrink after the GEMM
-        ("triton-sgmv", triton_sgmv, [70, 5, 50], [2, -1, 0], True),
+        ("triton-bgmv", triton_bgmv, [1] * 24, [i % 5 - 1 for i in range(24)], {}),  # decode rows, some base
+        ("triton-sgmv", triton_sgmv, *RUNS, {}),
+        ("triton-sgmv", triton_sgmv, [70, 5, 50], [2, -1, 0], {}),  # prefill segments
+        ("triton-sgmv", triton_sgmv, *RUNS, {"shrink_pdl": True}),  # ... the shrink after the GEMM
+        ("triton-sgmv", triton_sgmv, [70, 5, 50], [2, -1, 0], {"shrink_pdl": True}),
+        ("triton-sgmv", triton_sgmv, *RUNS, LATENCY_KNOBS),
+        ("triton-sgmv", triton_sgmv, *RUNS, {"shrink_pdl": True, **LATENCY_KNOBS}),
     ],
 )
 def test_pdl_chain_equals_plain_launches_and_the_reference(
-    name, module, lens, slots, shrink_pdl, monkeypatch
+    name, module, lens, slots, tuning, monkeypatch
 ) -> None:
     dev, dt = torch.device("cuda"), torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
@@ -120,8 +116,8 @@ def test_pdl_chain_equals_plain_launches_and_the_reference(
         info.set_slot_rank(s, r)
     info.fill(lens, slots)
     backend = get_backend(name)
-    if shrink_pdl:
-        monkeypatch.setitem(module.TUNING, "shrink_pdl", True)
+    for knob, value in tuning.items():
+        monkeypatch.setitem(module.TUNING, knob, value)
 
     def chain(x: torch.Tensor) -> list[torch.Tensor]:
         """Each layer's output (base GEMM then LoRA); the next layer reads its first ``hidden`` columns."""
@@ -149,7 +145,7 @@ def test_pdl_chain_equals_plain_launches_and_the_reference(
         x = out[:, :hidden].contiguous()
     expands = fast(module._bgmv_expand_kernel if module is triton_bgmv else module._sgmv_expand_kernel)
     assert any(k.metadata.launch_pdl for k in expands._compiled.values()), "no expand compiled for PDL"
-    if shrink_pdl:
+    if tuning.get("shrink_pdl"):
         shrinks = fast(module._sgmv_shrink_kernel)._compiled.values()
         assert any(k.metadata.launch_pdl for k in shrinks), "no shrink compiled as the GEMM's dependent"
 
@@ -166,10 +162,17 @@ def test_pdl_chain_equals_plain_launches_and_the_reference(
 
 
 @pytest.mark.skipif(not HOPPER, reason="needs a Hopper (sm90+) GPU")
-@pytest.mark.parametrize("name,module", [("triton-bgmv", triton_bgmv), ("triton-sgmv", triton_sgmv)])
+@pytest.mark.parametrize(
+    "name,module,tuning",
+    [
+        ("triton-bgmv", triton_bgmv, {}),
+        ("triton-sgmv", triton_sgmv, {}),
+        ("triton-sgmv", triton_sgmv, LATENCY_KNOBS),
+    ],
+)
 @pytest.mark.parametrize("in_f,widths", [(14336, (4096,)), (4096, (4096, 1024, 1024))])
 def test_pdl_expand_never_reads_partials_before_the_shrink_wrote_them(
-    name, module, in_f, widths, monkeypatch
+    name, module, tuning, in_f, widths, monkeypatch
 ) -> None:
     """Every scratch tensor the backends allocate with torch.empty comes NaN-filled, so an expand that read
     its shrink's partials before the shrink wrote them would produce NaN; with a long shrink (in_features
@@ -190,6 +193,8 @@ def test_pdl_expand_never_reads_partials_before_the_shrink_wrote_them(
         info.set_slot_rank(s, R)
     info.fill([1] * T, slots)
     backend = get_backend(name)
+    for knob, value in tuning.items():
+        monkeypatch.setitem(module.TUNING, knob, value)
 
     def run(pdl: bool) -> torch.Tensor:
         monkeypatch.setitem(module.TUNING, "pdl", pdl)
