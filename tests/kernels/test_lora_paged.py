@@ -57,12 +57,18 @@ def test_paged_pool_matches_the_reference(backend: str, name: str, U: int) -> No
 
 
 @pytest.mark.parametrize(
-    "name,U", [("decode-distinct-qkv", 8), ("decode-distinct-qkv", 4), ("decode-zipf-single", 2)]
+    "name,U,latency_knobs",
+    [("decode-distinct-qkv", 8, False), ("decode-distinct-qkv", 4, True), ("decode-zipf-single", 2, True)],
 )
-def test_sgmv_expand_groups_on_a_paged_pool(name: str, U: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """SGMV's grouped expand for decode runs (``run_expand_group``) reads B through its pages."""
+def test_sgmv_expand_groups_on_a_paged_pool(
+    name: str, U: int, latency_knobs: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SGMV's grouped expand for decode runs (``run_expand_group``) reads B through its pages, with its
+    first tile's B loaded early and h's planes summed unrolled too."""
     monkeypatch.setitem(triton_sgmv.TUNING, "block_n", 16)
     monkeypatch.setitem(triton_sgmv.TUNING, "run_expand_group", 3)
+    monkeypatch.setitem(triton_sgmv.TUNING, "run_expand_group_b_first", latency_knobs)
+    monkeypatch.setitem(triton_sgmv.TUNING, "run_expand_h_unroll", 4 if latency_knobs else None)
     c = make_case(*CPU_CASES[name], dtype=torch.float32, seed=13, pad_value=float("nan"))
     _, want = reference(c)
     weights = paged_weights(c.A, c.B, c.scalings, c.offsets, U)
