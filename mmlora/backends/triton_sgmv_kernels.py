@@ -187,18 +187,8 @@ def _sgmv_expand_kernel(
         bt = tl.where((kk < rank)[:, None], bt, 0.0)
         if PDL:
             tl.extra.cuda.gdc_wait()
-        ht = _h_sum(
-            h_ptr,
-            offs_m,
-            m_ok,
-            s * R + kk,
-            k_ok,
-            SPLIT_K,
-            stride_hs,
-            stride_hm,
-            b_ptr.dtype.element_ty,
-            H_UNROLL,
-        )
+        hdt = b_ptr.dtype.element_ty
+        ht = _h_sum(h_ptr, offs_m, m_ok, s * R + kk, k_ok, SPLIT_K, stride_hs, stride_hm, hdt, H_UNROLL)
         if UPCAST:
             ht = ht.to(tl.float32)
             bt = bt.to(tl.float32)

@@ -61,9 +61,10 @@ TUNING = {
     "run_expand_group_b_first": False,
     # Expands over 16-token tiles sum up to this many of the shrink's split-K planes of h with unrolled
     # loads, all in flight together (None: a loop that waits for each plane before it loads the next). A
-    # decode run's shrink makes about 8 planes (serving's B=72 on 24 adapters), so its expand waits for
-    # 8 dependent L2 reads before its dot product; the fused activation has summed its planes unrolled
-    # since 2026-12-04. Same sums in the same order. Not yet timed on a GPU.
+    # decode run's shrink makes about 8 planes (serving's B=72 on 24 adapters); ptxas unrolls the loop by
+    # four, so its expand still waits for about five dependent rounds of L2 reads before its dot product
+    # (SASS, benchmarks/results/cpu-2026-12-05-session28). The fused activation has summed its planes
+    # unrolled since 2026-12-04. Same sums in the same order. Not yet timed on a GPU.
     "run_expand_h_unroll": None,
     # Batches of at least this many tokens run the shrink on the side stream beside the base GEMM
     # (``splits_work``); None: never. H200, prefill forwards of 1024-2048 tokens over 32 rank-16 adapters
