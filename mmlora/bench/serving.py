@@ -40,15 +40,14 @@ from mmlora.bench import serving_tenants
 from mmlora.bench.adapters import write_random_adapters
 from mmlora.bench.breakdown import StepBreakdown, format_summary
 from mmlora.bench.cli import progress
+from mmlora.bench.peft_subset import hf_peft_subset, mmlora_subset
 from mmlora.bench.serving_cli import mix_label, parse_args
 from mmlora.bench.serving_parts import (
     StepRecorder,
     abort_all,
     copy_bandwidth,
-    hf_peft_subset,
     make_workload,
     mean_step_seconds,
-    mmlora_subset,
     plot,
     result_header,
     run_workload,
