@@ -39,7 +39,8 @@ from typing import Any
 import torch
 
 from mmlora.bench.cli import check_engine_options, make_parser, progress
-from mmlora.bench.cpu_roofline import cpu_has_fast_bf16, format_profile, measure_decode_roofline
+from mmlora.bench.cpu_report import report
+from mmlora.bench.cpu_roofline import cpu_has_fast_bf16, measure_decode_roofline
 from mmlora.engine.cpu_decode import cpu_bf16_flags
 
 ALL_SEVEN = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -383,68 +384,6 @@ def _divergences(
 def _check(value: float | None, target: float) -> dict[str, Any]:
     """A done-when figure: met is None when it was not measured (bf16 on a CPU without native bf16)."""
     return {"value": value, "target": target, "met": None if value is None else value >= target}
-
-
-def report(result: dict[str, Any]) -> str:
-    tps, cps = result["output_tokens_per_s"], result["output_tokens_per_cpu_s"]
-    rows = [
-        ("mmlora mixed adapters", "mmlora_mixed"),
-        ("mmlora base only", "mmlora_base"),
-        ("HF + PEFT mixed batch", "hf_peft_mixed"),
-        ("mmlora mixed, bf16", "mmlora_mixed_bf16"),
-    ]
-    lines = [
-        f"CPU benchmark: {result['model']} fp32, {result['num_prompts']} prompts x {result['max_new_tokens']} new "
-        f"tokens, {result['adapters']['count']} rank-{result['adapters']['rank']} adapters + base rows, "
-        f"{result['threads']} torch threads, load average {result['load_average'][0]:.1f}",
-        f"  {'':22s}  {'wall tok/s':>10s}  {'tok/CPU-s':>10s}",
-        *(f"  {label:22s}  {tps[key]:10.1f}  {cps[key]:10.1f}" for label, key in rows if key in tps),
-        f"  greedy rows equal to HF + PEFT: {result['greedy_rows_equal_to_hf_peft']}",
-        *(
-            f"    row {d['row']} ({d['adapter']}) parts at token {d['position']}: HF's top-2 margin there "
-            f"{d['hf_top2_margin']:.2e}, mmlora's token {d['mmlora_token_below_hf_best']:.2e} below HF's best"
-            for d in result.get("greedy_divergences", [])
-        ),
-        *_roofline_lines(result["roofline_fp32_mixed"], result["copy_bandwidth_gb_s"]),
-        "  done when (issue 21; ratios of process CPU time, each round's pair, median over rounds):",
-        *(_check_line(label, result["checks"][key]) for label, key in CHECK_LABELS),
-    ]
-    return "\n".join(lines)
-
-
-CHECK_LABELS = (
-    ("mixed adapters / HF + PEFT (fp32)", "mmlora_vs_hf_peft"),
-    ("mixed adapters / own base-only", "mixed_vs_base"),
-    ("decode share of the fp32 roofline", "decode_fraction_of_fp32_roofline"),
-    ("bf16 / fp32 (mixed adapters)", "bf16_vs_fp32"),
-)
-
-
-def _check_line(label: str, check: dict[str, Any]) -> str:
-    if check["met"] is None:
-        why = check.get("why", "not measured")
-        return f"    {label:36s}:   n/a   (target >= {check['target']}; {why})"
-    mark = "met" if check["met"] else "MISSED"
-    return f"    {label:36s}: {check['value']:5.2f}   (target >= {check['target']})  {mark}"
-
-
-def _roofline_lines(roof: dict[str, Any], bandwidth_gb_s: float) -> list[str]:
-    return [
-        f"  roofline ({roof['dtype']}, mixed adapters): copy bandwidth {bandwidth_gb_s:.1f} GB/s, weights "
-        f"{roof['weight_bytes'] / 1e6:.0f} MB, KV {roof['kv_bytes_per_token'] / 1e3:.1f} kB/token",
-        f"    {roof['decode_steps']} decode steps: {roof['mean_decode_step_ms']:.1f} ms each (wall) against "
-        f"a floor of {roof['mean_decode_floor_ms']:.1f} ms = {roof['fraction_of_roofline']:.0%} of the "
-        f"roofline; {roof['prefill_steps']} prefill steps {roof['prefill_seconds']:.2f} s",
-        "    every roofline run (the best counts): "
-        + ", ".join(
-            f"{r['mean_decode_step_ms']:.1f} ms at {r['bandwidth_gb_s']:.1f} GB/s = {r['fraction_of_roofline']:.0%}"
-            for r in roof.get("runs", [roof])
-        ),
-        f"    compute ceiling: the widest layer GEMM at {roof['gemm_rows']} rows runs at "
-        f"{roof['gemm_gflop_s']:.0f} GFLOP/s (weight in cache), so a step's GEMMs take at least "
-        f"{roof['mean_decode_compute_floor_ms']:.1f} ms = {roof['fraction_of_compute_floor']:.0%} of a step",
-        *format_profile(roof["profile"]),
-    ]
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
