@@ -81,6 +81,11 @@ class LoRABackend(ABC):
         default the plain :meth:`add_lora`."""
         self.add_lora(out, x, weights, info)
 
+    def launches_after_base(self) -> bool:
+        """Whether :meth:`add_lora_after_base` launches kernel variants that :meth:`add_lora` does not (the
+        warm-up then runs it too). By default it does not."""
+        return False
+
     def fused_linear(
         self,
         x: torch.Tensor,

@@ -62,6 +62,9 @@ class TritonAutoBackend(LoRABackend):
     ) -> None:
         self.pick(info).add_lora_after_base(out, x, weights, info)
 
+    def launches_after_base(self) -> bool:
+        return self.bgmv.launches_after_base() or self.sgmv.launches_after_base()
+
     def splits_work(self, info: LoRABatchInfo) -> bool:
         return self.pick(info).splits_work(info)
 

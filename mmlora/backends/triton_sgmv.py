@@ -295,6 +295,9 @@ class TritonSGMVBackend(FusedTritonBackend):
     ) -> None:
         self._launch(out, x, weights, info, R, after=TUNING["shrink_pdl"])
 
+    def launches_after_base(self) -> bool:
+        return TUNING["shrink_pdl"]
+
     def _launch(
         self,
         out: torch.Tensor,

@@ -26,9 +26,9 @@ LAYOUTS: tuple[tuple[int, ...], ...] = ((1, 1), (2,), (17,), (33,), (65,), (1, 1
 
 
 def warm_up_lora_kernels(backend: LoRABackend, weights: Iterable[LoRAWeights], max_tokens: int) -> int:
-    """Run ``backend.add_lora`` and ``add_lora_after_base`` on every distinct module shape of ``weights``
-    (pool views), for each rank bucket of the pool and each layout of :data:`LAYOUTS` that fits
-    ``max_tokens``; returns the number of batches so run. Reads slot 0 of the pool (whatever it holds)
+    """Run ``backend.add_lora`` (and ``add_lora_after_base`` where it launches variants of its own) on
+    every distinct module shape of ``weights`` (pool views), for each rank bucket of the pool and each
+    layout of :data:`LAYOUTS` that fits ``max_tokens``; returns the number of batches so run. Reads slot 0 of the pool (whatever it holds)
     and writes only scratch outputs."""
     shapes: dict[tuple, LoRAWeights] = {}
     for w in weights:
@@ -46,7 +46,8 @@ def warm_up_lora_kernels(backend: LoRABackend, weights: Iterable[LoRAWeights], m
                 x = torch.zeros(n_tokens, w.A.shape[-1], dtype=w.A.dtype, device=w.A.device)
                 out = torch.zeros(n_tokens, w.B.shape[-2], dtype=w.A.dtype, device=w.A.device)
                 backend.add_lora(out, x, w, info)
-                backend.add_lora_after_base(out, x, w, info)  # its own variants where it has them
+                if backend.launches_after_base():
+                    backend.add_lora_after_base(out, x, w, info)
                 calls += 1
                 # gate_up: the expand deferred into its activation (one compile serves both activations)
                 pending = backend.defer_lora(x, w, info) if w.gated_pair else None

@@ -49,6 +49,38 @@ def test_warm_up_runs_each_layout_once_per_distinct_shape_and_rank_bucket() -> N
     assert sorted(set(seen)) == [16, 32, 64]  # every bound a batch of a rank-64 pool can have
 
 
+@pytest.mark.parametrize("own_variants", [False, True])
+def test_warm_up_runs_add_lora_after_base_only_where_it_launches_variants_of_its_own(
+    own_variants: bool,
+) -> None:
+    after: list[int] = []
+
+    class Recording(LoRABackend):
+        def add_lora(self, out, x, w, info) -> None:  # noqa: ANN001
+            pass
+
+        def add_lora_after_base(self, out, x, w, info) -> None:  # noqa: ANN001
+            after.append(info.rank_bound)
+
+        def launches_after_base(self) -> bool:
+            return own_variants
+
+    calls = warm_up_lora_kernels(Recording(), pool(torch.device("cpu"), 3, 64), max_tokens=4096)
+    assert len(after) == (calls if own_variants else 0)
+
+
+@pytest.mark.parametrize("shrink_pdl", [False, True])
+def test_sgmv_and_auto_launch_variants_after_the_base_gemm_only_with_shrink_pdl(
+    shrink_pdl: bool, monkeypatch
+) -> None:  # noqa: ANN001
+    from mmlora.backends import triton_sgmv
+
+    monkeypatch.setitem(triton_sgmv.TUNING, "shrink_pdl", shrink_pdl)
+    for name in ("triton-sgmv", "triton-auto"):
+        assert get_backend(name).launches_after_base() is shrink_pdl
+    assert not get_backend("triton-bgmv").launches_after_base()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device (compiles are what is counted)")
 @pytest.mark.parametrize("backend", ["triton-sgmv", "triton-bgmv", "triton-auto"])
