@@ -56,7 +56,7 @@ def as_on_h200() -> Iterator[None]:
 
 
 def _fused_ops(hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int) -> None:
-    from mmlora.layers import fused_ops
+    from mmlora.layers import fused_ops, rotary_ops
 
     bf16 = dict(dtype=torch.bfloat16)
     for tokens in (1, 32, 256):
@@ -71,7 +71,7 @@ def _fused_ops(hidden: int, intermediate: int, heads: int, kv_heads: int, head_d
         q = torch.zeros(tokens, heads, head_dim, **bf16)
         k = torch.zeros(tokens, kv_heads, head_dim, **bf16)
         cos = torch.ones(tokens, head_dim, **bf16)
-        fused_ops.apply_rotary_triton(q, k, cos, torch.zeros_like(cos))
+        rotary_ops.apply_rotary_triton(q, k, cos, torch.zeros_like(cos))
     # decode attention at every split count the engine picks (1 up to 32, with the context length)
     from mmlora.layers.attention.triton_decode import decode_attention
 

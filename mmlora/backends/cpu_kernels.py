@@ -319,7 +319,7 @@ def rotary(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Neox rotary of q [T, Hq, D] and k [T, Hk, D] by cos, sin [T, D], as
-    :func:`mmlora.layers.fused_ops.apply_rotary_ref`: ``x * cos + rotate_half(x) * sin``, each product
+    :func:`mmlora.layers.rotary_ops.apply_rotary_ref`: ``x * cos + rotate_half(x) * sin``, each product
     and the sum rounded to the dtype. q and k: heads contiguous (``stride(1) == D``, unit column stride),
     any row stride (views of a packed qkv output are fine); cos, sin contiguous; CPU, one dtype of
     :data:`ELEMENTWISE_DTYPES`. Returns new contiguous (q, k). Needs :func:`available`."""

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from mmlora.backends import cpu_kernels
-from mmlora.layers.fused_ops import apply_rotary, rotate_half
+from mmlora.layers.rotary_ops import apply_rotary, rotate_half
 
 __all__ = ["MRotaryEmbedding", "RopeConfig", "RotaryEmbedding", "rotate_half", "share_rotary"]
 

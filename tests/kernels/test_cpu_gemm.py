@@ -84,7 +84,8 @@ def test_avx2_build_matches_float64(monkeypatch: pytest.MonkeyPatch, tmp_path) -
             got = cpu_gemm.matmul(x, cpu_gemm.pack(w), b)
             torch.testing.assert_close(got.double(), _ref(x, w, b), atol=2e-5 * k**0.5, rtol=1e-5)
         # The element-wise kernels' bf16 vectors take their portable form there: torch's bits.
-        from mmlora.layers.fused_ops import apply_rotary_ref, rms_norm_ref
+        from mmlora.layers.fused_ops import rms_norm_ref
+        from mmlora.layers.rotary_ops import apply_rotary_ref
 
         g = torch.Generator().manual_seed(0)
         q, k = (torch.randn(5, h, 64, generator=g).to(torch.bfloat16) for h in (4, 2))

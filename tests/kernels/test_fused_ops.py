@@ -22,6 +22,7 @@ from types import SimpleNamespace  # noqa: E402
 import pytest  # noqa: E402
 
 from mmlora.layers import fused_ops as F  # noqa: E402
+from mmlora.layers import rotary_ops as R  # noqa: E402
 from mmlora.layers.norms import RMSNorm  # noqa: E402
 from mmlora.layers.rotary import RopeConfig, RotaryEmbedding  # noqa: E402
 
@@ -173,7 +174,7 @@ def packed_qk(T: int, Hq: int, Hkv: int, D: int, dtype: torch.dtype, seed: int):
 def rotary_oracle(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """fp64 rotary of x [T, H, D]: (exact, tolerance of two rounded products and a rounded sum)."""
     xd, c, s = x.double(), cos.double()[:, None], sin.double()[:, None]
-    rot = F.rotate_half(xd)
+    rot = R.rotate_half(xd)
     exact = xd * c + rot * s
     tol = 2 * ULP[x.dtype] * ((xd * c).abs() + (rot * s).abs()) + 1e-12
     return exact, tol
@@ -184,11 +185,11 @@ def rotary_oracle(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tupl
 @pytest.mark.parametrize("T,Hq,Hkv,tile", [(1, 4, 2, None), (7, 3, 1, None), (7, 6, 2, 64)])
 def test_rotary_kernel(dtype, D, T, Hq, Hkv, tile, monkeypatch) -> None:  # noqa: ANN001
     if tile:  # several head blocks per q and k
-        monkeypatch.setitem(F.TUNING, "rope_tile", tile)
+        monkeypatch.setitem(R.TUNING, "rope_tile", tile)
     q, k, cos, sin = packed_qk(T, Hq, Hkv, D, dtype, seed=20)
     assert T == 1 or q.stride(0) == k.stride(0) == (Hq + 2 * Hkv) * D  # views into the packed rows
-    qo, ko = F.apply_rotary_triton(q, k, cos, sin)
-    q_ref, k_ref = F.apply_rotary_ref(q, k, cos, sin)
+    qo, ko = R.apply_rotary_triton(q, k, cos, sin)
+    q_ref, k_ref = R.apply_rotary_ref(q, k, cos, sin)
     for name, out, ref, x in (("q", qo, q_ref, q), ("k", ko, k_ref, k)):
         assert out.shape == x.shape and out.dtype == dtype and out.is_contiguous()
         exact, tol = rotary_oracle(x, cos, sin)
@@ -235,11 +236,11 @@ def test_bad_arguments_raise_value_errors() -> None:
     q, k = torch.randn(2, 4, 8), torch.randn(2, 2, 8)
     cs = torch.randn(2, 8)
     with pytest.raises(ValueError, match="cos shape"):
-        F.apply_rotary(q, k, torch.randn(2, 6), cs)
+        R.apply_rotary(q, k, torch.randn(2, 6), cs)
     with pytest.raises(ValueError, match="one dtype"):
-        F.apply_rotary(q, k, cs, cs.half())
+        R.apply_rotary(q, k, cs, cs.half())
     with pytest.raises(ValueError, match="one T and D"):
-        F.apply_rotary(q, torch.randn(3, 2, 8), cs, cs)
+        R.apply_rotary(q, torch.randn(3, 2, 8), cs, cs)
 
 
 def test_rmsnorm_module_fused_residual() -> None:
@@ -262,8 +263,8 @@ def test_rotary_gathers_once_per_positions_tensor() -> None:
     assert c3 is not c1 and torch.equal(c3, c1)
     q, k = torch.randn(3, 2, 16), torch.randn(3, 1, 16)
     qo, ko = rope(pos, q, k)
-    assert torch.equal(qo, q * c1[:, None] + F.rotate_half(q) * s1[:, None])
-    assert torch.equal(ko, k * c1[:, None] + F.rotate_half(k) * s1[:, None])
+    assert torch.equal(qo, q * c1[:, None] + R.rotate_half(q) * s1[:, None])
+    assert torch.equal(ko, k * c1[:, None] + R.rotate_half(k) * s1[:, None])
 
 
 def test_llama_layers_share_one_rotary() -> None:
@@ -330,7 +331,7 @@ def test_gpu_rotary_7b_bit_exact(dtype, T) -> None:  # noqa: ANN001
     q, k = q.view(T, 32, 128), k.view(T, 8, 128)
     rope = RotaryEmbedding(128, 8192, RopeConfig(theta=500000.0))
     cos, sin = rope.cos_sin(torch.randint(0, 8192, (T,), device="cuda"), dtype)
-    for out, ref in zip(F.apply_rotary(q, k, cos, sin), F.apply_rotary_ref(q, k, cos, sin)):
+    for out, ref in zip(R.apply_rotary(q, k, cos, sin), R.apply_rotary_ref(q, k, cos, sin)):
         if dtype == torch.float32:
             torch.testing.assert_close(out, ref, atol=1e-6, rtol=2 * ULP[dtype])
         else:
@@ -353,7 +354,7 @@ def test_gpu_ops_in_cuda_graph() -> None:
     cos, sin = _dev(T, 128, dtype=dtype, seed=12), _dev(T, 128, dtype=dtype, seed=13)
 
     def step():  # noqa: ANN202
-        return (*F.rms_norm(x, w, EPS, 1.0, r), F.silu_and_mul(gate_up), *F.apply_rotary(q, k, cos, sin))
+        return (*F.rms_norm(x, w, EPS, 1.0, r), F.silu_and_mul(gate_up), *R.apply_rotary(q, k, cos, sin))
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())

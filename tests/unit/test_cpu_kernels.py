@@ -191,9 +191,9 @@ def test_rms_norm_matches_the_torch_reference(dtype, with_residual: bool) -> Non
 
 @pytest.mark.parametrize("dtype", cpu_kernels.ELEMENTWISE_DTYPES)
 def test_rotary_matches_the_torch_reference(dtype) -> None:  # noqa: ANN001
-    """As fused_ops.apply_rotary_ref on q and k viewed out of one packed qkv row (row stride past D * H):
+    """As rotary_ops.apply_rotary_ref on q and k viewed out of one packed qkv row (row stride past D * H):
     bit for bit in both dtypes (each product rounded before the sum, as torch)."""
-    from mmlora.layers.fused_ops import apply_rotary_ref
+    from mmlora.layers.rotary_ops import apply_rotary_ref
 
     g = torch.Generator().manual_seed(4)
     qkv = torch.randn(5, 9 * 32 + 2 * 3 * 32, generator=g).to(dtype)
@@ -273,7 +273,7 @@ def test_bf16_rounding_of_ties_infinities_and_nans_is_torchs() -> None:
     ones hold many exact ties, and torch rounds the same products; inf and NaN inputs give torch's inf and
     NaN, and denormal products stay denormal (where the kernels round with AVX-512 BF16's vcvtneps2bf16,
     which flushes them to zero, a vector holding one takes the exact bit arithmetic)."""
-    from mmlora.layers.fused_ops import apply_rotary_ref
+    from mmlora.layers.rotary_ops import apply_rotary_ref
 
     g = torch.Generator().manual_seed(0)
     T, H, D = 64, 4, 64
