@@ -38,7 +38,7 @@ from mmlora.engine.setup import build_engine_parts
 from mmlora.engine.tp_worker import join_group, worker_main
 from mmlora.hub import hub_root
 from mmlora.kvcache.prefix_cache import PrefixCache
-from mmlora.lora.manager import AdapterRef
+from mmlora.lora.refs import AdapterRef
 from mmlora.lora.registry import AdapterEntry
 from mmlora.multimodal.prompt import text_prompt_ids
 from mmlora.preflight import check_engine_config

@@ -3,16 +3,14 @@
 
 The engine and scheduler call ``resolve`` (a request's adapter, once, at add_request), ``acquire`` /
 ``release`` (the request's reference), ``can_admit`` / ``admit`` (a device slot), and ``activate`` (eager
-forwards) or ``prepare_capture`` / ``prepare_replay`` (CUDA-graph forwards, the buffers being ours).
+forwards) or ``prepare_capture`` / ``prepare_replay`` (CUDA-graph forwards, the buffers being ours; these
+per-forward methods: :mod:`mmlora.lora.routing`). How requests name adapters: :mod:`mmlora.lora.refs`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -21,59 +19,26 @@ from mmlora.backends import get_backend
 from mmlora.backends.warmup import warm_up_lora_kernels
 from mmlora.config import LoRAConfig, split_lora_spec
 from mmlora.distributed.state import tp_group
-from mmlora.forward.lora import LoRABatchInfo, LoRAWeights, rank_buckets, slot_runs
+from mmlora.forward.lora import LoRABatchInfo, LoRAWeights
 from mmlora.lora.adapter import LoadedAdapter, load_adapter
 from mmlora.lora.layer import LoRAContext, LoRALinear
 from mmlora.lora.pages import resolve_page_rank
 from mmlora.lora.paths import confine_adapter_path
 from mmlora.lora.pool import LoRAPool
+from mmlora.lora.refs import AdapterRef, UnknownAdapterError
 from mmlora.lora.registry import AdapterEntry, AdapterRegistry
+from mmlora.lora.routing import ForwardRouting
 from mmlora.lora.shard import AdapterSharder, ShardedLoRAPool, recv_shard
 from mmlora.lora.spec import LoRATargetModel
 
 logger = logging.getLogger(__name__)
 
 
-class UnknownAdapterError(LookupError, ValueError):
-    """A request named an adapter that is neither registered nor a folder it may load, or one being
-    unloaded (which answers as if it were already gone: 404)."""
-
-    def __init__(
-        self, param: str, key: str, registered: list[str], reason: str = "not a registered name nor a folder"
-    ) -> None:
-        known = ", ".join(registered) or "none"
-        super().__init__(f"{param}: unknown adapter {key!r} ({reason}); registered: {known}")
-        self.param, self.key, self.registered = param, key, registered
-
-
-@dataclass(frozen=True)
-class AdapterRef:
-    """A request's adapter as its client named it; :meth:`LoRAManager.resolve` resolves it once, on the
-    engine thread, when the request is added (a plain string is ``AdapterRef(key)``).
-
-    key             a registered name, a registered path, or a folder to load on first use
-    param           the request field that named it (errors name it)
-    allow_folders   whether an unregistered folder may be loaded (the server: only with run-time updates)
-    lora_root       when set (the server), unregistered folders must name a path confined to it
-                    (:func:`mmlora.lora.paths.confine_adapter_path`; ``confine`` without a root refuses)
-    confine         whether ``lora_root`` applies (True for anything that arrives over the network)
-    same_as         (param, key) of a second field that must name the same adapter (OpenAI ``model``
-                    next to the ``lora_path`` extra)
-    """
-
-    key: str
-    param: str = "lora_path"
-    allow_folders: bool = True
-    confine: bool = False
-    lora_root: str | None = None
-    same_as: tuple[str, str] | None = None
-
-
 def _target(model: LoRATargetModel, layer: int, target: str) -> nn.Module:
     return model.layers[layer].get_submodule(model.lora_target_paths[target])
 
 
-class LoRAManager:
+class LoRAManager(ForwardRouting):
     def __init__(
         self,
         model: LoRATargetModel,
@@ -375,77 +340,3 @@ class LoRAManager:
             self.admit(entry, keep)
         except ValueError:
             return
-
-    # ---- per forward ----------------------------------------------------------------------------
-
-    @contextlib.contextmanager
-    def activate(self, seq_lens: list[int], seq_slots: list[int]) -> Iterator[LoRABatchInfo]:
-        """An eager forward: route per-request token counts to their slots (-1 = base)."""
-        self.info.fill(seq_lens, seq_slots)
-        with self.prepared() as info:
-            yield info
-
-    @property
-    def rank_buckets(self) -> tuple[int, ...]:
-        """The rank bounds a batch can have (:func:`mmlora.forward.lora.rank_buckets`): decode graphs are
-        captured per (batch bucket, rank bound, layout), and bound 0 is the graph without LoRA."""
-        return rank_buckets(self.config.max_lora_rank)
-
-    @property
-    def graph_layouts(self) -> tuple[str, ...]:
-        """The row layouts the backend's decode graphs are captured in (``LoRABackend.graph_layouts``)."""
-        return self._ctx.backend.graph_layouts
-
-    def prepare_capture(self, rows: int, rank_bound: int, layout: str = "rows") -> None:
-        """Before capturing a ``rows``-row decode graph: every row base-only, and the host ints the graph
-        bakes in (the LoRA kernels' launch shapes cover ranks up to ``rank_bound``, one of
-        :attr:`rank_buckets`, 0: the graph without LoRA; and segments in ``layout``, one of
-        :attr:`graph_layouts`)."""
-        backend = self._ctx.backend
-        self.info.fill_rows([-1] * rows, rank_bound, layout, backend.graph_segments(rows, layout))
-
-    def prepare_replay(self, row_slots: list[int], layout: str | None = None) -> tuple[int, str]:
-        """Before replaying a graph captured by :meth:`prepare_capture`: each row's slot (-1 = base or
-        padding), written into the captured buffers. Returns the rank bound (the bucket of the rows'
-        largest rank; 0 when no row has an adapter) and the layout of the graph to replay: the backend's
-        pick, or ``layout`` when given (a benchmark timing each; a ValueError if these rows' runs do not
-        fit its graph)."""
-        backend = self._ctx.backend
-        bound = self.info.bound_of(row_slots)
-        runs = slot_runs(row_slots) if bound and "runs" in self.graph_layouts else None
-        if layout is None:
-            if bound == 0:
-                layout = "rows"
-            elif len(self.graph_layouts) == 1:
-                layout = self.graph_layouts[0]
-            else:
-                layout = backend.graph_layout(len(row_slots), len(runs))
-        segments = backend.graph_segments(len(row_slots), layout)
-        self.info.fill_rows(row_slots, bound, layout, segments, runs)
-        return bound, layout
-
-    def prepare_mixed(
-        self, seq_lens: list[int], seq_slots: list[int], num_tokens: int, num_segments: int
-    ) -> int:
-        """Before a mixed-step graph's replay (:mod:`mmlora.engine.mixed_graph`): per-request token counts
-        and slots (-1 = base) routed into a bucket of ``num_tokens`` tokens and ``num_segments`` segment
-        entries (``LoRABatchInfo.fill_graph``). Returns the rank bound of the graph to replay."""
-        bound = self.info.bound_of(seq_slots)
-        self.info.fill_graph(seq_lens, seq_slots, num_tokens, num_segments, bound)
-        return bound
-
-    def prepare_mixed_capture(self, num_tokens: int, num_segments: int, rank_bound: int) -> None:
-        """Before capturing a mixed-step graph: no request, every row padding, launches shaped for
-        ``rank_bound`` (one of 0 and :attr:`rank_buckets`)."""
-        self.info.fill_graph([], [], num_tokens, num_segments, rank_bound)
-
-    @contextlib.contextmanager
-    def prepared(self) -> Iterator[LoRABatchInfo]:
-        """A forward over the routing last filled (by activate, prepare_capture or prepare_replay)."""
-        if self._ctx.info is not None:
-            raise RuntimeError("nested LoRA forwards are not allowed")
-        self._ctx.info = self.info
-        try:
-            yield self.info
-        finally:
-            self._ctx.info = None

@@ -24,8 +24,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from mmlora.engine.background import EngineUnavailableError, QueueFullError
-from mmlora.lora.manager import UnknownAdapterError
 from mmlora.lora.paths import AdapterFolderMissing
+from mmlora.lora.refs import UnknownAdapterError
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from fastapi.responses import StreamingResponse
 
 from mmlora.engine.background import RequestHandle
 from mmlora.engine.sampling_params import RequestOutput, SamplingParams
-from mmlora.lora.manager import AdapterRef
+from mmlora.lora.refs import AdapterRef
 from mmlora.server.engine_io import SSE_DONE, failure_error, merge, parse_sampling, sse
 from mmlora.server.errors import APIError
 from mmlora.server.schemas import ChatCompletionRequest, CompletionRequest

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mmlora.engine.background import BackgroundEngine
-from mmlora.lora.manager import AdapterRef
+from mmlora.lora.refs import AdapterRef
 from mmlora.server.config import ServerConfig
 from mmlora.server.engine_io import TokenText
 from mmlora.server.errors import APIError
