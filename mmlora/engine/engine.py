@@ -24,7 +24,7 @@ from mmlora.distributed.state import WorkerFailure, all_reduce_min, shutdown_tp
 from mmlora.distributed.step import Command, send_header
 from mmlora.engine.adapter_api import AdapterAPI
 from mmlora.engine.batch_api import BatchAPI
-from mmlora.engine.detokenizer import ids_decoder, take_delta, update_text
+from mmlora.engine.detokenizer import ids_decoder
 from mmlora.engine.fault_isolation import StepGuard, describe_fault
 from mmlora.engine.grammar import GrammarCompiler
 from mmlora.engine.model_runner import ModelRunner
@@ -35,6 +35,7 @@ from mmlora.engine.sampler import bad_row_message
 from mmlora.engine.sampling_params import RequestOutput, SamplingParams
 from mmlora.engine.scheduler import ScheduledBatch, Scheduler
 from mmlora.engine.setup import build_engine_parts
+from mmlora.engine.token_intake import append_token, request_output
 from mmlora.engine.tp_worker import join_group, worker_main
 from mmlora.hub import hub_root
 from mmlora.kvcache.prefix_cache import PrefixCache
@@ -274,7 +275,7 @@ class Engine(BatchAPI, AdapterAPI):
         batch, failed = self.scheduler.schedule()
         for req in failed:
             self._finish(req, "abort")
-        outputs = [self._output(req) for req in ended + failed]
+        outputs = [request_output(req) for req in ended + failed]
         if not self.overlap:
             if len(batch):
                 outputs += self._run_serial(batch)
@@ -312,7 +313,7 @@ class Engine(BatchAPI, AdapterAPI):
             except Exception as e:  # e.g. detokenizing or a grammar refusing the token: this request only
                 faulty.append((req, describe_fault(e)))
                 continue
-            outputs.append(self._output(req))
+            outputs.append(request_output(req))
         for req, message in faulty:
             outputs.append(self._fail(req, message))
         return outputs
@@ -337,7 +338,7 @@ class Engine(BatchAPI, AdapterAPI):
             except Exception as e:  # as in _run_serial: this request only
                 outputs.append(self._fail(req, describe_fault(e)))
                 continue
-            outputs.append(self._output(req))
+            outputs.append(request_output(req))
         return outputs
 
     def _finish_prompt_only(self, requests: list[Request]) -> list[RequestOutput]:
@@ -345,35 +346,18 @@ class Engine(BatchAPI, AdapterAPI):
         for req in requests:
             self.counters["prompt_tokens_total"] += len(req.prompt_ids)
             self._finish(req, "length")
-        return [self._output(req) for req in requests]
+        return [request_output(req) for req in requests]
 
     def _fail(self, req: Request, message: str) -> RequestOutput:
         req.error, req.finish_reason = message, "abort"
         self._finish(req, "abort")
-        return self._output(req)
+        return request_output(req)
 
     def _append_token(self, req: Request, token: int, logprobs: torch.Tensor, now: float) -> None:
         if req.first_token_time is None:
-            req.first_token_time = now
             self.counters["prompt_tokens_total"] += len(req.prompt_ids)
         self.counters["generation_tokens_total"] += 1
-        req.output_ids.append(token)
-        if req.return_logprob:
-            req.logprobs.append(float(logprobs[token]))
-            if req.top_logprobs_num:
-                vals, idx = logprobs.topk(req.top_logprobs_num)
-                req.top_logprobs.append(list(zip(idx.tolist(), vals.tolist())))
-        sp = req.sampling
-        n_out = len(req.output_ids)
-        grammar_done = req.grammar is not None and req.grammar.accept(token)
-        is_stop = (not sp.ignore_eos and token in self.eos_ids) or token in sp.stop_token_ids or grammar_done
-        if is_stop and n_out >= sp.min_new_tokens:
-            req.finish_reason, req.matched_stop = "stop", token
-        if req.finish_reason is None and (
-            n_out >= sp.max_new_tokens or req.num_known_tokens >= self.max_model_len
-        ):
-            req.finish_reason = "length"
-        update_text(req, self._decode_ids)
+        append_token(req, token, logprobs, now, self.eos_ids, self.max_model_len, self._decode_ids)
         if req.finish_reason is not None:
             self._finish(req, req.finish_reason)
 
@@ -387,31 +371,6 @@ class Engine(BatchAPI, AdapterAPI):
                 self.lora.release(req.lora)
             self._requests.pop(req.rid, None)
             self.counters["requests_finished_total"] += 1
-
-    def _output(self, req: Request) -> RequestOutput:
-        delta_ids = req.output_ids[req.sent_ids_len :]
-        req.sent_ids_len = len(req.output_ids)
-        return RequestOutput(
-            request_id=req.rid,
-            prompt_tokens=len(req.prompt_ids),
-            cached_tokens=req.cached_tokens,
-            lora_name=req.lora_name,
-            text=req.text,
-            output_ids=list(req.output_ids),
-            logprobs=list(req.logprobs) if req.return_logprob else None,
-            top_logprobs=list(req.top_logprobs) if req.top_logprobs_num else None,
-            input_logprobs=list(req.input_logprobs) if req.input_logprob_start >= 0 else None,
-            input_top_logprobs=list(req.input_top_logprobs) if req.input_logprob_start >= 0 else None,
-            input_ids=req.prompt_ids if req.input_logprob_start >= 0 else None,
-            delta_text=take_delta(req),
-            delta_ids=delta_ids,
-            finish_reason=req.finish_reason if req.finished else None,
-            matched_stop=req.matched_stop,
-            error=req.error,
-            first_token_time=req.first_token_time,
-            arrival_time=req.arrival_time,
-            finish_time=req.finish_time,
-        )
 
     def stats(self) -> dict[str, Any]:
         sched, alloc = self.scheduler, self.kv_cache.allocator
