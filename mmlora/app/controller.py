@@ -15,7 +15,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from mmlora.engine.background import BackgroundEngine, RequestHandle
+from mmlora.engine.background import BackgroundEngine
+from mmlora.engine.request_handle import RequestHandle
 from mmlora.engine.sampling_params import RequestOutput, SamplingParams
 from mmlora.lora.paths import confine_adapter_path
 

@@ -13,7 +13,8 @@ from typing import Any
 
 from fastapi import Request
 
-from mmlora.engine.background import BackgroundEngine, RequestHandle
+from mmlora.engine.background import BackgroundEngine
+from mmlora.engine.request_handle import RequestHandle
 from mmlora.engine.sampling_params import RequestOutput, SamplingParams
 from mmlora.server.errors import APIError, to_api_error
 

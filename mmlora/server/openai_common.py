@@ -9,7 +9,7 @@ from typing import Any
 
 from fastapi.responses import StreamingResponse
 
-from mmlora.engine.background import RequestHandle
+from mmlora.engine.request_handle import RequestHandle
 from mmlora.engine.sampling_params import RequestOutput, SamplingParams
 from mmlora.lora.refs import AdapterRef
 from mmlora.server.engine_io import SSE_DONE, failure_error, merge, parse_sampling, sse
