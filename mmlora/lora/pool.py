@@ -31,7 +31,7 @@ from mmlora.lora.pages import (
     slot_pairs,
 )
 from mmlora.lora.spec import LoRAModelSpec
-from mmlora.lora.staging import UploadPlan, copy_scalings, pinned, scalings_of
+from mmlora.lora.staging import UploadPlan, UploadPlans, copy_scalings, pinned, scalings_of
 
 logger = logging.getLogger(__name__)
 
@@ -92,11 +92,7 @@ class LoRAPool:
         self.slot_uid: list[int | None] = [None] * num_slots
         self._ab_views: dict[tuple[int, int], list[torch.Tensor]] = {}
         self._scale_views: dict[int, list[torch.Tensor]] = {}
-        self._staging_buffer: torch.Tensor | None = None
-        self._scale_staging_buffer: torch.Tensor | None = None
-        # (slot, staged layout id) -> its upload plan, LRU; plans hold views of the staging buffer.
-        self._plans: OrderedDict[tuple[int, int], UploadPlan] = OrderedDict()
-        self._max_plans = 4 * num_slots
+        self._uploads = UploadPlans(device, max_plans=4 * num_slots)
         self._layouts_seen: set[int] = set()
         # A and B elements each slot's adapter fills (the rest of the slot is rank padding, or modules
         # and slices it does not target): what slot_padding_fraction measures.
@@ -293,63 +289,19 @@ class LoRAPool:
             views = self._scale_views[slot] = [sc[slot] for _, _, sc in self.buffers.values()]
         return views
 
-    def _staging(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A device buffer for staged uploads, kept and grown to the largest adapter rather than allocated
-        per upload (84 MB for a Mistral-7B rank-16 adapter, where device memory is mostly KV cache).
-        Reusing it is safe: uploads are ordered on one stream."""
-        buf = self._staging_buffer
-        if buf is None or buf.numel() < numel or buf.dtype != dtype:
-            self._plans.clear()  # their chunks are views of the old buffer
-            self._retire(buf)
-            buf = self._staging_buffer = torch.empty(numel, dtype=dtype, device=self.device)
-        return buf[:numel]
-
-    def _scale_staging(self, numel: int) -> torch.Tensor:
-        """The device buffer staged scalings are copied through (grown as ``_staging``)."""
-        buf = self._scale_staging_buffer
-        if buf is None or buf.numel() < numel:
-            self._plans.clear()  # their chunks are views of the old buffer
-            self._retire(buf)
-            buf = self._scale_staging_buffer = torch.empty(numel, dtype=torch.float32, device=self.device)
-        return buf[:numel]
-
-    def _retire(self, buf: torch.Tensor | None) -> None:
-        """A staging buffer being replaced: loads still queued on the upload stream may read it, so its
-        memory is not reused before they are done."""
-        if buf is not None and self.upload_stream is not None:
-            buf.record_stream(self.upload_stream)
-
     def _plan(self, slot: int, adapter: LoadedAdapter, scalings: torch.Tensor) -> UploadPlan:
-        """The upload plan of a staged adapter (``scalings``: its ``staging.scalings_of``) into ``slot``:
-        cached per (slot, layout) when the adapter was staged by ``staging.flatten`` (which sets its
-        layout id); built and checked otherwise."""
-        staged = adapter.staged
-        staging = self._staging(sum(b.numel() for b in staged), staged[0].dtype)
-        scale_staging = self._scale_staging(scalings.numel())
-        key = (slot, adapter.staged_layout)
-        plan = self._plans.get(key) if adapter.staged_layout is not None else None
-        if plan is not None:
-            first = next(t for w in adapter.weights.values() for t in (*w.A, *w.B) if t is not None)
-            if first.data_ptr() != staged[0].data_ptr():  # weights swapped under a kept layout id
-                raise ValueError("an adapter tensor is not where its staged blocks hold it")
-            self._plans.move_to_end(key)
-            return plan
-        scale_pairs = [
-            (self.buffers[k][2][slot] if k in self.buffers else None, len(w.scalings))
-            for k, w in adapter.weights.items()
-        ]
-        plan = UploadPlan.build(
-            slot_pairs(self.buffers, self._offsets, slot, adapter, self.page_rank, self.pages),
-            staged,
-            staging,
-            scale_pairs,
-            scale_staging,
+        """The upload plan of a staged adapter into ``slot`` (:meth:`UploadPlans.get`)."""
+        return self._uploads.get(
+            slot,
+            adapter,
+            scalings,
+            self.upload_stream,
+            lambda: slot_pairs(self.buffers, self._offsets, slot, adapter, self.page_rank, self.pages),
+            lambda: [
+                (self.buffers[k][2][slot] if k in self.buffers else None, len(w.scalings))
+                for k, w in adapter.weights.items()
+            ],
         )
-        if adapter.staged_layout is not None:
-            self._plans[key] = plan
-            while len(self._plans) > self._max_plans:
-                self._plans.popitem(last=False)
-        return plan
 
     def write_slot(self, slot: int, adapter: LoadedAdapter) -> None:
         """Copy ``adapter`` (shaped as this pool's spec) into ``slot`` (its bookkeeping is the caller's)."""
@@ -396,8 +348,7 @@ class LoRAPool:
         self._stores.clear()
         self._ab_views.clear()
         self._scale_views.clear()
-        self._staging_buffer = self._scale_staging_buffer = None
-        self._plans.clear()
+        self._uploads.clear()
         self.host.clear()
 
     def slot_padding_fraction(self, slots: Iterable[int] | None = None) -> float:

@@ -510,7 +510,7 @@ def test_a_staged_upload_into_pages_copies_few_strided_views():
     pool.put_host(2, _flatten(new, pin=False), set())
     slot = pool.acquire_slot(2, set())
     assert_paged_slot_is(pool, slot, new)
-    plan = pool._plans[(slot, pool.host[2].staged_layout)]
+    plan = pool._uploads.plans[(slot, pool.host[2].staged_layout)]
     assert len(plan.flat[0]) == 2 * 3 * 2 and all(d.dim() == 1 for d in plan.flat[0])  # layers, slices, pages
     assert [d.shape for d in plan.strided[0]] == [(16, 2, 2)] * 2  # a module's B, [out, pages, U], a layer
 
@@ -526,7 +526,7 @@ def test_a_staged_upload_below_the_pool_rank_joins_a_modules_b_views():
     for key, (A, B, s) in pool.buffers.items():
         want_a, want_b, want_s = expected[key]
         assert torch.equal(A[slot], want_a) and torch.equal(B[slot], want_b) and torch.equal(s[slot], want_s)
-    plan = pool._plans[(slot, pool.host[1].staged_layout)]
+    plan = pool._uploads.plans[(slot, pool.host[1].staged_layout)]
     assert [d.shape for d in plan.strided[0]] == [(16, 2)] * 2
 
 
