@@ -121,7 +121,13 @@ def main() -> None:
     p.add_argument(
         "--mode", nargs="*", default=[], help="extra modes NAME:knob=json,... of the case backend's TUNING"
     )
-    p.add_argument("--profile-mode", default="default", help="the mode whose kernels are profiled")
+    p.add_argument(
+        "--profile-mode",
+        nargs="*",
+        default=["default"],
+        help="the modes whose kernels are profiled (the first one's times are the row's kernels_us, all of "
+        "them its kernels_us_by_mode)",
+    )
     p.add_argument(
         "--backend",
         default=None,
@@ -177,19 +183,28 @@ def main() -> None:
         row["bytes"] = sum(pt.bytes for pt in points)
         if bw is not None:
             row["floor_s"] = row["bytes"] / bw
-            saved = dict(tuning)
-            tuning.update(modes.get(args.profile_mode, {}))
-            try:
-                row["kernels_us"] = _kernel_times(backend, points)
-            finally:
-                tuning.clear()
-                tuning.update(saved)
+            row["kernels_us_by_mode"] = {}
+            for mode in args.profile_mode:
+                saved = dict(tuning)
+                tuning.update(modes.get(mode, {}))
+                try:
+                    row["kernels_us_by_mode"][mode] = _kernel_times(backend, points)
+                finally:
+                    tuning.clear()
+                    tuning.update(saved)
+            row["kernels_us"] = row["kernels_us_by_mode"][args.profile_mode[0]]
         results.append(row)
         us = {m: [round(s * 1e6, 1) for s in row[m] if s is not None] for m in modes}
         floor = f", floor {row['floor_s'] * 1e6:.1f} us" if bw else ""
         print(f"== {case} B={B} adapters={n} segments={row['segments']} ({name}): {us}{floor}", flush=True)
-        for k, v in sorted(row.get("kernels_us", {}).items()):
-            print(f"   {k[:90]:90s} {v:8.1f} us", flush=True)
+        by_mode = row.get("kernels_us_by_mode", {})
+        if by_mode:
+            print(f"   {'kernel (us), by profiled mode':60s} " + " ".join(f"{m[:12]:>12s}" for m in by_mode))
+            for k in sorted(next(iter(by_mode.values()))):
+                print(
+                    f"   {k[:60]:60s} "
+                    + " ".join(f"{t.get(k, float('nan')):12.1f}" for t in by_mode.values())
+                )
         sweep._release(points, device)
     if args.out:
         with open(args.out, "w") as f:

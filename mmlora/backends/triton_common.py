@@ -87,13 +87,20 @@ def next_pow2(n: int) -> int:
 
 
 def split_k_plan(
-    in_features: int, block_k: int, busy: int, device: torch.device, forced: int | None, tuning: dict
+    in_features: int,
+    block_k: int,
+    busy: int,
+    device: torch.device,
+    forced: int | None,
+    tuning: dict,
+    least: int = 1,
 ) -> tuple[int, int]:
     """(k_per_split, splits) of a shrink's split of in_features into whole ``block_k`` blocks:
     ``forced`` splits, else enough for ``tuning["waves"]`` waves of programs on the device's SMs when one
-    split keeps ``busy`` programs busy; at most ``tuning["max_split_k"]`` (every split non-empty)."""
+    split keeps ``busy`` programs busy, and at least ``least``; at most ``tuning["max_split_k"]`` (every
+    split non-empty)."""
     k_blocks = cdiv(in_features, block_k)
-    want = forced or cdiv(tuning["waves"] * sm_count(device), busy)
+    want = forced or max(least, cdiv(tuning["waves"] * sm_count(device), busy))
     split = max(1, min(want, tuning["max_split_k"], k_blocks))
     k_per_split = cdiv(k_blocks, split) * block_k
     return k_per_split, cdiv(in_features, k_per_split)

@@ -115,7 +115,11 @@ def _shrink_launch(
     busy = tiles.count * cdiv(top_rank, block_r)
     waves = TUNING["run_waves"] if runs else None
     tuning = TUNING if waves is None else {**TUNING, "waves": waves}
-    k_per_split, split = split_k_plan(in_f, block_k, busy, x.device, split_k, tuning)
+    # Decode runs may also cap in_features per split (``run_shrink_k_per_split``): a wide module (down's
+    # 14,336) otherwise gives each program several times the serial loop of the others.
+    k_cap = TUNING["run_shrink_k_per_split"] if runs else None
+    least = cdiv(in_f, k_cap) if k_cap else 1
+    k_per_split, split = split_k_plan(in_f, block_k, busy, x.device, split_k, tuning, least)
     dtype = x.dtype if split == 1 and not fp32_planes else torch.float32
     # Planes padded to 16 rows: their stride keeps the same divisibility for every batch.
     shape = (split, -(-T // 16) * 16, n * R)

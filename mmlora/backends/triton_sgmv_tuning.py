@@ -39,6 +39,14 @@ TUNING = {
     # 13 us against about 4.
     "run_shrink_block_k": None,
     "run_waves": None,
+    # ... and the most in_features one of their splits covers (None: no cap; splits stay within
+    # ``max_split_k``). The waves rule gives every module of a step the same split count, so each program of
+    # down's shrink (14,336 in_features) streams 3.5x the serial loop of the others' (4,096): at serving's
+    # decode runs (B=72 on 24 adapters, 36 graph segments: 8 splits) that shrink took 9.3 us against 4.4-6.2
+    # for the other three, for about 3 us of bytes (H200, session 27 c2). 512 would split down's 16 ways (at
+    # most 16 of h's planes, all summed in one round with ``run_expand_h_unroll`` 16) and leave the others at
+    # 8. Not yet timed on a GPU.
+    "run_shrink_k_per_split": None,
     # ... and the software pipeline's depth of their in_features loop (None: Triton's default): few programs
     # each stream a long loop there, so loads in flight per program bound the bandwidth.
     "run_shrink_stages": None,

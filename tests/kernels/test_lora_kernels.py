@@ -24,6 +24,7 @@ import pytest  # noqa: E402
 from mmlora.backends import get_backend, triton_bgmv, triton_sgmv  # noqa: E402
 from mmlora.backends.torch_gather import gather_expand, gather_shrink  # noqa: E402
 from mmlora.backends.triton_bgmv import bgmv_expand, bgmv_shrink  # noqa: E402
+from mmlora.backends.triton_common import ShrinkJob  # noqa: E402
 from mmlora.backends.triton_sgmv import sgmv_expand, sgmv_shrink  # noqa: E402
 from mmlora.forward.lora import LoRABatchInfo, LoRAWeights  # noqa: E402
 
@@ -396,6 +397,42 @@ def test_sgmv_run_expand_h_unroll(
     backend.add_lora(c.out, c.x, c.weights, c.info)
     assert_out(c, c.out, want, out0)
     assert torch.equal(c.out.nan_to_num(), looped.nan_to_num())
+
+
+def _shrink_splits(c: Case) -> int:
+    """The split-K planes SGMV's shrink would make for ``c`` under the current TUNING."""
+    job = ShrinkJob(c.x, c.weights.A, c.info, c.weights.n_slices, c.weights.A.shape[-2] // c.weights.n_slices,
+                    True, None)  # fmt: skip
+    return triton_sgmv._shrink_launch(job, fp32_planes=True)[3][0]
+
+
+@pytest.mark.parametrize("cap", [None, 256, 64, 16])
+@pytest.mark.parametrize("name", ["decode-wide-in-qkv", "decode-basemix-qkv", "prefill-zipf-single"])
+def test_sgmv_run_shrink_k_per_split(name: str, cap: int | None, monkeypatch) -> None:  # noqa: ANN001
+    """``run_shrink_k_per_split``: a decode-run shrink splits in_features into at least in_features / cap
+    parts (within ``max_split_k`` and whole blocks), never fewer than the waves rule gives; other batches
+    keep their split; and the sums (up to 16 planes, unrolled or looped) give the reference, NaN padding
+    included."""
+    monkeypatch.setitem(triton_sgmv.TUNING, "run_shrink_block_k", 32)
+    c = make_case(*CPU_CASES[name], dtype=torch.float32, seed=17, pad_value=float("nan"))
+    runs = c.info.max_seg_len <= 16
+    base = _shrink_splits(c)
+    monkeypatch.setitem(triton_sgmv.TUNING, "run_shrink_k_per_split", cap)
+    in_f = c.x.shape[1]
+    blocks = -(-in_f // 32) if runs else -(-in_f // 128)
+    floor = min(-(-in_f // cap), triton_sgmv.TUNING["max_split_k"], blocks) if cap and runs else 1
+    splits = _shrink_splits(c)
+    assert splits == max(base, floor)
+    if name == "decode-wide-in-qkv" and cap == 64:
+        assert splits == 16 > base  # 1024 in_features: 16 splits of 64, the most h_unroll 16 sums at once
+    _, want = reference(c)
+    out0 = c.out.clone()
+    for unroll in (None, 16):
+        monkeypatch.setitem(triton_sgmv.TUNING, "run_expand_h_unroll", unroll)
+        c.info.host_derived.clear()
+        got = out0.clone()
+        get_backend("triton-sgmv").add_lora(got, c.x, c.weights, c.info)
+        assert_out(c, got, want, out0)
 
 
 @pytest.mark.parametrize(
