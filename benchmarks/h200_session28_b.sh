@@ -35,12 +35,12 @@ modes=(hu16:run_expand_h_unroll=16 bf:run_expand_group_b_first=true
   hu16bfk512:run_expand_h_unroll=16,run_expand_group_b_first=true,run_shrink_k_per_split=512
   hu16bfk1024:run_expand_h_unroll=16,run_expand_group_b_first=true,run_shrink_k_per_split=1024)
 timeout $((400 - SECONDS)) python benchmarks/scripts/decode_lora_anatomy.py --rounds 2 --mode "${modes[@]}" \
-  --profile-mode default hu16bf hu16bfk1024 \
+  --profile-mode default hu16bf hu16bfk1024 hu16g1 \
   --point decode-runs:72:24 decode-runs:72:24:runs decode-runs:72:6:runs decode-runs:128:32:runs \
   --out "$out/anatomy_r16.json" > "$out/anatomy_r16.txt" 2>&1
 echo "rank 16 rc=$? at ${SECONDS} s" | tee -a "$out/summary.txt"
 timeout $((560 - SECONDS)) python benchmarks/scripts/decode_lora_anatomy.py --rounds 2 --mode "${modes[@]}" \
-  --profile-mode default hu16bf hu16bfk1024 --rank 64 --page-rank 16 --point decode-runs:72:24:runs \
+  --profile-mode default hu16bf hu16bfk1024 hu16g1 --rank 64 --page-rank 16 --point decode-runs:72:24:runs \
   --out "$out/anatomy_r64.json" > "$out/anatomy_r64.txt" 2>&1
 echo "rank 64 rc=$? at ${SECONDS} s" | tee -a "$out/summary.txt"
 grep -E "^(FAILED|ERROR)" "$out/tests.txt" | head -8
