@@ -9,11 +9,11 @@ request.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 
 import torch
 
-from mmlora.engine.detokenizer import take_delta, update_text
+from mmlora.engine.detokenizer import Decode, take_delta, update_text
 from mmlora.engine.request import Request
 from mmlora.engine.sampling_params import RequestOutput
 
@@ -25,9 +25,10 @@ def append_token(
     now: float,
     eos_ids: Collection[int],
     max_model_len: int,
-    decode_ids: Callable[[list[int]], str],
+    decode_ids: Decode | None,
 ) -> None:
-    """Append ``token`` (with its logprob and top logprobs where asked) and its text to ``req``, and set
+    """Append ``token`` (with its logprob and top logprobs where asked) and its text (``decode_ids``: the
+    engine's :func:`~mmlora.engine.detokenizer.ids_decoder`, None without a tokenizer) to ``req``, and set
     ``req.finish_reason`` when the token ends the request ("stop" or "length"; the caller finishes it).
     A stop token before ``min_new_tokens`` does not stop it."""
     if req.first_token_time is None:
