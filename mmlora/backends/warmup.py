@@ -28,8 +28,8 @@ LAYOUTS: tuple[tuple[int, ...], ...] = ((1, 1), (2,), (17,), (33,), (65,), (1, 1
 def warm_up_lora_kernels(backend: LoRABackend, weights: Iterable[LoRAWeights], max_tokens: int) -> int:
     """Run ``backend.add_lora`` (and ``add_lora_after_base`` where it launches variants of its own) on
     every distinct module shape of ``weights`` (pool views), for each rank bucket of the pool and each
-    layout of :data:`LAYOUTS` that fits ``max_tokens``; returns the number of batches so run. Reads slot 0 of the pool (whatever it holds)
-    and writes only scratch outputs."""
+    layout of :data:`LAYOUTS` that fits ``max_tokens``; returns the number of batches so run. Reads slot
+    0 of the pool (whatever it holds) and writes only scratch outputs."""
     shapes: dict[tuple, LoRAWeights] = {}
     for w in weights:
         shapes.setdefault((tuple(w.A.shape), tuple(w.B.shape), w.A.dtype, tuple(w.slice_offsets)), w)

@@ -281,7 +281,8 @@ class UploadPlans:
         id); built from ``slot_pairs()`` and ``scale_pairs()`` and checked otherwise. ``stream``: the
         upload stream loads are queued on, if any."""
         staged = adapter.staged
-        self._staging = self._grown(self._staging, sum(b.numel() for b in staged), staged[0].dtype, stream)
+        numel = sum(b.numel() for b in staged)
+        self._staging = self._grown(self._staging, numel, staged[0].dtype, stream)
         self._scale_staging = self._grown(self._scale_staging, scalings.numel(), torch.float32, stream)
         key = (slot, adapter.staged_layout)
         plan = self.plans.get(key) if adapter.staged_layout is not None else None
@@ -291,9 +292,12 @@ class UploadPlans:
                 raise ValueError("an adapter tensor is not where its staged blocks hold it")
             self.plans.move_to_end(key)
             return plan
-        staging = self._staging[: sum(b.numel() for b in staged)]
         plan = UploadPlan.build(
-            slot_pairs(), staged, staging, scale_pairs(), self._scale_staging[: scalings.numel()]
+            slot_pairs(),
+            staged,
+            self._staging[:numel],
+            scale_pairs(),
+            self._scale_staging[: scalings.numel()],
         )
         if adapter.staged_layout is not None:
             self.plans[key] = plan

@@ -419,7 +419,7 @@ def test_sgmv_run_shrink_k_per_split(name: str, cap: int | None, monkeypatch) ->
     base = _shrink_splits(c)
     monkeypatch.setitem(triton_sgmv.TUNING, "run_shrink_k_per_split", cap)
     in_f = c.x.shape[1]
-    blocks = -(-in_f // 32) if runs else -(-in_f // 128)
+    blocks = -(-in_f // 32)  # run_shrink_block_k above (decode runs; the cap applies to nothing else)
     floor = min(-(-in_f // cap), triton_sgmv.TUNING["max_split_k"], blocks) if cap and runs else 1
     splits = _shrink_splits(c)
     assert splits == max(base, floor)
