@@ -15,9 +15,11 @@
 # 3. decode_lora_anatomy.py: the same knobs per kernel and module (eager), so a win can be traced.
 # A knob becomes a default only where it is faster in both rounds at both batches with the same tokens; then
 # h200_session28_c.sh (with the winners as its knobs) times issue 13's serving command.
-# Usage: bash benchmarks/h200_session29_a.sh OUTDIR
+# Usage: [BUDGET=S] bash benchmarks/h200_session29_a.sh OUTDIR (BUDGET: seconds for the whole, 585 by default;
+# the graphs A/B ends 115 s before it, leaving the anatomy what remains)
 set -u
 out=${1:?output folder}
+budget=${BUDGET:-585}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PWD/benchmarks/scripts
 date -u > "$out/date.txt"
@@ -30,13 +32,13 @@ echo "tests rc=$? at ${SECONDS} s: $(tail -1 "$out/tests.txt")" | tee "$out/summ
 knobs3=shrink_pdl=true,run_expand_h_unroll=16,run_expand_group_b_first=true
 modes=(spdl:shrink_pdl=true hu16:run_expand_h_unroll=16 bf:run_expand_group_b_first=true
   k1024:run_shrink_k_per_split=1024 "all3:$knobs3" "all4:$knobs3,run_shrink_k_per_split=1024")
-timeout $((470 - SECONDS)) python benchmarks/scripts/decode_knobs_ab.py --batch 72 128 --adapters 24 \
+timeout $((budget - 115 - SECONDS)) python benchmarks/scripts/decode_knobs_ab.py --batch 72 128 --adapters 24 \
   --rounds 2 --mode "${modes[@]}" --out "$out/graphs_ab.json" > "$out/graphs_ab.txt" 2>&1
 echo "graphs A/B rc=$? at ${SECONDS} s" | tee -a "$out/summary.txt"
 amodes=(hu16:run_expand_h_unroll=16 bf:run_expand_group_b_first=true k1024:run_shrink_k_per_split=1024
   hu16bf:run_expand_h_unroll=16,run_expand_group_b_first=true
   hu16bfk1024:run_expand_h_unroll=16,run_expand_group_b_first=true,run_shrink_k_per_split=1024)
-timeout $((585 - SECONDS)) python benchmarks/scripts/decode_lora_anatomy.py --rounds 2 --mode "${amodes[@]}" \
+timeout $((budget - SECONDS)) python benchmarks/scripts/decode_lora_anatomy.py --rounds 2 --mode "${amodes[@]}" \
   --profile-mode default hu16bfk1024 --point decode-runs:72:24:runs decode-runs:128:32:runs \
   --out "$out/anatomy_r16.json" > "$out/anatomy_r16.txt" 2>&1
 echo "anatomy rc=$? at ${SECONDS} s" | tee -a "$out/summary.txt"
