@@ -19,7 +19,6 @@ difference (a different split of in_features sums in another order).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
@@ -27,24 +26,24 @@ from lora_overlap_ab import recapture, run_mode_ab
 
 import mmlora
 from mmlora.backends import triton_sgmv
+from mmlora.backends.tuning import parse_override
 
 DEFAULTS = dict(triton_sgmv.TUNING)
 
 
 def parse_modes(specs: list[str]) -> dict[str, dict]:
-    """``NAME:knob=JSON,knob=JSON`` -> {NAME: overrides}, "default" first; unknown knobs are errors."""
+    """``NAME:knob=JSON,knob=JSON`` -> {NAME: overrides}, "default" first; an unknown knob or a value that is
+    not JSON is an error."""
     modes: dict[str, dict] = {"default": {}}
     for spec in specs:
         name, _, settings = spec.partition(":")
         if not name or not settings or name in modes:
             raise SystemExit(f"--mode {spec!r}: expected a new NAME:knob=JSON[,knob=JSON...]")
-        overrides = {}
-        for kv in settings.split(","):
-            knob, eq, value = kv.partition("=")
-            if not eq or knob not in DEFAULTS:
-                raise SystemExit(f"--mode {spec!r}: {knob!r} is not a knob of triton_sgmv.TUNING")
-            overrides[knob] = json.loads(value)
-        modes[name] = overrides
+        # parse_override names an unknown knob or a value that is not JSON
+        modes[name] = {
+            knob: value
+            for _, knob, value in (parse_override(f"triton-sgmv:{kv}") for kv in settings.split(","))
+        }
     return modes
 
 

@@ -200,7 +200,7 @@ def main() -> None:
         by_mode = row.get("kernels_us_by_mode", {})
         if by_mode:
             print(f"   {'kernel (us), by profiled mode':60s} " + " ".join(f"{m[:12]:>12s}" for m in by_mode))
-            for k in sorted(next(iter(by_mode.values()))):
+            for k in sorted(set().union(*by_mode.values())):  # a mode may launch kernels the others do not
                 print(
                     f"   {k[:60]:60s} "
                     + " ".join(f"{t.get(k, float('nan')):12.1f}" for t in by_mode.values())
