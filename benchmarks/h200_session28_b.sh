@@ -22,7 +22,7 @@ out=${1:?output folder}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PWD/benchmarks/scripts
 date -u > "$out/date.txt"
-timeout 120 python -m pytest -q -rfE -p no:cacheprovider tests/kernels/test_lora_kernels.py -k "h_unroll or run_expand_groups or k_per_split" \
+timeout 120 python -m pytest -q -rfE -p no:cacheprovider tests/kernels/test_sgmv_run_knobs.py -k "h_unroll or run_expand_groups or k_per_split" \
   > "$out/tests.txt" 2>&1
 echo "tests rc=$? at ${SECONDS} s: $(tail -1 "$out/tests.txt")" | tee "$out/summary.txt"
 modes=(hu16:run_expand_h_unroll=16 bf:run_expand_group_b_first=true

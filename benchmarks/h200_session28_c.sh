@@ -21,7 +21,7 @@ fi
 printf '%s\n' "${knobs[@]}" > "$out/knobs.txt"
 if [ -z "${SKIP_TESTS:-}" ]; then  # SKIP_TESTS=1 where h200_session29_a.sh ran them on this commit
   timeout 170 python -m pytest -q -rfE -p no:cacheprovider tests/kernels/test_lora_pdl.py \
-    tests/kernels/test_lora_kernels.py -k "pdl or h_unroll or run_expand_groups or k_per_split" > "$out/tests.txt" 2>&1
+    tests/kernels/test_lora_kernels.py tests/kernels/test_sgmv_run_knobs.py -k "pdl or h_unroll or run_expand_groups or k_per_split" > "$out/tests.txt" 2>&1
   echo "tests rc=$? at ${SECONDS} s: $(tail -1 "$out/tests.txt")" | tee "$out/summary.txt"
 else
   echo "tests skipped" > "$out/tests.txt"

@@ -26,7 +26,7 @@ date -u > "$out/date.txt"
 git log -1 --format=%H > "$out/commit.txt" 2>/dev/null || true
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv > "$out/gpu.txt" 2>&1
 timeout 150 python -m pytest -q -rfE -p no:cacheprovider tests/kernels/test_lora_pdl.py \
-  tests/kernels/test_lora_warmup.py tests/kernels/test_lora_kernels.py \
+  tests/kernels/test_lora_warmup.py tests/kernels/test_lora_kernels.py tests/kernels/test_sgmv_run_knobs.py \
   -k "pdl or warm or h_unroll or run_expand_groups or k_per_split" > "$out/tests.txt" 2>&1
 echo "tests rc=$? at ${SECONDS} s: $(tail -1 "$out/tests.txt")" | tee "$out/summary.txt"
 knobs3=shrink_pdl=true,run_expand_h_unroll=16,run_expand_group_b_first=true

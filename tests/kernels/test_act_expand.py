@@ -1,6 +1,6 @@
 """gate_up's SGMV expand fused into the gated activation (:mod:`mmlora.backends.triton_sgmv_act`).
 
-Two oracles: the fp64 per-token loop of test_lora_kernels followed by the activation in fp64 (within the
+Two oracles: the fp64 per-token loop of lora_cases.py followed by the activation in fp64 (within the
 dtype's tolerance), and the unfused path it replaces (the SGMV expand into gate_up, then the activation
 kernel), which it must equal bit for bit. Under TRITON_INTERPRET=1 on CPU at tiny shapes.
 """
@@ -15,7 +15,7 @@ if not torch.cuda.is_available():  # must precede the first triton import of the
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
-from test_lora_kernels import TOL, Case, make_case, reference, route_as_graph_runs  # noqa: E402
+from lora_cases import TOL, Case, make_case, reference, route_as_graph_runs  # noqa: E402
 from test_lora_paged import paged_weights  # noqa: E402
 
 from mmlora.backends import get_backend, triton_sgmv, triton_sgmv_act  # noqa: E402

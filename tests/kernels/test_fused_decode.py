@@ -1,12 +1,12 @@
 """The fused decode LoRA kernel (one launch per module) against the fp64 per-token oracle of
-test_lora_kernels: adapter popularity (distinct, uniform, skewed, identical, base rows), mixed ranks,
+lora_cases.py: adapter popularity (distinct, uniform, skewed, identical, base rows), mixed ranks,
 dtypes and odd sizes, at interpreter-friendly shapes on CPU (TRITON_INTERPRET=1, set by that module)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from test_lora_kernels import CPU_CASES, DEV, HAS_CUDA, assert_out, make_case, reference
+from lora_cases import CPU_CASES, DEV, HAS_CUDA, assert_out, make_case, reference
 
 from mmlora.backends import get_backend
 from mmlora.backends.triton_fused_decode import fused_decode_add_lora

@@ -2,7 +2,7 @@
 refuses exactly what a fresh one does, with the same message, and computes the same output.
 
 Oracle: a fresh backend instance for every call (nothing memoised: the full argument checks) and the
-fp64 per-token reference of test_lora_kernels. The warm backend first checks the weights on a valid
+fp64 per-token reference of lora_cases.py. The warm backend first checks the weights on a valid
 call; then every bad call below must raise the fresh backend's ValueError, and a valid call after it
 must still match the reference (a refused call leaves no state that lets a later bad one through).
 """
@@ -17,7 +17,7 @@ if not torch.cuda.is_available():  # must precede the first triton import of the
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
-from test_lora_kernels import CPU_CASES, TRITON, make_case, reference  # noqa: E402
+from lora_cases import CPU_CASES, TRITON, make_case, reference  # noqa: E402
 
 from mmlora.backends import get_backend  # noqa: E402
 from mmlora.forward.lora import LoRABatchInfo  # noqa: E402

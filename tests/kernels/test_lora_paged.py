@@ -1,5 +1,5 @@
 """LoRA backends on a pool paged by rank tile (``LoRAWeights`` 4-D: ranks c*U .. c*U + U - 1 of a slot in
-its page c) against the fp64 per-token oracle of test_lora_kernels, which reads the unpaged pool the pages
+its page c) against the fp64 per-token oracle of lora_cases.py, which reads the unpaged pool the pages
 were made from. For the Triton kernels the padding past each adapter's rank is NaN, so a read of it would
 show (torch-gather may multiply the padding, which the pool keeps at zero)."""
 
@@ -13,7 +13,7 @@ if not torch.cuda.is_available():  # must precede the first triton import of the
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
-from test_lora_kernels import CPU_CASES, HAS_CUDA, assert_out, make_case, reference, reference_fast  # noqa: E402
+from lora_cases import CPU_CASES, HAS_CUDA, assert_out, make_case, reference, reference_fast  # noqa: E402
 
 from mmlora.backends import get_backend, triton_sgmv  # noqa: E402
 from mmlora.forward.lora import LoRAWeights, page_weights, unpage_a, unpage_b  # noqa: E402
@@ -31,7 +31,7 @@ def paged_weights(A: torch.Tensor, B: torch.Tensor, scalings, offsets, U: int) -
     return weights
 
 
-# (case of test_lora_kernels, page rank): several pages a slot, ranks within a page, whole pages, and
+# (case of lora_cases.py, page rank): several pages a slot, ranks within a page, whole pages, and
 # ranks ending inside a later page.
 PAGED = [
     ("decode-distinct-qkv", 8),
