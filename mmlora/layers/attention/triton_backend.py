@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from mmlora.backends.triton_common import cdiv, next_pow2
+from mmlora.backends.triton_common import next_pow2
 from mmlora.forward.attention import AttentionMetadata
 from mmlora.layers.attention.base import (
     AttentionBackend,
@@ -29,13 +29,11 @@ from mmlora.layers.attention.base import (
     KVPages,
     register_attention_backend,
 )
+from mmlora.layers.attention.decode_tuning import splits_for
 from mmlora.layers.attention.triton_common import interpreting
 from mmlora.layers.attention.triton_decode import decode_attention
 from mmlora.layers.attention.triton_prefill import prefill_attention
 from mmlora.triton_launch import fast
-
-_MIN_TOKENS_PER_SPLIT = 256
-_MAX_SPLITS = 32
 
 
 @triton.jit
@@ -98,11 +96,11 @@ def store_kv_triton(
 
 
 def auto_num_kv_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
-    """Enough splits to give every SM a few programs, but no split shorter than 256 tokens."""
+    """Enough splits to give every SM a few programs, but no split shorter than a few hundred tokens
+    (:func:`~mmlora.layers.attention.decode_tuning.splits_for`, its knobs in ``decode_tuning.TUNING``;
+    CPU counts as 4 SMs)."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    by_len = cdiv(max(max_seq_len, 1), _MIN_TOKENS_PER_SPLIT)
-    by_occupancy = cdiv(2 * sms, max(num_seqs * num_kv_heads, 1))
-    return max(1, min(by_len, by_occupancy, _MAX_SPLITS))
+    return splits_for(num_seqs, num_kv_heads, max_seq_len, sms)
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:

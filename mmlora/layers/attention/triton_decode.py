@@ -11,6 +11,9 @@ The attended range of a request is ``[lo, seq_len)`` with ``lo = max(0, seq_len 
 sliding window, so pages wholly outside the window are never read. The range is cut into
 ``num_splits`` equal, BLOCK_N-aligned slices computed on the device from ``seq_lens``: the grid depends
 on host ints only, which keeps the launch capturable in a CUDA graph.
+
+Launch settings (keys per loop step, warps, pipeline depth) come from
+:data:`mmlora.layers.attention.decode_tuning.TUNING`, read at every launch.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import triton
 import triton.language as tl
 
 from mmlora.backends.triton_common import next_pow2
+from mmlora.layers.attention.decode_tuning import block_n_for, settings
 from mmlora.layers.attention.triton_common import attend_key_tile, dot_precision, dot_upcast, softmax_args
 from mmlora.triton_launch import fast
 
@@ -128,7 +132,8 @@ def decode_attention(
     hq = q.shape[1]
     group = hq // hkv
     block_d = next_pow2(d)
-    block_n = 64 if block_d <= 128 else 32
+    tuning = settings()
+    block_n = block_n_for(block_d, tuning.block_n)
     mid_o = torch.empty((num_seqs, hq, num_splits, d), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((num_seqs, hq, num_splits), dtype=torch.float32, device=q.device)
     kc = k_cache.view(-1, hkv, d)
@@ -142,12 +147,12 @@ def decode_attention(
         PAGE=page, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         USE_SOFTCAP=bool(logit_softcap), USE_WINDOW=bool(sliding_window),
         DOT_PREC=dot_precision(q.dtype), UPCAST=dot_upcast(q.dtype),
-        num_warps=4, num_stages=2,
+        num_warps=tuning.num_warps, num_stages=tuning.num_stages,
     )  # fmt: skip
     fast(_decode_reduce_kernel)[(num_seqs, hq)](
         mid_o, mid_lse, out,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
         NUM_SPLITS=num_splits, BLOCK_S=max(2, next_pow2(num_splits)), HEAD_DIM=d,
-        BLOCK_D=block_d, num_warps=4,
+        BLOCK_D=block_d, num_warps=tuning.reduce_warps,
     )  # fmt: skip
