@@ -26,16 +26,39 @@ from mmlora.layers.attention.triton_backend import TritonAttention, auto_num_kv_
 logger = logging.getLogger(__name__)
 
 
-def _decode_inputs(batch: int, context: int, hq: int, hkv: int, d: int, page: int, dtype, device):
-    """A decode step where every request already holds ``context - 1`` tokens and adds one."""
-    blocks_per_seq = -(-context // page)
-    num_blocks = batch * blocks_per_seq
-    block_tables = torch.randperm(num_blocks, device=device).to(torch.int32).view(batch, blocks_per_seq)
+def decode_inputs(
+    batch: int,
+    context: int | list[int],
+    hq: int,
+    hkv: int,
+    d: int,
+    page: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    table_width: int | None = None,
+    max_seq_len: int | None = None,
+) -> tuple:
+    """(q, k, v, k_cache, v_cache, meta) of a decode step where request b already holds ``context[b] - 1``
+    tokens and adds one (``context``: one int for every request), its pages a random permutation of the
+    pool. ``table_width``: block-table columns (default: the longest request's pages; serving's decode
+    graphs use ``cdiv(max_model_len, page)``); ``max_seq_len``: the metadata's (default: the longest
+    context; serving's decode graphs pass ``max_model_len``)."""
+    contexts = [context] * batch if isinstance(context, int) else list(context)
+    if len(contexts) != batch or min(contexts) < 1:
+        raise ValueError(f"need {batch} contexts >= 1, got {len(contexts)} (min {min(contexts, default=0)})")
+    blocks = torch.tensor([-(-c // page) for c in contexts], device=device)
+    width = table_width or int(blocks.max())
+    if width < int(blocks.max()):
+        raise ValueError(f"table_width {width} < the longest request's {int(blocks.max())} pages")
+    num_blocks = int(blocks.sum())
+    block_tables = torch.zeros(batch, width, dtype=torch.int32, device=device)
+    used = torch.arange(width, device=device)[None, :] < blocks[:, None]
+    block_tables[used] = torch.randperm(num_blocks, device=device).to(torch.int32)  # row-major order
     k_cache = torch.randn(num_blocks, page, hkv, d, device=device, dtype=dtype)
     v_cache = torch.randn_like(k_cache)
-    last = context - 1
-    slots = block_tables[:, last // page].long() * page + last % page
-    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    seq_lens = torch.tensor(contexts, dtype=torch.int32, device=device)
+    last = seq_lens.long() - 1
+    slots = block_tables[torch.arange(batch, device=device), last // page].long() * page + last % page
     meta = AttentionMetadata(
         query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=device),
         seq_lens=seq_lens,
@@ -44,9 +67,9 @@ def _decode_inputs(batch: int, context: int, hq: int, hkv: int, d: int, page: in
         num_seqs=batch,
         num_tokens=batch,
         max_query_len=1,
-        max_seq_len=context,
+        max_seq_len=max_seq_len or max(contexts),
         query_lens_host=[1] * batch,
-        seq_lens_host=[context] * batch,
+        seq_lens_host=contexts,
     )
     q = torch.randn(batch, hq, d, device=device, dtype=dtype)
     k = torch.randn(batch, hkv, d, device=device, dtype=dtype)
@@ -54,7 +77,13 @@ def _decode_inputs(batch: int, context: int, hq: int, hkv: int, d: int, page: in
     return q, k, v, k_cache, v_cache, meta
 
 
-def _time_graph(fn, iters: int, repeat: int = 20) -> float:
+def kv_bytes(meta: AttentionMetadata, k_cache: torch.Tensor) -> int:
+    """K and V bytes a decode step must read: every request's context, all KV heads."""
+    _, _, hkv, d = k_cache.shape
+    return 2 * sum(meta.seq_lens_host) * hkv * d * k_cache.element_size()
+
+
+def time_graph(fn, iters: int, repeat: int = 20, warmup: int = 3) -> float:
     """Median milliseconds of one ``fn`` call: ``repeat`` calls captured in one CUDA graph, replayed
     ``iters`` times, so neither launch nor graph-replay overhead is counted."""
     fn()  # compile outside the capture
@@ -63,7 +92,7 @@ def _time_graph(fn, iters: int, repeat: int = 20) -> float:
     with torch.cuda.graph(graph):
         for _ in range(repeat):
             fn()
-    for _ in range(3):
+    for _ in range(warmup):
         graph.replay()
     times = []
     for _ in range(iters):
@@ -85,20 +114,20 @@ def bench_decode(
     rows = []
     for batch in progress(batches, "decode batches"):
         for context in contexts:
-            inputs = _decode_inputs(batch, context, hq, hkv, d, page, dtype, device)
-            kv_bytes = 2 * batch * context * hkv * d * inputs[3].element_size()
+            inputs = decode_inputs(batch, context, hq, hkv, d, page, dtype, device)
+            nbytes = kv_bytes(inputs[5], inputs[3])
             for n in splits:
                 backend = TritonAttention(num_kv_splits=n)
                 used = n or auto_num_kv_splits(batch, hkv, context, device)
-                ms = _time_graph(lambda b=backend, a=inputs: b.forward(*a, scale=d**-0.5), iters)
+                ms = time_graph(lambda b=backend, a=inputs: b.forward(*a, scale=d**-0.5), iters)
                 row = {
                     "batch": batch,
                     "context": context,
                     "num_kv_splits": used,
                     "auto_splits": n is None,
                     "ms": round(ms, 4),
-                    "kv_bytes": kv_bytes,
-                    "kv_gb_per_s": round(kv_bytes / ms / 1e6, 1),
+                    "kv_bytes": nbytes,
+                    "kv_gb_per_s": round(nbytes / ms / 1e6, 1),
                 }
                 logger.info("%s", row)
                 rows.append(row)
@@ -145,7 +174,7 @@ def bench_prefill(shapes: list[tuple[int, int, int]], iters: int = 20) -> list[d
         inputs = _prefill_inputs(num_seqs, context, chunk, hq, hkv, d, page, dtype, device)
         pairs = num_seqs * (chunk * context + chunk * (chunk + 1) // 2)
         flops = 4 * pairs * hq * d
-        ms = _time_graph(lambda a=inputs: TritonAttention().forward(*a, scale=d**-0.5), iters)
+        ms = time_graph(lambda a=inputs: TritonAttention().forward(*a, scale=d**-0.5), iters)
         row = {"num_seqs": num_seqs, "context": context, "chunk": chunk, "ms": round(ms, 4)}
         row["tflop_per_s"] = round(flops / ms / 1e9, 1)
         logger.info("%s", row)
