@@ -5,7 +5,8 @@ KV head of one request over one contiguous slice of the attended range and compu
 attention of all query heads sharing that KV head at once (GQA: the KV tile is read once for the
 whole group, padded to 16 rows so ``tl.dot`` can be used). It writes the normalised partial output
 and its log-sum-exp (base 2). Stage 2 (``_decode_reduce_kernel``), grid (num_seqs, num_q_heads),
-merges the splits.
+merges the splits. With one split (serving's decode graphs from 72 rows) stage 1 writes the output
+itself and stage 2 is not launched: the same bits, a launch and a float32 round trip fewer.
 
 The attended range of a request is ``[lo, seq_len)`` with ``lo = max(0, seq_len - window)`` under a
 sliding window, so pages wholly outside the window are never read. The range is cut into
@@ -30,9 +31,9 @@ from mmlora.triton_launch import fast
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr, o_ptr,
     stride_qt, stride_qh, stride_cs, stride_ch, stride_bt,
-    stride_mo_b, stride_mo_h, stride_mo_s, stride_ml_b, stride_ml_h,
+    stride_mo_b, stride_mo_h, stride_mo_s, stride_ml_b, stride_ml_h, stride_ot, stride_oh,
     mult, cap_mult, window,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
@@ -77,10 +78,16 @@ def _decode_split_kernel(
 
     has = l_i > 0.0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
-    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-    mo = mid_o_ptr + b * stride_mo_b + heads[:, None] * stride_mo_h + split * stride_mo_s + offs_d[None, :]
-    tl.store(mo, out, mask=g_mask[:, None] & d_mask[None, :])
-    tl.store(mid_lse_ptr + b * stride_ml_b + heads * stride_ml_h + split, lse, mask=g_mask)
+    if NUM_SPLITS == 1:  # the whole range in one program: its output is final (no reduce launch)
+        o = o_ptr + b * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o, out.to(o_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+    else:
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        mo = (
+            mid_o_ptr + b * stride_mo_b + heads[:, None] * stride_mo_h + split * stride_mo_s + offs_d[None, :]
+        )
+        tl.store(mo, out, mask=g_mask[:, None] & d_mask[None, :])
+        tl.store(mid_lse_ptr + b * stride_ml_b + heads * stride_ml_h + split, lse, mask=g_mask)
 
 
 @triton.jit
@@ -134,14 +141,17 @@ def decode_attention(
     block_d = next_pow2(d)
     tuning = settings()
     block_n = block_n_for(block_d, tuning.block_n)
-    mid_o = torch.empty((num_seqs, hq, num_splits, d), dtype=torch.float32, device=q.device)
-    mid_lse = torch.empty((num_seqs, hq, num_splits), dtype=torch.float32, device=q.device)
+    # One split writes ``out`` itself; the scratch is then a placeholder the kernel never touches.
+    mid_shape = (num_seqs, hq, num_splits) if num_splits > 1 else (1, 1, 1)
+    mid_o = torch.empty((*mid_shape, d), dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty(mid_shape, dtype=torch.float32, device=q.device)
     kc = k_cache.view(-1, hkv, d)
     mult, cap_mult = softmax_args(scale, logit_softcap)
     fast(_decode_split_kernel)[(num_seqs, hkv, num_splits)](
-        q, kc, v_cache.view(-1, hkv, d), block_tables, seq_lens, mid_o, mid_lse,
+        q, kc, v_cache.view(-1, hkv, d), block_tables, seq_lens, mid_o, mid_lse, out,
         q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), block_tables.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1),
         mult, cap_mult, sliding_window or 0,
         GROUP=group, BLOCK_G=max(16, next_pow2(group)), HEAD_DIM=d, BLOCK_D=block_d,
         PAGE=page, BLOCK_N=block_n, NUM_SPLITS=num_splits,
@@ -149,6 +159,8 @@ def decode_attention(
         DOT_PREC=dot_precision(q.dtype), UPCAST=dot_upcast(q.dtype),
         num_warps=tuning.num_warps, num_stages=tuning.num_stages,
     )  # fmt: skip
+    if num_splits == 1:
+        return
     fast(_decode_reduce_kernel)[(num_seqs, hq)](
         mid_o, mid_lse, out,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
