@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Session 31's second call, made on the machine that ran its first (the call that ran
-# h200_session29_a.sh and left its graphs A/B in artifacts/s31/graphs_ab.json). The winning decode knobs
+# Session 31's second call, made on the machine that ran its first (h200_session31_a.sh, which left its
+# decode knobs' graphs A/B in artifacts/s31/graphs_ab.json). The winning decode knobs
 # (pick_knob_winners.py: faster in every round at every batch, with the defaults' tokens) go through
-# issue 13's serving command at 32 adapters, defaults against the knobs, two rounds (h200_session28_c.sh,
-# tests skipped: the first call ran them). Where no mode won, or the A/B is missing, issue 13's full
+# their GPU tests and issue 13's serving command at 32 adapters, defaults against the knobs, two rounds
+# (h200_session28_c.sh). Where no mode won, or the A/B is missing, issue 13's full
 # command runs on the defaults instead, for fresh figures.
 # Usage: bash benchmarks/h200_session31_b.sh OUTDIR
 set -u
@@ -19,7 +19,7 @@ fi
 if [ -n "$knobs" ]; then
   echo "knobs: $knobs"
   # shellcheck disable=SC2086  # one word per knob
-  SKIP_TESTS=1 bash benchmarks/h200_session28_c.sh "$out/c2" $knobs
+  bash benchmarks/h200_session28_c.sh "$out/c2" $knobs
 else
   echo "no winning knobs: issue 13's full command on the defaults"
   date -u > "$out/date.txt"
