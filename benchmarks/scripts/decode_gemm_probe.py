@@ -4,7 +4,7 @@ than cuBLAS does at serving's batch sizes?
 Session 27's profile of a base-only decode graph (B=32) had cuBLAS's nvjet kernels reading qkv at 3.05
 TB/s, o at 2.6-3.0 (split-K and its reduce), down at 3.5-3.75 and gate_up at 3.9 TB/s, against 4.27 TB/s
 of copy bandwidth; the GEMMs are 3.99 of the step's 5.51 ms. This probe times, per Mistral-7B projection
-and batch M, in CUDA graphs (20 calls a capture, median of replays):
+and batch M, in CUDA graphs (20 calls a capture, median of 30 replays: ``mmlora.bench.attention.time_graph``):
 
 - ``linear``: ``F.linear(x, W)`` with W [N, K] (today's path);
 - ``mm_t``: ``x @ Wt`` with Wt a contiguous [K, N] copy (cuBLAS picks other kernels for that layout);
@@ -29,6 +29,8 @@ from datetime import datetime, timezone
 import torch
 import triton
 import triton.language as tl
+
+from mmlora.bench.attention import time_graph
 
 #: Mistral-7B v0.3 projections: name -> (N, K).
 SHAPES = {
@@ -90,26 +92,6 @@ def triton_linear(x: torch.Tensor, w: torch.Tensor, config: tuple[int, ...]) -> 
     return out[0] if split_k == 1 else out.sum(0).to(x.dtype)
 
 
-def time_graph(fn, replays: int = 30, calls: int = 20) -> float:
-    """Median microseconds of one ``fn()`` over ``replays`` replays of ``calls`` calls captured once."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return sorted(times)[len(times) // 2]
-
-
 def probe(batches: list[int], rounds: int, budget_s: float) -> list[dict]:
     dev = torch.device("cuda")
     t0 = time.monotonic()
@@ -137,7 +119,7 @@ def probe(batches: list[int], rounds: int, budget_s: float) -> list[dict]:
                     row = {"shape": name, "N": N, "K": K, "M": M, "round": r + 1, "variant": variant}
                     try:
                         err = (fn().float() - want.float()).abs().max().item()
-                        us = time_graph(fn)
+                        us = time_graph(fn, iters=30, repeat=20) * 1e3
                         row.update(us=round(us, 2), tb_per_s=round(nbytes / us / 1e6, 3), max_abs_diff=err)
                         row["ok"] = err <= 0.05
                     except Exception as e:  # a config that cannot launch here (shared memory, ...)
