@@ -45,7 +45,8 @@ TUNING = {
     # decode runs (B=72 on 24 adapters, 36 graph segments: 8 splits) that shrink took 9.3 us against 4.4-6.2
     # for the other three, for about 3 us of bytes (H200, session 27 c2). 512 would split down's 16 ways (at
     # most 16 of h's planes, all summed in one round with ``run_expand_h_unroll`` 16) and leave the others at
-    # 8. Not yet timed on a GPU.
+    # 8. H100 (session 31, decode graphs B=72 and 128 on 24 adapters, two rounds): 0.97-1.02x the replay,
+    # within the card's 6-9% drift between rounds, other tokens (another order of sums); so off.
     "run_shrink_k_per_split": None,
     # ... and the software pipeline's depth of their in_features loop (None: Triton's default): few programs
     # each stream a long loop there, so loads in flight per program bound the bandwidth.
@@ -65,14 +66,17 @@ TUNING = {
     "run_expand_group": 2,
     "run_expand_group_stages": 2,
     # ... and such a program loads its first tile's B before it waits for the shrink (as an ungrouped
-    # program does; PDL) and its out tile right after, both before h, not after h's loads. Not yet timed.
+    # program does; PDL) and its out tile right after, both before h, not after h's loads. Timed only with
+    # the other three opt-ins (H100, session 31: all four 0.97-1.04x the replay, no win); so off.
     "run_expand_group_b_first": False,
     # Expands over 16-token tiles sum up to this many of the shrink's split-K planes of h with unrolled
     # loads, all in flight together (None: a loop that waits for each plane before it loads the next). A
     # decode run's shrink makes about 8 planes (serving's B=72 on 24 adapters); ptxas unrolls the loop by
     # four, so its expand still waits for about five dependent rounds of L2 reads before its dot product
     # (SASS, benchmarks/results/cpu-2026-12-05-session28). The fused activation has summed its planes
-    # unrolled since 2026-12-04. Same sums in the same order. Not yet timed on a GPU.
+    # unrolled since 2026-12-04. Same sums in the same order. H100 (session 31, decode graphs B=72 and 128
+    # on 24 adapters, two rounds): 0.97-1.02x the replay, within the card's 6-9% drift between rounds, same
+    # bits; no win in both rounds at both batches, so off. Not yet timed on the H200.
     "run_expand_h_unroll": None,
     # Batches of at least this many tokens run the shrink on the side stream beside the base GEMM
     # (``splits_work``); None: never. H200, prefill forwards of 1024-2048 tokens over 32 rank-16 adapters
@@ -84,7 +88,8 @@ TUNING = {
     # runs) 0.95-0.97x the replay time, B=32 (BGMV, side-stream split: unchanged) 0.99-1.0x; same tokens.
     "pdl": True,
     # ... and the shrink of ``add_lora_after_base`` a dependent of the base GEMM (needs ``pdl``; not with
-    # ``run_expand_early_out``). Not yet timed on a GPU.
+    # ``run_expand_early_out``). H100 (session 31, decode graphs on 24 adapters, two rounds): B=128
+    # 1.03-1.08x the replay (slower), B=72 0.96-1.0x; same bits. Off. Not yet timed on the H200.
     "shrink_pdl": False,
     # gate_up's expand deferred into the gated activation (``defer_lora``: one read of gate_up's output
     # and no write, one launch fewer; :mod:`mmlora.backends.triton_sgmv_act`). False: the plain expand.
