@@ -26,7 +26,14 @@ from mmlora.backends.onednn import (
     packed_matmul_rows,
 )
 
-__all__ = ["PACKED_DTYPES", "PACKED_MAX_ROWS", "PackedLinear", "onednn_linear_available", "prepack_linears"]
+__all__ = [
+    "PACKED_DTYPES",
+    "PACKED_MAX_ROWS",
+    "PackedLinear",
+    "onednn_linear_available",
+    "prepack_linears",
+    "set_weight_layout",
+]
 
 #: Dtypes packed by default. bf16 pays only where the CPU multiplies it natively, which the engine knows
 #: (:func:`mmlora.backends.onednn.packable_dtypes`) and passes to :func:`prepack_linears`.
@@ -109,3 +116,33 @@ def prepack_linears(
     """Prepack every :class:`PackedLinear` of ``model`` that can be (CPU, one of ``dtypes``); how many
     were packed."""
     return sum(m.prepack(batch_size, dtypes) for m in model.modules() if isinstance(m, PackedLinear))
+
+
+def set_weight_layout(model: nn.Module, column_major: bool, device_types: tuple[str, ...] = ("cuda",)) -> int:
+    """Store every :class:`PackedLinear` weight of ``model`` on one of ``device_types`` column-major (the
+    [out, in] parameter a view of its contiguous [in, out] transpose) or, with ``column_major`` False,
+    row-major again; the same shape and values. ``F.linear`` then hands cuBLAS a weight already laid out
+    as ``x @ W^T`` reads it: on an H100, decode-shape GEMMs of Mistral-7B took 0.93-1.01x as long
+    (benchmarks/results/h100-2026-12-05-session31, ``decode_gemm_probe.py``). An experiment: nothing calls
+    this by default, and CUDA graphs captured before it hold the old weights (recapture them). A weight
+    that another module shares (tied embeddings, read by rows) is left alone. Returns how many changed."""
+    linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    shared = {  # storages other modules read (a tied head's weight is the embedding's parameter itself)
+        p.untyped_storage().data_ptr()
+        for m in model.modules()
+        if not isinstance(m, PackedLinear)
+        for p in m.parameters(recurse=False)
+    }
+    changed = 0
+    for m in linears:
+        w = m.weight
+        if w.device.type not in device_types or w.dim() != 2 or w.untyped_storage().data_ptr() in shared:
+            continue
+        is_column_major = w.stride() == (1, w.shape[0]) and not w.is_contiguous()
+        if is_column_major == column_major:
+            continue
+        with torch.no_grad():
+            w.data = w.data.t().contiguous().t() if column_major else w.data.contiguous()
+        m.unpack()  # a CPU packed copy, if any, was made from the old layout
+        changed += 1
+    return changed

@@ -8,7 +8,12 @@ import torch
 import torch.nn.functional as F
 
 from mmlora.engine.cpu_decode import cpu_bf16_flags
-from mmlora.layers.packed_linear import PackedLinear, onednn_linear_available, prepack_linears
+from mmlora.layers.packed_linear import (
+    PackedLinear,
+    onednn_linear_available,
+    prepack_linears,
+    set_weight_layout,
+)
 from mmlora.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
 
 needs_onednn = pytest.mark.skipif(not onednn_linear_available(), reason="torch built without oneDNN")
@@ -160,3 +165,48 @@ def test_packed_path_takes_decode_rows_in_power_of_two_buckets(monkeypatch: pyte
         torch.testing.assert_close(got.double(), _expected(layer, x), atol=1e-4, rtol=1e-4)
     # 65 and 300 rows (prefill) run in 64-row pieces, the last one padded to its bucket.
     assert seen == [1, 4, 32, 64, 64, 1, 64, 64, 64, 64, 64]
+
+
+class _TiedModel(torch.nn.Module):
+    """Two base linears and a head tied to the embedding (as SmolLM2's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.embed = torch.nn.Embedding(11, 24)
+        self.up = PackedLinear(24, 40, bias=True)
+        self.down = PackedLinear(40, 24, bias=False)
+        self.head = PackedLinear(24, 11, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.down(torch.relu(self.up(self.embed(ids)))))
+
+
+def test_column_major_weights_keep_shapes_values_and_outputs() -> None:
+    """set_weight_layout: the base linears' weights become views of their contiguous transposes (same
+    shape, values and state dict), the tied head is left alone, outputs match the float64 oracle, a CPU
+    packed copy is dropped, and the row-major layout comes back."""
+    model = _TiedModel().eval()
+    ids = torch.tensor([[1, 4, 9, 2]])
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        want = model.double()(ids).float()
+    model.float()
+    model.up.prepack()
+    assert set_weight_layout(model, True) == 0  # CUDA only by default
+    assert set_weight_layout(model, True, device_types=("cpu",)) == 2
+    assert set_weight_layout(model, True, device_types=("cpu",)) == 0  # already column-major
+    for layer in (model.up, model.down):
+        w = layer.weight
+        assert w.stride() == (1, w.shape[0]) and w.t().is_contiguous()
+    assert model.head.weight is model.embed.weight and model.head.weight.is_contiguous()
+    assert not model.up.is_packed
+    after = model.state_dict()
+    assert after.keys() == before.keys()
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), want, rtol=1e-5, atol=1e-5)
+    assert set_weight_layout(model, False, device_types=("cpu",)) == 2
+    assert model.up.weight.is_contiguous() and model.down.weight.is_contiguous()
+    assert all(torch.equal(model.state_dict()[k], before[k]) for k in before)
