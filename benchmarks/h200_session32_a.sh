@@ -7,7 +7,8 @@
 # 2. decode_knobs_ab.py: the four SGMV decode opt-ins, never timed on the H200 (on the H100 none won).
 # 3. decode_attention_sweep.py: the decode attention's settings on the H200 (on the H100 the defaults won).
 # A layout or knob becomes a default only where faster in both rounds at every batch; then issue 13's
-# serving command with it, against the defaults, in the next call.
+# serving command with it, against the defaults, in the next call (``--weight-layout column-major`` for
+# the layout, ``benchmarks/scripts/with_tuning.py`` for a knob).
 # Usage: bash benchmarks/h200_session32_a.sh OUTDIR
 set -u
 out=${1:?output folder}

@@ -92,6 +92,7 @@ def _engine(args: argparse.Namespace, slots: int, rank: int) -> Any:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         disable_cuda_graph=args.disable_cuda_graph,
+        weight_layout=getattr(args, "weight_layout", "row-major"),
         disable_mixed_cuda_graph=getattr(args, "disable_mixed_cuda_graph", False),
         disable_lora_overlap=getattr(args, "disable_lora_overlap", False),
         **side_max_tokens(args),

@@ -93,6 +93,12 @@ def parse_args(argv: list[str] | None, description: str) -> argparse.Namespace:
     )
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument(
+        "--weight-layout",
+        choices=("row-major", "column-major"),
+        default="row-major",
+        help="the base linears' weight layout on CUDA (the engine's weight_layout; column-major: an experiment)",
+    )
+    p.add_argument(
         "--disable-mixed-cuda-graph",
         action="store_true",
         help="run prefill and mixed steps eagerly (default: replayed from CUDA graphs per token bucket, "

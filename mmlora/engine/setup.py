@@ -18,6 +18,7 @@ from mmlora.engine.cpu_decode import auto_cpu_dtype
 from mmlora.hub import resolve_lora_config, resolve_model_source, resolve_tokenizer
 from mmlora.kvcache.allocator import KVCache
 from mmlora.layers.attention import AttentionBackend, get_attention_backend
+from mmlora.layers.packed_linear import set_weight_layout
 from mmlora.lora.manager import LoRAManager
 from mmlora.models.base import CausalLM
 from mmlora.models.loader import ModelSource, iter_weights, load_config, load_tokenizer
@@ -109,6 +110,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     else:
         model.load_weights(iter_weights(source, hf_config))
     model.eval().requires_grad_(False)
+    if mc.weight_layout == "column-major":  # before any CUDA graph holds the weights
+        set_weight_layout(model, column_major=True)
 
     sched = config.scheduler
     max_tokens = max(sched.max_num_batched_tokens, sched.max_running_requests)
