@@ -9,8 +9,8 @@
 # 3. decode_knobs_ab.py: the untimed SGMV decode knobs (shrink_pdl, run_expand_h_unroll=16,
 #    run_shrink_k_per_split=1024, and all four with run_expand_group_b_first) in real decode graphs at B=72
 #    and 128 on 24 adapters, two rounds, with each mode's tokens against the defaults'. The A/B is kept in
-#    artifacts/s31/ (ignored by git, kept on the warm machine) for h200_session31_b.sh, whose serving run
-#    also runs the knobs' GPU tests.
+#    artifacts/s31/ (ignored by git, kept on the warm machine) for a follow-up call; none won, and
+#    session 31's follow-up calls (issue 13's command, GPU tests) are in its results README.
 # Usage: bash benchmarks/h200_session31_a.sh OUTDIR
 set -u
 out=${1:?output folder}

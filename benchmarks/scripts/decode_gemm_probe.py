@@ -115,6 +115,7 @@ def probe(batches: list[int], rounds: int, budget_s: float) -> list[dict]:
                 if time.monotonic() - t0 > budget_s:
                     print(f"budget of {budget_s:.0f} s spent: stopping", flush=True)
                     return rows
+                timed = []
                 for variant, fn in variants.items():
                     row = {"shape": name, "N": N, "K": K, "M": M, "round": r + 1, "variant": variant}
                     try:
@@ -124,10 +125,11 @@ def probe(batches: list[int], rounds: int, budget_s: float) -> list[dict]:
                         row["ok"] = err <= 0.05
                     except Exception as e:  # a config that cannot launch here (shared memory, ...)
                         row.update(error=f"{type(e).__name__}: {str(e)[:200]}")
-                    rows.append(row)
+                    timed.append(row)
+                rows += timed
                 best = {}
-                for row in rows:
-                    if (row["shape"], row["M"], row["round"]) == (name, M, r + 1) and row.get("ok"):
+                for row in timed:
+                    if row.get("ok"):
                         kind = "triton" if row["variant"].startswith("triton") else row["variant"]
                         if kind not in best or row["us"] < best[kind]["us"]:
                             best[kind] = row

@@ -142,6 +142,19 @@ def same_tokens_and_logprobs(a: list, b: list) -> bool:
     return all(x.output_ids == y.output_ids and x.logprobs == y.logprobs for x, y in zip(a, b))
 
 
+def ab_setup(default_batch: tuple[int, ...], default_adapters: int = 32) -> tuple:
+    """The decode-graph A/B scripts' command line (--model, --batch, --adapters, --rounds, --out) and
+    their engine: (args, engine, its side stream, adapters loaded into it)."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="dummy:mistral-7b-v0.3")
+    p.add_argument("--batch", type=int, nargs="+", default=list(default_batch))
+    p.add_argument("--adapters", type=int, default=default_adapters)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    return (args, *engine_with_adapters(args.model, max(args.batch), args.adapters))
+
+
 def run_mode_ab(
     modes: tuple[str, ...],
     set_mode,  # noqa: ANN001
@@ -151,14 +164,7 @@ def run_mode_ab(
     """The decode-graph A/B scripts' main: for each --batch B, :func:`mode_rounds` over ``modes`` on B rows
     cycling over --adapters adapters, then ``compare(row, outputs per mode, names)`` adds its checks to the
     row and returns the line printed for it; the rows go to --out (JSON)."""
-    p = argparse.ArgumentParser()
-    p.add_argument("--model", default="dummy:mistral-7b-v0.3")
-    p.add_argument("--batch", type=int, nargs="+", default=list(default_batch))
-    p.add_argument("--adapters", type=int, default=32)
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--out", required=True)
-    args = p.parse_args()
-    engine, side, adapters = engine_with_adapters(args.model, max(args.batch), args.adapters)
+    args, engine, side, adapters = ab_setup(default_batch)
     rng = np.random.default_rng(0)
     rows = []
     for bsz in args.batch:

@@ -23,17 +23,13 @@ def winners(result: dict) -> list[tuple[float, str, dict]]:
     modes = [m for m in result["modes"] if m != "default"]
     found = []
     for mode in modes:
-        ok, replays = True, []
-        for row in rows:
-            if not row.get("against_default", {}).get(mode, {}).get("same_tokens", False):
-                ok = False
-            for rnd in row["rounds"]:
-                replays.append(rnd[mode]["replay_ms"])
-                if rnd[mode]["replay_ms"] >= rnd["default"]["replay_ms"]:
-                    ok = False
-        ratio = mean(
-            rnd[mode]["replay_ms"] / rnd["default"]["replay_ms"] for row in rows for rnd in row["rounds"]
-        )
+        pairs = [
+            (rnd[mode]["replay_ms"], rnd["default"]["replay_ms"]) for row in rows for rnd in row["rounds"]
+        ]
+        same_tokens = all(row.get("against_default", {}).get(mode, {}).get("same_tokens") for row in rows)
+        ok = same_tokens and all(ms < default for ms, default in pairs)
+        replays = [ms for ms, _ in pairs]
+        ratio = mean(ms / default for ms, default in pairs)
         print(
             f"{mode}: {'wins' if ok else 'does not win'} (replay {ratio:.3f}x the defaults)", file=sys.stderr
         )

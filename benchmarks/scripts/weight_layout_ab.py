@@ -17,12 +17,11 @@ reported).
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import numpy as np
 import torch
-from lora_overlap_ab import engine_with_adapters, measure, recapture
+from lora_overlap_ab import ab_setup, measure, recapture
 
 import mmlora
 from mmlora.bench.serving_parts import abort_all, start_decode_batch
@@ -41,14 +40,7 @@ def set_mode(engine: mmlora.Engine, bucket: int, mode: str, side: torch.cuda.Str
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--model", default="dummy:mistral-7b-v0.3")
-    p.add_argument("--batch", type=int, nargs="+", default=[32, 72, 128])
-    p.add_argument("--adapters", type=int, default=24)
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--out", required=True)
-    args = p.parse_args()
-    engine, side, adapters = engine_with_adapters(args.model, max(args.batch), args.adapters)
+    args, engine, side, adapters = ab_setup((32, 72, 128), default_adapters=24)
     rng = np.random.default_rng(0)
     rows = []
     for bsz in args.batch:

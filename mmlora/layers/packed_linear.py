@@ -125,8 +125,8 @@ def set_weight_layout(model: nn.Module, column_major: bool, device_types: tuple[
     as ``x @ W^T`` reads it: on an H100, decode-shape GEMMs of Mistral-7B took 0.93-1.01x as long
     (benchmarks/results/h100-2026-12-05-session31, ``decode_gemm_probe.py``). An experiment: the engine
     calls it at load for ``weight_layout="column-major"`` (off by default); CUDA graphs captured before a
-    call hold the old weights (recapture them). A weight
-    that another module shares (tied embeddings, read by rows) is left alone. Returns how many changed."""
+    call hold the old weights (recapture them). A weight that another module shares (tied embeddings,
+    read by rows) is left alone. Returns how many changed."""
     linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
     shared = {  # storages other modules read (a tied head's weight is the embedding's parameter itself)
         p.untyped_storage().data_ptr()

@@ -141,10 +141,11 @@ def decode_attention(
     block_d = next_pow2(d)
     tuning = settings()
     block_n = block_n_for(block_d, tuning.block_n)
-    # One split writes ``out`` itself; the scratch is then a placeholder the kernel never touches.
-    mid_shape = (num_seqs, hq, num_splits) if num_splits > 1 else (1, 1, 1)
-    mid_o = torch.empty((*mid_shape, d), dtype=torch.float32, device=q.device)
-    mid_lse = torch.empty(mid_shape, dtype=torch.float32, device=q.device)
+    if num_splits == 1:  # the kernel writes ``out`` itself and never touches the scratch: no allocation
+        mid_o = mid_lse = out
+    else:
+        mid_o = torch.empty((num_seqs, hq, num_splits, d), dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty((num_seqs, hq, num_splits), dtype=torch.float32, device=q.device)
     kc = k_cache.view(-1, hkv, d)
     mult, cap_mult = softmax_args(scale, logit_softcap)
     fast(_decode_split_kernel)[(num_seqs, hkv, num_splits)](
