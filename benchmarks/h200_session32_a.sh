@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# For the next session with a GPU (written in session 31, which got only an H100, late; not yet run). One
+# Written in session 31; run in session 32 on an H100 (benchmarks/results/h100-2026-12-05-session32, c1). One
 # call of about 560 s on the H200, the card the issues' targets name:
 # 1. weight_layout_ab.py: the base linears' weights column-major (set_weight_layout) against row-major, in
 #    real decode graphs at B=32, 72 and 128, base-only and on 24 adapters, two rounds. On the H100 a
