@@ -84,9 +84,15 @@ def _micro(res: dict) -> None:
             continue
         print(
             f"  micro B={m['batch']} lora={m['lora']}: replay {m['graph_replay_ms']:.2f} ms "
-            f"({m['replay_over_floor']:.2f}x floor), step {m['engine_step_ms']:.2f} ms, "
+            f"({m['replay_over_floor']:.2f}x floor), step {m['engine_step_ms']:.2f} ms{_steady(m)}, "
             f"{m.get('distinct_adapters')} adapters, by layout {m.get('graph_replay_ms_by_layout')}"
         )
+
+
+def _steady(m: dict) -> str:
+    """The steady-state step (runs since session 32 have it: ``bench.serving_parts.steady_step_seconds``)."""
+    steady = m.get("engine_step_steady_ms")
+    return "" if steady is None else f" (steady {steady:.2f} ms)"
 
 
 def _clocks(path: Path) -> None:

@@ -53,6 +53,7 @@ def test_serving_cli_on_cpu(tmp_path, capsys):
     # --micro-adapters 1: both rows on one adapter; no graphs on CPU, so no per-layout replays.
     assert [m["distinct_adapters"] for m in result["decode_step"]] == [1, 0]
     assert all(m["graph_replay_ms_by_layout"] is None for m in result["decode_step"])
+    assert all(m["engine_step_steady_ms"] > 0 for m in result["decode_step"])
     assert result["hf_peft"]["output_tok_per_s"] > 0, result["hf_peft"]
     assert result["mmlora_subset"]["output_tok_per_s"] > 0
     assert "out tok/s" in capsys.readouterr().out

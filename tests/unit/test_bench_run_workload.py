@@ -1,13 +1,17 @@
-"""The serving benchmark's driver: each timed run is independent of the runs before it."""
+"""The serving benchmark's driver: each timed run is independent of the runs before it, and its step
+timers count the steps they say they do."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 from tiny_models import ALL_SEVEN, make_adapter, make_checkpoint
 
 import mmlora
-from mmlora.bench.serving_parts import StepRecorder, run_workload, weight_bytes
+from mmlora.bench import serving_parts
+from mmlora.bench.serving_parts import StepRecorder, run_workload, steady_step_seconds, weight_bytes
 
 
 @pytest.fixture(scope="module")
@@ -36,3 +40,25 @@ def test_a_repeated_run_recomputes_every_prompt_token(tiny):
         before = eng.stats()["prefill_tokens_computed_total"]
         run_workload(eng, [dict(w) for w in work], recorder, 1e9)
         assert eng.stats()["prefill_tokens_computed_total"] - before == prompt_tokens
+
+
+class _ClockedEngine:
+    """Stands in for an engine: each step advances a fake clock by the next of ``costs``."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, clock: SimpleNamespace, costs: list[float]) -> None:
+        self.clock, self.costs = clock, costs
+
+    def step(self) -> None:
+        self.clock.now += self.costs.pop(0)
+
+
+def test_steady_step_seconds_times_only_the_steps_after_warm_up(monkeypatch):
+    """The warm steps (here the slow ones: a pipeline filling) stay out of the mean, which is over exactly
+    ``steps`` steps. Oracle: the costs the fake clock was given."""
+    clock = SimpleNamespace(now=0.0)
+    monkeypatch.setattr(serving_parts, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+    engine = _ClockedEngine(clock, [9.0, 9.0, 2.0, 3.0, 4.0, 100.0])
+    assert steady_step_seconds(engine, 3, warm=2) == pytest.approx(3.0)
+    assert engine.costs == [100.0]  # no step beyond warm + steps
