@@ -16,17 +16,9 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from mmlora.lora.adapter import LoadedAdapter
 from mmlora.lora.spec import LoRAModelSpec, LoRATarget
+from mmlora.models.families import DECODER_LORA_PARENTS
 
-PARENTS = {
-    "q_proj": "self_attn",
-    "k_proj": "self_attn",
-    "v_proj": "self_attn",
-    "o_proj": "self_attn",
-    "gate_proj": "mlp",
-    "up_proj": "mlp",
-    "down_proj": "mlp",
-}
-ALL_SEVEN = list(PARENTS)
+ALL_SEVEN = list(DECODER_LORA_PARENTS)
 
 
 def lora_spec(cfg, refused_prefixes: tuple[tuple[str, str], ...] = ()) -> LoRAModelSpec:
@@ -40,7 +32,9 @@ def lora_spec(cfg, refused_prefixes: tuple[tuple[str, str], ...] = ()) -> LoRAMo
         LoRATarget("gate_up_proj", ("gate_proj", "up_proj"), h, (inter, inter)),
         LoRATarget("down_proj", ("down_proj",), inter, (h,)),
     )
-    return LoRAModelSpec(cfg.num_hidden_layers, targets, "model.layers", dict(PARENTS), refused_prefixes)
+    return LoRAModelSpec(
+        cfg.num_hidden_layers, targets, "model.layers", dict(DECODER_LORA_PARENTS), refused_prefixes
+    )
 
 
 def llama_config() -> LlamaConfig:

@@ -155,6 +155,16 @@ def ab_setup(default_batch: tuple[int, ...], default_adapters: int = 32) -> tupl
     return (args, *engine_with_adapters(args.model, max(args.batch), args.adapters))
 
 
+def write_ab(args: argparse.Namespace, fields: dict) -> None:
+    """An A/B script's result to --out (JSON): its model and adapter count, ``fields``, torch and the device."""
+    with open(args.out, "w") as f:
+        json.dump(
+            {"model": args.model, "adapters": args.adapters, **fields,
+             "torch": torch.__version__, "device": torch.cuda.get_device_name()},
+            f, indent=1,
+        )  # fmt: skip
+
+
 def run_mode_ab(
     modes: tuple[str, ...],
     set_mode,  # noqa: ANN001
@@ -172,12 +182,7 @@ def run_mode_ab(
         row, outs = mode_rounds(engine, side, names, modes, set_mode, args.rounds, rng)
         print(f"B={bsz}: {compare(row, outs, names)}", flush=True)
         rows.append(row)
-    with open(args.out, "w") as f:
-        json.dump(
-            {"model": args.model, "adapters": args.adapters, "modes": modes, "rows": rows,
-             "torch": torch.__version__, "device": torch.cuda.get_device_name()},
-            f, indent=1,
-        )  # fmt: skip
+    write_ab(args, {"modes": modes, "rows": rows})
 
 
 def _compare(row: dict, outs: dict, names: list[str]) -> str:

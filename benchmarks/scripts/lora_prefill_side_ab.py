@@ -14,13 +14,12 @@ tokens and their logprobs must be identical across the modes (same kernels; only
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
 import numpy as np
 import torch
-from lora_overlap_ab import engine_with_adapters
+from lora_overlap_ab import engine_with_adapters, write_ab
 
 from mmlora.backends import triton_sgmv
 
@@ -106,12 +105,7 @@ def main() -> None:
             f"{row['max_host_ms']:.1f} ms; same tokens and logprobs {row['same_tokens_and_logprobs']}",
             flush=True,
         )
-    with open(args.out, "w") as f:
-        json.dump(
-            {"model": args.model, "adapters": args.adapters, "side_min_tokens": default, "rows": rows,
-             "torch": torch.__version__, "device": torch.cuda.get_device_name()},
-            f, indent=1,
-        )  # fmt: skip
+    write_ab(args, {"side_min_tokens": default, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -90,7 +90,7 @@ def _micro(res: dict) -> None:
 
 
 def _steady(m: dict) -> str:
-    """The steady-state step (runs since session 32 have it: ``bench.serving_parts.steady_step_seconds``)."""
+    """The steady-state step (runs since session 32 have it: ``mean_step_seconds(..., drain=False)``)."""
     steady = m.get("engine_step_steady_ms")
     return "" if steady is None else f" (steady {steady:.2f} ms)"
 

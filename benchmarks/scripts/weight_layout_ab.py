@@ -17,11 +17,9 @@ reported).
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import torch
-from lora_overlap_ab import ab_setup, measure, recapture
+from lora_overlap_ab import ab_setup, measure, recapture, write_ab
 
 import mmlora
 from mmlora.bench.serving_parts import abort_all, start_decode_batch
@@ -80,12 +78,7 @@ def main() -> None:
         "max_logprob_diff": max(abs(u - v) for x, y in zip(a, b) for u, v in zip(x.logprobs, y.logprobs)),
     }
     print(f"colmajor against rowmajor: {check}", flush=True)
-    with open(args.out, "w") as f:
-        json.dump(
-            {"model": args.model, "adapters": args.adapters, "rows": rows, "check": check,
-             "torch": torch.__version__, "device": torch.cuda.get_device_name()},
-            f, indent=1,
-        )  # fmt: skip
+    write_ab(args, {"rows": rows, "check": check})
 
 
 if __name__ == "__main__":

@@ -52,7 +52,6 @@ from mmlora.bench.serving_parts import (
     result_header,
     run_workload,
     start_decode_batch,
-    steady_step_seconds,
     time_graph_layouts,
     time_graph_replay,
     weight_bytes,
@@ -182,7 +181,9 @@ def _micro(
             floor_s = recorder.floor_seconds(sum(ctx), list(ranks.values()), bw)
             replay_s = time_graph_replay(engine)
             by_layout = time_graph_layouts(engine) if with_lora else None
-            steady_s = steady_step_seconds(engine, steps)  # last: the replays above keep their context
+            steady_s = mean_step_seconds(
+                engine, steps, drain=False
+            )  # last: the replays above keep their context
             abort_all(engine, rids)
             rows.append(
                 {

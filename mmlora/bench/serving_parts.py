@@ -159,34 +159,23 @@ def record_forward_host(engine: Any) -> list[float]:
     return seconds
 
 
-def mean_step_seconds(engine: Any, steps: int, warm: int = 3) -> float:
-    """Mean wall seconds of ``steps`` back-to-back ``engine.step()`` calls after ``warm`` untimed ones,
-    the device drained before and after (with the overlap scheduler the last step still runs when
-    ``step`` returns)."""
+def mean_step_seconds(engine: Any, steps: int, warm: int = 3, drain: bool = True) -> float:
+    """Mean wall seconds of ``steps`` back-to-back ``engine.step()`` calls after ``warm`` untimed ones.
+
+    ``drain``: the device drained before and after (with the overlap scheduler the last step still runs
+    when ``step`` returns), so the mean also carries one exposed launch (the host scheduling and launching
+    the first step while the device waits) divided by ``steps``: on a slow host, most of its excess over
+    the graph replay. Without: the clock runs from one step's return to the return ``steps`` steps later,
+    the pipeline full; with the overlap scheduler a step returns once the device has finished the step
+    before it, so this is a decode step's cost in steady serving."""
     for _ in range(warm):
         engine.step()
-    sync = torch.cuda.synchronize if engine.device.type == "cuda" else lambda: None
+    sync = torch.cuda.synchronize if drain and engine.device.type == "cuda" else lambda: None
     sync()
     t0 = time.perf_counter()
     for _ in range(steps):
         engine.step()
     sync()
-    return (time.perf_counter() - t0) / steps
-
-
-def steady_step_seconds(engine: Any, steps: int, warm: int = 3) -> float:
-    """Mean wall seconds between the returns of back-to-back ``engine.step()`` calls, the device never
-    drained: ``warm`` untimed steps fill the pipeline, then the clock runs from one step's return to the
-    return ``steps`` steps later. With the overlap scheduler a step returns once the device has finished
-    the step before it, so this is a decode step's cost once serving's pipeline is full.
-    :func:`mean_step_seconds` starts on an idle device instead, so its mean also carries one exposed launch
-    (the host scheduling and launching the first step while the device waits) divided by ``steps``: on a
-    slow host that is most of its excess over the graph replay."""
-    for _ in range(warm):
-        engine.step()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
     return (time.perf_counter() - t0) / steps
 
 

@@ -6,17 +6,12 @@ backend contract in :mod:`mmlora.backends.base`: ``h = x @ A[slot, slice, :rank]
 
 from __future__ import annotations
 
-import os
+import random
+from dataclasses import dataclass
 
 import torch
 
-if not torch.cuda.is_available():  # must precede the first triton import of the session
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import random  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
-
-from mmlora.forward.lora import LoRABatchInfo, LoRAWeights  # noqa: E402
+from mmlora.forward.lora import LoRABatchInfo, LoRAWeights
 
 HAS_CUDA = torch.cuda.is_available()
 

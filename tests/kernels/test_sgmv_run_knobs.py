@@ -4,16 +4,9 @@ default until a GPU A/B makes it one, so each must give the reference on and off
 
 from __future__ import annotations
 
-import os
-
+import pytest
 import torch
-
-if not torch.cuda.is_available():  # must precede the first triton import of the session
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-
-import pytest  # noqa: E402
-from lora_cases import (  # noqa: E402
+from lora_cases import (
     CPU_CASES,
     Case,
     assert_out,
@@ -21,8 +14,8 @@ from lora_cases import (  # noqa: E402
     reference,
 )
 
-from mmlora.backends import get_backend, triton_sgmv  # noqa: E402
-from mmlora.backends.triton_common import ShrinkJob  # noqa: E402
+from mmlora.backends import get_backend, triton_sgmv
+from mmlora.backends.triton_common import ShrinkJob
 
 
 # Shared memory: an fp32 shrink tile of 512 in_features over qkv's rank-16 slices needs 163 KB a stage, so

@@ -11,7 +11,7 @@ from tiny_models import ALL_SEVEN, make_adapter, make_checkpoint
 
 import mmlora
 from mmlora.bench import serving_parts
-from mmlora.bench.serving_parts import StepRecorder, run_workload, steady_step_seconds, weight_bytes
+from mmlora.bench.serving_parts import StepRecorder, mean_step_seconds, run_workload, weight_bytes
 
 
 @pytest.fixture(scope="module")
@@ -54,11 +54,11 @@ class _ClockedEngine:
         self.clock.now += self.costs.pop(0)
 
 
-def test_steady_step_seconds_times_only_the_steps_after_warm_up(monkeypatch):
+def test_undrained_step_mean_times_only_the_steps_after_warm_up(monkeypatch):
     """The warm steps (here the slow ones: a pipeline filling) stay out of the mean, which is over exactly
     ``steps`` steps. Oracle: the costs the fake clock was given."""
     clock = SimpleNamespace(now=0.0)
     monkeypatch.setattr(serving_parts, "time", SimpleNamespace(perf_counter=lambda: clock.now))
     engine = _ClockedEngine(clock, [9.0, 9.0, 2.0, 3.0, 4.0, 100.0])
-    assert steady_step_seconds(engine, 3, warm=2) == pytest.approx(3.0)
+    assert mean_step_seconds(engine, 3, warm=2, drain=False) == pytest.approx(3.0)
     assert engine.costs == [100.0]  # no step beyond warm + steps
