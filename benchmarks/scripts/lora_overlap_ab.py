@@ -74,16 +74,17 @@ def measure(engine: mmlora.Engine, steps: int = 20) -> dict:
     }
 
 
-def engine_with_adapters(model: str, max_bs: int, n_adapters: int) -> tuple:
-    """(engine, its side stream, adapters loaded into it): bf16, ``n_adapters`` random rank-16 adapters."""
+def engine_with_adapters(model: str, max_bs: int, n_adapters: int, rank: int = 16) -> tuple:
+    """(engine, its side stream, adapters loaded into it): bf16, ``n_adapters`` random adapters of ``rank``
+    in a pool of that rank (paged as the engine's default pages it)."""
     engine = mmlora.Engine(
         model=model, dtype="bfloat16", max_running_requests=max_bs, max_loras_per_batch=n_adapters,
-        max_lora_rank=16, max_model_len=2048,
+        max_lora_rank=rank, max_model_len=2048,
     )  # fmt: skip
     side = engine.lora._ctx.side_stream
     assert side is not None, "the engine has no side stream (disable_lora_overlap?)"
     adapters = write_random_adapters(
-        engine.hf_config, tempfile.mkdtemp(), n_adapters, [16], dtype=torch.bfloat16
+        engine.hf_config, tempfile.mkdtemp(), n_adapters, [rank], dtype=torch.bfloat16
     )
     for a in adapters:
         engine.load_lora(a["name"], a["path"])
@@ -143,23 +144,24 @@ def same_tokens_and_logprobs(a: list, b: list) -> bool:
 
 
 def ab_setup(default_batch: tuple[int, ...], default_adapters: int = 32) -> tuple:
-    """The decode-graph A/B scripts' command line (--model, --batch, --adapters, --rounds, --out) and
+    """The decode-graph A/B scripts' command line (--model, --batch, --adapters, --rounds, --rank, --out) and
     their engine: (args, engine, its side stream, adapters loaded into it)."""
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="dummy:mistral-7b-v0.3")
     p.add_argument("--batch", type=int, nargs="+", default=list(default_batch))
     p.add_argument("--adapters", type=int, default=default_adapters)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rank", type=int, default=16, help="the adapters' rank, and the pool's")
     p.add_argument("--out", required=True)
     args = p.parse_args()
-    return (args, *engine_with_adapters(args.model, max(args.batch), args.adapters))
+    return (args, *engine_with_adapters(args.model, max(args.batch), args.adapters, args.rank))
 
 
 def write_ab(args: argparse.Namespace, fields: dict) -> None:
     """An A/B script's result to --out (JSON): its model and adapter count, ``fields``, torch and the device."""
     with open(args.out, "w") as f:
         json.dump(
-            {"model": args.model, "adapters": args.adapters, **fields,
+            {"model": args.model, "adapters": args.adapters, "rank": getattr(args, "rank", 16), **fields,
              "torch": torch.__version__, "device": torch.cuda.get_device_name()},
             f, indent=1,
         )  # fmt: skip

@@ -24,6 +24,7 @@ from mmlora.backends.triton_checks import check_expand_args
 from mmlora.backends.triton_common import (
     FusedTritonBackend,
     ShrinkJob,
+    SplitCounters,
     a_page_args,
     b_page_args,
     cdiv,
@@ -91,10 +92,16 @@ class _Tiles:
 
 
 def _shrink_launch(
-    job: ShrinkJob, fp32_planes: bool, pdl: bool = False, whole_rank: bool = True, after: bool = False
+    job: ShrinkJob,
+    fp32_planes: bool,
+    pdl: bool = False,
+    whole_rank: bool = True,
+    after: bool = False,
+    counters: SplitCounters | None = None,
 ) -> tuple[tuple[int], tuple, dict, tuple[int, int, int], torch.dtype]:
-    """(grid, positional args with None for h, keyword args, h's padded shape, h's dtype) of shrink's
-    launch. The rank tile follows the batch's rank bucket (``job.top_rank``), not the pool rank, so a
+    """(grid, positional args with None for h and hsum, keyword args, h's padded shape, h's dtype) of
+    shrink's launch. With ``counters``, a decode-runs shrink split over in_features also sums its planes
+    into hsum (``REDUCE``, where ``TUNING["run_shrink_reduce"]`` asks; then ``kwargs["REDUCE"]``). The rank tile follows the batch's rank bucket (``job.top_rank``), not the pool rank, so a
     rank-16 batch of a rank-64 pool runs the rank-16 pool's tiles: one compile per bucket, all made by
     the warm-up; programs still stop at their slot's rank. ``whole_rank``: every column of h up to the
     pool rank is written (zeros past each rank); otherwise only those below the bucket, all that the
@@ -123,16 +130,18 @@ def _shrink_launch(
     dtype = x.dtype if split == 1 and not fp32_planes else torch.float32
     # Planes padded to 16 rows: their stride keeps the same divisibility for every batch.
     shape = (split, -(-T // 16) * 16, n * R)
+    reduce = counters is not None and runs and split > 1 and TUNING["run_shrink_reduce"]
+    count = counters.get(x.device, tiles.count * r_tiles) if reduce else info.seg_indptr  # unread if not
     *a_strides, U = a_page_args(A, n)
     args = (
-        x, A, None, info.seg_indptr, info.weight_indices, info.ranks, tiles.seg, tiles.m0,
+        x, A, None, None, info.seg_indptr, info.weight_indices, info.ranks, tiles.seg, tiles.m0, count,
         in_f, R, k_per_split, x.stride(0), *a_strides, shape[1] * shape[2], shape[2], tiles.m_tiles, r_tiles,
         split,
     )  # fmt: skip
     kwargs = dict(
         N_SLICES=n, NS_P2=ns_p2, SKIP_PAD=skip_pad, U=U, BLOCK_M=tiles.block_m, BLOCK_R=block_r, BLOCK_K=block_k,
         UPCAST=dot_upcast(x.dtype), PREC="ieee" if x.dtype == torch.float32 else "tf32", TILED=tiles.tiled,
-        PDL=pdl, AFTER=after, num_warps=TUNING["shrink_warps"],
+        PDL=pdl, AFTER=after, REDUCE=reduce, num_warps=TUNING["shrink_warps"],
     )  # fmt: skip
     if after:
         kwargs["launch_pdl"] = True
@@ -147,7 +156,7 @@ def _shrink_planes(job: ShrinkJob, fp32_planes: bool = False) -> torch.Tensor:
     plane and not ``fp32_planes``)."""
     grid, args, kwargs, shape, dtype = _shrink_launch(job, fp32_planes)
     h = torch.empty(shape, dtype=dtype, device=job.x.device)[:, : job.info.num_tokens]
-    fast(_sgmv_shrink_kernel)[grid](*args[:2], h, *args[3:], **kwargs)
+    fast(_sgmv_shrink_kernel)[grid](*args[:2], h, h, *args[4:], **kwargs)
     return h
 
 
@@ -215,24 +224,39 @@ class _ModulePlan:
     a model share module shapes and the forward's batch, so every layer after the first launches these
     with its own x, A, B, scalings and out, skipping the launch arithmetic."""
 
-    __slots__ = ("shrink", "expand", "h_shape", "h_dtype")
+    __slots__ = ("shrink", "expand", "h_shape", "h_dtype", "reduce")
 
     def __init__(
-        self, job: ShrinkJob, weights: LoRAWeights, out_stride: int, pdl: bool, after: bool = False
+        self,
+        job: ShrinkJob,
+        weights: LoRAWeights,
+        out_stride: int,
+        pdl: bool,
+        after: bool = False,
+        counters: SplitCounters | None = None,
     ) -> None:
         # ``pdl``: the expand a programmatic dependent of its shrink; ``after``: the shrink one of the kernel
         # before it. An expand reading out before its wait (EARLY_OUT) could then read it unwritten.
         pdl = pdl_launch(job.x.device, pdl)
         after = pdl and after and not TUNING["run_expand_early_out"]
         grid, args, kwargs, self.h_shape, self.h_dtype = _shrink_launch(
-            job, fp32_planes=True, pdl=pdl, whole_rank=False, after=after
+            job, fp32_planes=True, pdl=pdl, whole_rank=False, after=after, counters=counters
         )
-        self.shrink = fast(_sgmv_shrink_kernel).plan(grid, args, kwargs, (0, 1, 2))
+        self.shrink = fast(_sgmv_shrink_kernel).plan(grid, args, kwargs, (0, 1, 2, 3))
+        # REDUCE: the expand reads the shrink's one summed plane (hsum), not its SPLIT_K planes.
+        self.reduce = kwargs["REDUCE"]
         splits, rows, cols = self.h_shape
         grid, args, kwargs = _expand_launch(
-            (splits, rows * cols, cols), weights, job.info, out_stride, job.R, pdl
+            (1 if self.reduce else splits, rows * cols, cols), weights, job.info, out_stride, job.R, pdl
         )
         self.expand = fast(_sgmv_expand_kernel).plan(grid, args, kwargs, (0, 1, 2, 3))
+
+    def launch(self, out: torch.Tensor, x: torch.Tensor, weights: LoRAWeights) -> None:
+        """``out += lora(x)``: the shrink into fresh planes, then the expand (of hsum with REDUCE)."""
+        h = torch.empty(self.h_shape, dtype=self.h_dtype, device=x.device)
+        hsum = torch.empty(self.h_shape[1:], dtype=x.dtype, device=x.device) if self.reduce else h
+        fast(_sgmv_shrink_kernel).launch_plan(self.shrink, (x, weights.A, h, hsum))
+        fast(_sgmv_expand_kernel).launch_plan(self.expand, (hsum, weights.B, out, weights.scalings))
 
     @staticmethod
     def of(
@@ -244,19 +268,20 @@ class _ModulePlan:
         split_k: int | None,
         pdl: bool,
         after: bool = False,
+        counters: SplitCounters | None = None,
     ) -> _ModulePlan:
         """The plan for this module shape and an out of row stride ``out_stride`` in this forward (made
-        once, shared by the layers); ``after``: see ``_shrink_launch``."""
+        once, shared by the layers); ``after`` and ``counters``: see ``_shrink_launch``."""
         A, B, scalings = weights.A, weights.B, weights.scalings
         # Everything the launch arithmetic reads of this call, but the batch (the plan is per forward).
         key = (
             "sgmv_module", x.shape[1], x.stride(0), x.dtype, A.shape, A.stride(), B.shape, B.stride(),
-            scalings.stride(0), weights.slice_offsets, out_stride, R, split_k, pdl, after,
+            scalings.stride(0), weights.slice_offsets, out_stride, R, split_k, pdl, after, counters is None,
         )  # fmt: skip
         plan = info.host_derived.get(key)
         if plan is None:
             job = ShrinkJob(x, A, info, weights.n_slices, R, True, split_k)
-            plan = info.host_derived[key] = _ModulePlan(job, weights, out_stride, pdl, after)
+            plan = info.host_derived[key] = _ModulePlan(job, weights, out_stride, pdl, after, counters)
         return plan
 
 
@@ -287,6 +312,12 @@ class TritonSGMVBackend(FusedTritonBackend):
     graph_layouts = ("runs",)
     mixed_graphs = True  # token tiles from fill_graph's fixed tables
 
+    def __init__(self) -> None:
+        super().__init__()
+        # The REDUCE shrink's counters: one set per backend, so one engine's forwards (serial on its
+        # stream) are all that share them.
+        self._split_counters = SplitCounters()
+
     def _fused(
         self, out: torch.Tensor, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo, R: int
     ) -> None:
@@ -311,10 +342,10 @@ class TritonSGMVBackend(FusedTritonBackend):
         R: int,
         after: bool,
     ) -> None:
-        plan = _ModulePlan.of(x, weights, info, R, out.stride(0), self.split_k, TUNING["pdl"], after)
-        h = torch.empty(plan.h_shape, dtype=plan.h_dtype, device=x.device)
-        fast(_sgmv_shrink_kernel).launch_plan(plan.shrink, (x, weights.A, h))
-        fast(_sgmv_expand_kernel).launch_plan(plan.expand, (h, weights.B, out, weights.scalings))
+        plan = _ModulePlan.of(
+            x, weights, info, R, out.stride(0), self.split_k, TUNING["pdl"], after, self._split_counters
+        )
+        plan.launch(out, x, weights)
 
     def defer_lora(self, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo) -> SGMVDeferred | None:
         """The shrink now; the expand deferred to gate_up's gated activation (``TUNING["act_expand"]``),
@@ -352,7 +383,7 @@ class TritonSGMVBackend(FusedTritonBackend):
         layer returns; :meth:`_expand_phase` plans again for any other."""
         plan = _ModulePlan.of(x, weights, info, R, weights.B.shape[-2], self.split_k, False)
         h = torch.empty(plan.h_shape, dtype=plan.h_dtype, device=x.device)
-        fast(_sgmv_shrink_kernel).launch_plan(plan.shrink, (x, weights.A, h))
+        fast(_sgmv_shrink_kernel).launch_plan(plan.shrink, (x, weights.A, h, h))
         return h, plan
 
     def _expand_phase(

@@ -51,6 +51,12 @@ TUNING = {
     # ... and the software pipeline's depth of their in_features loop (None: Triton's default): few programs
     # each stream a long loop there, so loads in flight per program bound the bandwidth.
     "run_shrink_stages": None,
+    # ... and the last of a tile's splits to finish sums the tile's planes into one plane of h in x.dtype
+    # (``REDUCE``; an arrival counter per tile): every expand program then reads that plane instead of all
+    # SPLIT_K fp32 planes (about 8 at serving's decode runs), a chain of L2 reads that each of a module's
+    # hundreds of expand programs repeats (rank-64 gate_up expand at B=72 on 24 adapters: 50 us for 22 us
+    # of bytes, H200 session 27). Same sums in the same order, so the same bits. Not yet timed on a GPU.
+    "run_shrink_reduce": False,
     # Expands over 16-token tiles load their out tile and scaling before the rank loop (EARLY_OUT), in
     # flight with the B tile: a small expand is a chain of dependent loads (segment, slot, rank, B, h, out)
     # and takes about 5 us whatever its bytes (o's: 5.0 us for 6 MB, session 17). Off: not yet timed.

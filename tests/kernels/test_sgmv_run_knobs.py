@@ -142,3 +142,58 @@ def test_sgmv_run_shrink_k_per_split(name: str, cap: int | None, monkeypatch) ->
         got = out0.clone()
         get_backend("triton-sgmv").add_lora(got, c.x, c.weights, c.info)
         assert_out(c, got, want, out0)
+
+
+REDUCE_CASES = [
+    ("decode-wide-in-qkv", torch.bfloat16, 8),
+    ("decode-wide-in-qkv", torch.float32, 16),
+    ("decode-basemix-qkv", torch.float32, 4),  # base-only segments: their tiles write zeros, count nothing
+    ("decode-zipf-single", torch.float16, 2),
+    ("decode-mixed-ranks", torch.float32, 3),  # rank bucket 64: two rank tiles, the second past most ranks
+    ("decode-mixed-ranks", torch.bfloat16, 6),
+]
+DECODE_MIXED_RANKS = (9, 96, (32, 16, 16), 64, [1, 64, 33, 8, 16], "distinct", "decode")
+
+
+@pytest.mark.parametrize(
+    "name,dtype,split_k", REDUCE_CASES, ids=[f"{n}-{str(d)[6:]}-{k}" for n, d, k in REDUCE_CASES]
+)
+def test_sgmv_run_shrink_reduce(name: str, dtype: torch.dtype, split_k: int, monkeypatch) -> None:  # noqa: ANN001
+    """``run_shrink_reduce``: the last split of each decode-run tile sums the planes itself, so the expand
+    reads one plane. Against the fp64 oracle (NaN rank padding included) and bit for bit against the
+    expand's own sum; twice in a row, so the counters must be back at 0; and they are all 0 after."""
+    spec = DECODE_MIXED_RANKS if name == "decode-mixed-ranks" else CPU_CASES[name]
+    c = make_case(*spec, dtype=dtype, seed=19, pad_value=float("nan"))
+    assert c.info.max_seg_len <= 16  # the batches the knob applies to
+    _, want = reference(c)
+    out0 = c.out.clone()
+    backend = get_backend("triton-sgmv")
+    monkeypatch.setattr(backend, "split_k", split_k)
+    planes = out0.clone()
+    backend.add_lora(planes, c.x, c.weights, c.info)
+    monkeypatch.setitem(triton_sgmv.TUNING, "run_shrink_reduce", True)
+    c.info.host_derived.clear()  # the launch plans of this forward, made with the knob off
+    for _ in range(2):
+        got = out0.clone()
+        backend.add_lora(got, c.x, c.weights, c.info)
+        assert_out(c, got, want, out0)
+        assert torch.equal(got.nan_to_num(), planes.nan_to_num())
+    plans = [p for p in c.info.host_derived.values() if isinstance(p, triton_sgmv._ModulePlan)]
+    assert plans and all(p.reduce for p in plans)  # the summing shrink ran, not the planes' path
+    counters = backend._split_counters.get(c.x.device, 1)
+    assert int(counters.count_nonzero()) == 0
+
+
+def test_sgmv_shrink_reduce_only_for_split_decode_runs(monkeypatch) -> None:  # noqa: ANN001
+    """The knob changes decode runs split over in_features only: one split or a prefill keeps the planes'
+    path (a prefill's tiles are not one run each), as does the plain ``sgmv_shrink`` (no counters)."""
+    monkeypatch.setitem(triton_sgmv.TUNING, "run_shrink_reduce", True)
+    counters = triton_sgmv.SplitCounters()
+    for name, split_k, reduced in [("decode-wide-in-qkv", 4, True), ("decode-wide-in-qkv", 1, False),
+                                   ("prefill-uniform-qkv", 4, False)]:  # fmt: skip
+        c = make_case(*CPU_CASES[name], dtype=torch.float32, seed=3)
+        R = c.weights.A.shape[-2] // c.weights.n_slices
+        job = ShrinkJob(c.x, c.weights.A, c.info, c.weights.n_slices, R, True, split_k)
+        kwargs = triton_sgmv._shrink_launch(job, fp32_planes=True, counters=counters)[2]
+        assert kwargs["REDUCE"] is reduced, name
+        assert triton_sgmv._shrink_launch(job, fp32_planes=True)[2]["REDUCE"] is False
