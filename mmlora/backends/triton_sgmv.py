@@ -35,6 +35,7 @@ from mmlora.backends.triton_common import (
     pdl_options,
     rank_bucket_bound,
     shrink_entry,
+    sm_count,
     split_k_plan,
 )
 from mmlora.backends.triton_sgmv_act import TUNING as ACT_TUNING
@@ -101,7 +102,7 @@ def _shrink_launch(
 ) -> tuple[tuple[int], tuple, dict, tuple[int, int, int], torch.dtype]:
     """(grid, positional args with None for h and hsum, keyword args, h's padded shape, h's dtype) of
     shrink's launch. With ``counters``, a decode-runs shrink split over in_features also sums its planes
-    into hsum (``REDUCE``, where ``TUNING["run_shrink_reduce"]`` asks; then ``kwargs["REDUCE"]``). The rank tile follows the batch's rank bucket (``job.top_rank``), not the pool rank, so a
+    into hsum (``REDUCE``; then ``kwargs["REDUCE"]``). The rank tile follows the batch's rank bucket (``job.top_rank``), not the pool rank, so a
     rank-16 batch of a rank-64 pool runs the rank-16 pool's tiles: one compile per bucket, all made by
     the warm-up; programs still stop at their slot's rank. ``whole_rank``: every column of h up to the
     pool rank is written (zeros past each rank); otherwise only those below the bucket, all that the
@@ -130,7 +131,7 @@ def _shrink_launch(
     dtype = x.dtype if split == 1 and not fp32_planes else torch.float32
     # Planes padded to 16 rows: their stride keeps the same divisibility for every batch.
     shape = (split, -(-T // 16) * 16, n * R)
-    reduce = counters is not None and runs and split > 1 and TUNING["run_shrink_reduce"]
+    reduce = counters is not None and runs and split > 1
     count = counters.get(x.device, tiles.count * r_tiles) if reduce else info.seg_indptr  # unread if not
     *a_strides, U = a_page_args(A, n)
     args = (
@@ -167,6 +168,35 @@ def _rank_step(info: LoRABatchInfo, R: int, runs: bool) -> int:
     return min(step, max(RANK_TILE, next_pow2(rank_bucket_bound(info, R))))
 
 
+def _expand_grid(weights: LoRAWeights, info: LoRABatchInfo, R: int) -> tuple[_Tiles, int, int, int]:
+    """(token tiles, rank step, column tiles a program, column-tile groups a slice) of expand's launch,
+    whose grid is ``tiles.count * n_slices * groups``."""
+    slice_offsets = weights.slice_offsets
+    widths = [b - a for a, b in zip(slice_offsets, slice_offsets[1:])]
+    tiles = _Tiles.of(info, _block_m(info.max_seg_len, TUNING["block_m"]))
+    runs = tiles.block_m <= 16
+    # The rank in steps of at least 16 (the smallest tl.dot K), at most the batch's rank bucket: a
+    # segment stops at its slot's rank, and loads past it are masked, so a rank-8 slot of a rank-64 pool
+    # reads its own bytes only.
+    block_k = _rank_step(info, R, runs)
+    # Grouped only where the whole rank is one step (so h is loaded once for the group).
+    group = (TUNING["run_expand_group"] or 1) if runs and block_k >= rank_bucket_bound(info, R) else 1
+    return tiles, block_k, group, cdiv(cdiv(max(widths), TUNING["block_n"]), group)
+
+
+def _reduce_pays(weights: LoRAWeights, info: LoRABatchInfo, R: int, device: torch.device) -> bool:
+    """Whether a decode-run shrink should sum its own planes (``TUNING["run_shrink_reduce"]``): where its
+    expand loops over more than one rank step in at least that many programs per SM, so that each of
+    several waves of programs would sum every plane again at every step."""
+    per_sm = TUNING["run_shrink_reduce"]
+    if per_sm is None:
+        return False
+    tiles, block_k, _, n_tiles = _expand_grid(weights, info, R)
+    if tiles.block_m > 16 or block_k >= rank_bucket_bound(info, R):
+        return False
+    return tiles.count * weights.n_slices * n_tiles >= per_sm * sm_count(device)
+
+
 def _expand_launch(
     h_strides: tuple[int, int, int],
     weights: LoRAWeights,
@@ -180,17 +210,9 @@ def _expand_launch(
     ``pdl``), as its programmatic dependent (:func:`pdl_launch`)."""
     B, scalings, slice_offsets = weights.B, weights.scalings, weights.slice_offsets
     n = weights.n_slices
-    widths = [b - a for a, b in zip(slice_offsets, slice_offsets[1:])]
-    tiles = _Tiles.of(info, _block_m(info.max_seg_len, TUNING["block_m"]))
+    tiles, block_k, group, n_tiles = _expand_grid(weights, info, R)
     block_n = TUNING["block_n"]
     runs = tiles.block_m <= 16
-    # The rank in steps of at least 16 (the smallest tl.dot K), at most the batch's rank bucket: a
-    # segment stops at its slot's rank, and loads past it are masked, so a rank-8 slot of a rank-64 pool
-    # reads its own bytes only.
-    block_k = _rank_step(info, R, runs)
-    # Grouped only where the whole rank is one step (so h is loaded once for the group).
-    group = (TUNING["run_expand_group"] or 1) if runs and block_k >= rank_bucket_bound(info, R) else 1
-    n_tiles = cdiv(cdiv(max(widths), block_n), group)
     warps = TUNING["run_expand_warps"] if runs else TUNING["expand_warps"]
     *b_strides, U = b_page_args(B)
     args = (
@@ -239,6 +261,8 @@ class _ModulePlan:
         # before it. An expand reading out before its wait (EARLY_OUT) could then read it unwritten.
         pdl = pdl_launch(job.x.device, pdl)
         after = pdl and after and not TUNING["run_expand_early_out"]
+        if counters is not None and not _reduce_pays(weights, job.info, job.R, job.x.device):
+            counters = None
         grid, args, kwargs, self.h_shape, self.h_dtype = _shrink_launch(
             job, fp32_planes=True, pdl=pdl, whole_rank=False, after=after, counters=counters
         )

@@ -144,26 +144,36 @@ def test_sgmv_run_shrink_k_per_split(name: str, cap: int | None, monkeypatch) ->
         assert_out(c, got, want, out0)
 
 
+# Decode runs over rank buckets above the expand's rank step (32): the batches the knob applies to.
+REDUCE_SPECS = {
+    "wide-in": (5, 1024, (32, 16, 16), 64, [64, 8, 40], "distinct", "decode"),
+    "base-mix": (7, 64, (64, 16, 16), 64, [64, 4, 33], "base_mix", "decode"),  # base-only tiles: zeros
+    "zipf": (40, 32, (40,), 64, [64, 1, 17, 64, 2], "zipf", "decode"),
+    "mixed-ranks": (9, 96, (32, 16, 16), 64, [1, 64, 33, 8, 16], "distinct", "decode"),  # two rank tiles
+}
 REDUCE_CASES = [
-    ("decode-wide-in-qkv", torch.bfloat16, 8),
-    ("decode-wide-in-qkv", torch.float32, 16),
-    ("decode-basemix-qkv", torch.float32, 4),  # base-only segments: their tiles write zeros, count nothing
-    ("decode-zipf-single", torch.float16, 2),
-    ("decode-mixed-ranks", torch.float32, 3),  # rank bucket 64: two rank tiles, the second past most ranks
-    ("decode-mixed-ranks", torch.bfloat16, 6),
+    ("wide-in", torch.bfloat16, 8, 32),
+    ("wide-in", torch.float32, 16, 16),
+    ("base-mix", torch.float32, 4, 32),
+    ("zipf", torch.float16, 2, 16),
+    ("mixed-ranks", torch.float32, 3, 32),
+    ("mixed-ranks", torch.bfloat16, 6, 16),
 ]
-DECODE_MIXED_RANKS = (9, 96, (32, 16, 16), 64, [1, 64, 33, 8, 16], "distinct", "decode")
 
 
 @pytest.mark.parametrize(
-    "name,dtype,split_k", REDUCE_CASES, ids=[f"{n}-{str(d)[6:]}-{k}" for n, d, k in REDUCE_CASES]
+    "name,dtype,split_k,rank_step",
+    REDUCE_CASES,
+    ids=[f"{c[0]}-{str(c[1])[6:]}-{c[2]}-{c[3]}" for c in REDUCE_CASES],
 )
-def test_sgmv_run_shrink_reduce(name: str, dtype: torch.dtype, split_k: int, monkeypatch) -> None:  # noqa: ANN001
+def test_sgmv_run_shrink_reduce(
+    name: str, dtype: torch.dtype, split_k: int, rank_step: int, monkeypatch
+) -> None:  # noqa: ANN001
     """``run_shrink_reduce``: the last split of each decode-run tile sums the planes itself, so the expand
     reads one plane. Against the fp64 oracle (NaN rank padding included) and bit for bit against the
     expand's own sum; twice in a row, so the counters must be back at 0; and they are all 0 after."""
-    spec = DECODE_MIXED_RANKS if name == "decode-mixed-ranks" else CPU_CASES[name]
-    c = make_case(*spec, dtype=dtype, seed=19, pad_value=float("nan"))
+    monkeypatch.setitem(triton_sgmv.TUNING, "run_expand_rank_step", rank_step)
+    c = make_case(*REDUCE_SPECS[name], dtype=dtype, seed=19, pad_value=float("nan"))
     assert c.info.max_seg_len <= 16  # the batches the knob applies to
     _, want = reference(c)
     out0 = c.out.clone()
@@ -171,7 +181,9 @@ def test_sgmv_run_shrink_reduce(name: str, dtype: torch.dtype, split_k: int, mon
     monkeypatch.setattr(backend, "split_k", split_k)
     planes = out0.clone()
     backend.add_lora(planes, c.x, c.weights, c.info)
-    monkeypatch.setitem(triton_sgmv.TUNING, "run_shrink_reduce", True)
+    monkeypatch.setitem(
+        triton_sgmv.TUNING, "run_shrink_reduce", 0
+    )  # wherever there is more than one rank step
     c.info.host_derived.clear()  # the launch plans of this forward, made with the knob off
     for _ in range(2):
         got = out0.clone()
@@ -184,16 +196,28 @@ def test_sgmv_run_shrink_reduce(name: str, dtype: torch.dtype, split_k: int, mon
     assert int(counters.count_nonzero()) == 0
 
 
-def test_sgmv_shrink_reduce_only_for_split_decode_runs(monkeypatch) -> None:  # noqa: ANN001
-    """The knob changes decode runs split over in_features only: one split or a prefill keeps the planes'
-    path (a prefill's tiles are not one run each), as does the plain ``sgmv_shrink`` (no counters)."""
-    monkeypatch.setitem(triton_sgmv.TUNING, "run_shrink_reduce", True)
+def test_sgmv_shrink_reduce_where_it_pays(monkeypatch) -> None:  # noqa: ANN001
+    """The knob applies to decode runs split over in_features whose expand has more than one rank step in
+    at least ``run_shrink_reduce`` programs per SM; a prefill (its tiles not one run each), a single rank
+    step, a fewer-program expand and the plain ``sgmv_shrink`` (no counters) keep the planes' path."""
     counters = triton_sgmv.SplitCounters()
-    for name, split_k, reduced in [("decode-wide-in-qkv", 4, True), ("decode-wide-in-qkv", 1, False),
-                                   ("prefill-uniform-qkv", 4, False)]:  # fmt: skip
-        c = make_case(*CPU_CASES[name], dtype=torch.float32, seed=3)
+    monkeypatch.setattr(triton_sgmv, "sm_count", lambda device: 4)
+
+    def reduced(spec: tuple, split_k: int) -> bool:
+        c = make_case(*spec, dtype=torch.float32, seed=3)
         R = c.weights.A.shape[-2] // c.weights.n_slices
         job = ShrinkJob(c.x, c.weights.A, c.info, c.weights.n_slices, R, True, split_k)
-        kwargs = triton_sgmv._shrink_launch(job, fp32_planes=True, counters=counters)[2]
-        assert kwargs["REDUCE"] is reduced, name
+        plan = triton_sgmv._ModulePlan(job, c.weights, c.out.stride(0), False, counters=counters)
         assert triton_sgmv._shrink_launch(job, fp32_planes=True)[2]["REDUCE"] is False
+        return plan.reduce
+
+    wide = REDUCE_SPECS["wide-in"]  # 3 slices x 1 tile of 256 columns x 5 tiles: 15 expand programs
+    monkeypatch.setitem(triton_sgmv.TUNING, "run_shrink_reduce", None)
+    assert not reduced(wide, 4)
+    monkeypatch.setitem(triton_sgmv.TUNING, "run_shrink_reduce", 3)  # 12 programs on 4 SMs: pays
+    assert reduced(wide, 4)
+    assert not reduced(wide, 1)  # one split: nothing to sum
+    assert not reduced(CPU_CASES["decode-wide-in-qkv"], 4)  # rank bucket 16: one rank step
+    assert not reduced((133, 64, (64, 16, 16), 64, [64, 8, 2, 16], "uniform", "prefill"), 4)
+    monkeypatch.setitem(triton_sgmv.TUNING, "run_shrink_reduce", 4)  # 16 programs needed, 15 there
+    assert not reduced(wide, 4)
