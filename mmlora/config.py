@@ -66,7 +66,9 @@ class ModelConfig:
         'Layout of the base linears\' weights on CUDA: "row-major" (as checkpoints store them) or '
         '"column-major" (each a view of its contiguous transpose, same values; tied weights stay row-major). '
         "An experiment: on an H100, decode-shape GEMMs took 0.93-1.01x as long column-major, and issue 13's "
-        "serving run gained 0.5% base-only with unchanged adapter ratios (benchmarks/results, session 32).",
+        "serving run gained 0.5% base-only with unchanged adapter ratios (benchmarks/results, session 32); "
+        "on an H200, decode graphs at B=32-72 were 2-4% faster but at B=128 8-11% slower, and serving "
+        "2.2% slower base-only (session 33).",
     )
 
 

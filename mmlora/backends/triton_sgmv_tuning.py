@@ -59,6 +59,8 @@ TUNING = {
     # makes every shrink 1.4-2.8 us longer, and it shortens rank-64 gate_up's expand (2576 programs, 12
     # planes, two rank steps) 49.7 -> 38.1 and 65.2 -> 51.8 us but the other expands only 0.3-2 us; on
     # every module it was 1.1x slower at rank 16 and 0.96-0.99x at rank 64 (decode graphs: within noise).
+    # H200, session 33, with 8 (rank-64 gate_up alone): rank-64 decode runs 0.96-0.97x as long, but issue
+    # 23's {64} serving run unchanged (0.70 / 0.68x base-only against 0.70 / 0.67x, two rounds). So off.
     "run_shrink_reduce": None,
     # Expands over 16-token tiles load their out tile and scaling before the rank loop (EARLY_OUT), in
     # flight with the B tile: a small expand is a chain of dependent loads (segment, slot, rank, B, h, out)
