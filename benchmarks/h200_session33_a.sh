@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Ran in session 33 at commit ed75a96 (benchmarks/results/h200-2026-12-05-session33/c1); the knob was removed after.
 # Session 33, first call (about 300 s): the decode-run shrink that sums its own split-K planes
 # (``run_shrink_reduce``), so each expand program reads one plane of h instead of about 8.
 # 1. its GPU tests (real atomics, compiled kernels), with the other run knobs' tests;

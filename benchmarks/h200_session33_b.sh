@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Session 33, second call (about 500 s): issue 13's serving command (default backend, 8 / 32 / 1000
 # adapters, decode micro-benchmark, two sweep rounds) with the defaults, then again with the TUNING
-# overrides in KNOBS (e.g. KNOBS="triton-sgmv:run_shrink_reduce=true", through with_tuning.py), on one warm
+# overrides in KNOBS (e.g. KNOBS="triton-sgmv:run_expand_h_unroll=16", through with_tuning.py), on one warm
 # card in one call. Without KNOBS, only the first run.
 # Usage: [KNOBS="backend:knob=json ..."] bash benchmarks/h200_session33_b.sh OUTDIR
 set -u

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Ran in session 33 at commit 98d94ff (benchmarks/results/h200-2026-12-05-session33/c2); the knob was removed after.
 # Session 33, second call (about 520 s): the summing shrink (``run_shrink_reduce``) only where it paid in
 # the first call, the expands of more than one rank step in at least 8 programs per SM (rank-64 gate_up at
 # serving's decode runs). 1. decode_lora_anatomy.py at rank 64 (paged by 16) and rank 16, mode red8, to see

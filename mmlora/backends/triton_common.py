@@ -247,26 +247,6 @@ class FusedTritonBackend(LoRABackend):
         """``out += lora(x)`` on validated inputs, the pool rank being ``R``."""
 
 
-class SplitCounters:
-    """Arrival counters of shrinks that sum their own split-K planes (SGMV's ``REDUCE``), per device: int32
-    zeros, each left at 0 by the launch that used it. A buffer too small is replaced by a larger one and
-    kept, since CUDA graphs captured with it still use it."""
-
-    def __init__(self) -> None:
-        self._by_device: dict[torch.device, torch.Tensor] = {}
-        self._retired: list[torch.Tensor] = []
-
-    def get(self, device: torch.device, count: int) -> torch.Tensor:
-        """At least ``count`` counters on ``device``, all 0 between launches."""
-        buf = self._by_device.get(device)
-        if buf is None or buf.numel() < count:
-            if buf is not None:
-                self._retired.append(buf)
-            buf = torch.zeros(max(count, 1 << 14), dtype=torch.int32, device=device)
-            self._by_device[device] = buf
-        return buf
-
-
 def a_page_args(A: torch.Tensor, n_slices: int) -> tuple[int, int, int, int]:
     """A pool's A as the kernels take it: (slot stride, page stride, row stride, U), U the ranks per page,
     0 for the unpaged layout (whose kernels' code is unchanged: :func:`a_row_offset`)."""

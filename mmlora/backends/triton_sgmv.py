@@ -24,7 +24,6 @@ from mmlora.backends.triton_checks import check_expand_args
 from mmlora.backends.triton_common import (
     FusedTritonBackend,
     ShrinkJob,
-    SplitCounters,
     a_page_args,
     b_page_args,
     cdiv,
@@ -35,7 +34,6 @@ from mmlora.backends.triton_common import (
     pdl_options,
     rank_bucket_bound,
     shrink_entry,
-    sm_count,
     split_k_plan,
 )
 from mmlora.backends.triton_sgmv_act import TUNING as ACT_TUNING
@@ -93,16 +91,10 @@ class _Tiles:
 
 
 def _shrink_launch(
-    job: ShrinkJob,
-    fp32_planes: bool,
-    pdl: bool = False,
-    whole_rank: bool = True,
-    after: bool = False,
-    counters: SplitCounters | None = None,
+    job: ShrinkJob, fp32_planes: bool, pdl: bool = False, whole_rank: bool = True, after: bool = False
 ) -> tuple[tuple[int], tuple, dict, tuple[int, int, int], torch.dtype]:
-    """(grid, positional args with None for h and hsum, keyword args, h's padded shape, h's dtype) of
-    shrink's launch. With ``counters``, a decode-runs shrink split over in_features also sums its planes
-    into hsum (``REDUCE``; then ``kwargs["REDUCE"]``). The rank tile follows the batch's rank bucket (``job.top_rank``), not the pool rank, so a
+    """(grid, positional args with None for h, keyword args, h's padded shape, h's dtype) of shrink's
+    launch. The rank tile follows the batch's rank bucket (``job.top_rank``), not the pool rank, so a
     rank-16 batch of a rank-64 pool runs the rank-16 pool's tiles: one compile per bucket, all made by
     the warm-up; programs still stop at their slot's rank. ``whole_rank``: every column of h up to the
     pool rank is written (zeros past each rank); otherwise only those below the bucket, all that the
@@ -131,18 +123,16 @@ def _shrink_launch(
     dtype = x.dtype if split == 1 and not fp32_planes else torch.float32
     # Planes padded to 16 rows: their stride keeps the same divisibility for every batch.
     shape = (split, -(-T // 16) * 16, n * R)
-    reduce = counters is not None and runs and split > 1
-    count = counters.get(x.device, tiles.count * r_tiles) if reduce else info.seg_indptr  # unread if not
     *a_strides, U = a_page_args(A, n)
     args = (
-        x, A, None, None, info.seg_indptr, info.weight_indices, info.ranks, tiles.seg, tiles.m0, count,
+        x, A, None, info.seg_indptr, info.weight_indices, info.ranks, tiles.seg, tiles.m0,
         in_f, R, k_per_split, x.stride(0), *a_strides, shape[1] * shape[2], shape[2], tiles.m_tiles, r_tiles,
         split,
     )  # fmt: skip
     kwargs = dict(
         N_SLICES=n, NS_P2=ns_p2, SKIP_PAD=skip_pad, U=U, BLOCK_M=tiles.block_m, BLOCK_R=block_r, BLOCK_K=block_k,
         UPCAST=dot_upcast(x.dtype), PREC="ieee" if x.dtype == torch.float32 else "tf32", TILED=tiles.tiled,
-        PDL=pdl, AFTER=after, REDUCE=reduce, num_warps=TUNING["shrink_warps"],
+        PDL=pdl, AFTER=after, num_warps=TUNING["shrink_warps"],
     )  # fmt: skip
     if after:
         kwargs["launch_pdl"] = True
@@ -157,7 +147,7 @@ def _shrink_planes(job: ShrinkJob, fp32_planes: bool = False) -> torch.Tensor:
     plane and not ``fp32_planes``)."""
     grid, args, kwargs, shape, dtype = _shrink_launch(job, fp32_planes)
     h = torch.empty(shape, dtype=dtype, device=job.x.device)[:, : job.info.num_tokens]
-    fast(_sgmv_shrink_kernel)[grid](*args[:2], h, h, *args[4:], **kwargs)
+    fast(_sgmv_shrink_kernel)[grid](*args[:2], h, *args[3:], **kwargs)
     return h
 
 
@@ -166,35 +156,6 @@ def _rank_step(info: LoRABatchInfo, R: int, runs: bool) -> int:
     rank bucket (``run_expand_rank_step`` for 16-token tiles, i.e. decode runs)."""
     step = TUNING["run_expand_rank_step"] if runs else TUNING["expand_rank_step"]
     return min(step, max(RANK_TILE, next_pow2(rank_bucket_bound(info, R))))
-
-
-def _expand_grid(weights: LoRAWeights, info: LoRABatchInfo, R: int) -> tuple[_Tiles, int, int, int]:
-    """(token tiles, rank step, column tiles a program, column-tile groups a slice) of expand's launch,
-    whose grid is ``tiles.count * n_slices * groups``."""
-    slice_offsets = weights.slice_offsets
-    widths = [b - a for a, b in zip(slice_offsets, slice_offsets[1:])]
-    tiles = _Tiles.of(info, _block_m(info.max_seg_len, TUNING["block_m"]))
-    runs = tiles.block_m <= 16
-    # The rank in steps of at least 16 (the smallest tl.dot K), at most the batch's rank bucket: a
-    # segment stops at its slot's rank, and loads past it are masked, so a rank-8 slot of a rank-64 pool
-    # reads its own bytes only.
-    block_k = _rank_step(info, R, runs)
-    # Grouped only where the whole rank is one step (so h is loaded once for the group).
-    group = (TUNING["run_expand_group"] or 1) if runs and block_k >= rank_bucket_bound(info, R) else 1
-    return tiles, block_k, group, cdiv(cdiv(max(widths), TUNING["block_n"]), group)
-
-
-def _reduce_pays(weights: LoRAWeights, info: LoRABatchInfo, R: int, device: torch.device) -> bool:
-    """Whether a decode-run shrink should sum its own planes (``TUNING["run_shrink_reduce"]``): where its
-    expand loops over more than one rank step in at least that many programs per SM, so that each of
-    several waves of programs would sum every plane again at every step."""
-    per_sm = TUNING["run_shrink_reduce"]
-    if per_sm is None:
-        return False
-    tiles, block_k, _, n_tiles = _expand_grid(weights, info, R)
-    if tiles.block_m > 16 or block_k >= rank_bucket_bound(info, R):
-        return False
-    return tiles.count * weights.n_slices * n_tiles >= per_sm * sm_count(device)
 
 
 def _expand_launch(
@@ -210,9 +171,17 @@ def _expand_launch(
     ``pdl``), as its programmatic dependent (:func:`pdl_launch`)."""
     B, scalings, slice_offsets = weights.B, weights.scalings, weights.slice_offsets
     n = weights.n_slices
-    tiles, block_k, group, n_tiles = _expand_grid(weights, info, R)
+    widths = [b - a for a, b in zip(slice_offsets, slice_offsets[1:])]
+    tiles = _Tiles.of(info, _block_m(info.max_seg_len, TUNING["block_m"]))
     block_n = TUNING["block_n"]
     runs = tiles.block_m <= 16
+    # The rank in steps of at least 16 (the smallest tl.dot K), at most the batch's rank bucket: a
+    # segment stops at its slot's rank, and loads past it are masked, so a rank-8 slot of a rank-64 pool
+    # reads its own bytes only.
+    block_k = _rank_step(info, R, runs)
+    # Grouped only where the whole rank is one step (so h is loaded once for the group).
+    group = (TUNING["run_expand_group"] or 1) if runs and block_k >= rank_bucket_bound(info, R) else 1
+    n_tiles = cdiv(cdiv(max(widths), block_n), group)
     warps = TUNING["run_expand_warps"] if runs else TUNING["expand_warps"]
     *b_strides, U = b_page_args(B)
     args = (
@@ -246,41 +215,24 @@ class _ModulePlan:
     a model share module shapes and the forward's batch, so every layer after the first launches these
     with its own x, A, B, scalings and out, skipping the launch arithmetic."""
 
-    __slots__ = ("shrink", "expand", "h_shape", "h_dtype", "reduce")
+    __slots__ = ("shrink", "expand", "h_shape", "h_dtype")
 
     def __init__(
-        self,
-        job: ShrinkJob,
-        weights: LoRAWeights,
-        out_stride: int,
-        pdl: bool,
-        after: bool = False,
-        counters: SplitCounters | None = None,
+        self, job: ShrinkJob, weights: LoRAWeights, out_stride: int, pdl: bool, after: bool = False
     ) -> None:
         # ``pdl``: the expand a programmatic dependent of its shrink; ``after``: the shrink one of the kernel
         # before it. An expand reading out before its wait (EARLY_OUT) could then read it unwritten.
         pdl = pdl_launch(job.x.device, pdl)
         after = pdl and after and not TUNING["run_expand_early_out"]
-        if counters is not None and not _reduce_pays(weights, job.info, job.R, job.x.device):
-            counters = None
         grid, args, kwargs, self.h_shape, self.h_dtype = _shrink_launch(
-            job, fp32_planes=True, pdl=pdl, whole_rank=False, after=after, counters=counters
+            job, fp32_planes=True, pdl=pdl, whole_rank=False, after=after
         )
-        self.shrink = fast(_sgmv_shrink_kernel).plan(grid, args, kwargs, (0, 1, 2, 3))
-        # REDUCE: the expand reads the shrink's one summed plane (hsum), not its SPLIT_K planes.
-        self.reduce = kwargs["REDUCE"]
+        self.shrink = fast(_sgmv_shrink_kernel).plan(grid, args, kwargs, (0, 1, 2))
         splits, rows, cols = self.h_shape
         grid, args, kwargs = _expand_launch(
-            (1 if self.reduce else splits, rows * cols, cols), weights, job.info, out_stride, job.R, pdl
+            (splits, rows * cols, cols), weights, job.info, out_stride, job.R, pdl
         )
         self.expand = fast(_sgmv_expand_kernel).plan(grid, args, kwargs, (0, 1, 2, 3))
-
-    def launch(self, out: torch.Tensor, x: torch.Tensor, weights: LoRAWeights) -> None:
-        """``out += lora(x)``: the shrink into fresh planes, then the expand (of hsum with REDUCE)."""
-        h = torch.empty(self.h_shape, dtype=self.h_dtype, device=x.device)
-        hsum = torch.empty(self.h_shape[1:], dtype=x.dtype, device=x.device) if self.reduce else h
-        fast(_sgmv_shrink_kernel).launch_plan(self.shrink, (x, weights.A, h, hsum))
-        fast(_sgmv_expand_kernel).launch_plan(self.expand, (hsum, weights.B, out, weights.scalings))
 
     @staticmethod
     def of(
@@ -292,20 +244,19 @@ class _ModulePlan:
         split_k: int | None,
         pdl: bool,
         after: bool = False,
-        counters: SplitCounters | None = None,
     ) -> _ModulePlan:
         """The plan for this module shape and an out of row stride ``out_stride`` in this forward (made
-        once, shared by the layers); ``after`` and ``counters``: see ``_shrink_launch``."""
+        once, shared by the layers); ``after``: see ``_shrink_launch``."""
         A, B, scalings = weights.A, weights.B, weights.scalings
         # Everything the launch arithmetic reads of this call, but the batch (the plan is per forward).
         key = (
             "sgmv_module", x.shape[1], x.stride(0), x.dtype, A.shape, A.stride(), B.shape, B.stride(),
-            scalings.stride(0), weights.slice_offsets, out_stride, R, split_k, pdl, after, counters is None,
+            scalings.stride(0), weights.slice_offsets, out_stride, R, split_k, pdl, after,
         )  # fmt: skip
         plan = info.host_derived.get(key)
         if plan is None:
             job = ShrinkJob(x, A, info, weights.n_slices, R, True, split_k)
-            plan = info.host_derived[key] = _ModulePlan(job, weights, out_stride, pdl, after, counters)
+            plan = info.host_derived[key] = _ModulePlan(job, weights, out_stride, pdl, after)
         return plan
 
 
@@ -336,12 +287,6 @@ class TritonSGMVBackend(FusedTritonBackend):
     graph_layouts = ("runs",)
     mixed_graphs = True  # token tiles from fill_graph's fixed tables
 
-    def __init__(self) -> None:
-        super().__init__()
-        # The REDUCE shrink's counters: one set per backend, so one engine's forwards (serial on its
-        # stream) are all that share them.
-        self._split_counters = SplitCounters()
-
     def _fused(
         self, out: torch.Tensor, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo, R: int
     ) -> None:
@@ -366,10 +311,10 @@ class TritonSGMVBackend(FusedTritonBackend):
         R: int,
         after: bool,
     ) -> None:
-        plan = _ModulePlan.of(
-            x, weights, info, R, out.stride(0), self.split_k, TUNING["pdl"], after, self._split_counters
-        )
-        plan.launch(out, x, weights)
+        plan = _ModulePlan.of(x, weights, info, R, out.stride(0), self.split_k, TUNING["pdl"], after)
+        h = torch.empty(plan.h_shape, dtype=plan.h_dtype, device=x.device)
+        fast(_sgmv_shrink_kernel).launch_plan(plan.shrink, (x, weights.A, h))
+        fast(_sgmv_expand_kernel).launch_plan(plan.expand, (h, weights.B, out, weights.scalings))
 
     def defer_lora(self, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo) -> SGMVDeferred | None:
         """The shrink now; the expand deferred to gate_up's gated activation (``TUNING["act_expand"]``),
@@ -407,7 +352,7 @@ class TritonSGMVBackend(FusedTritonBackend):
         layer returns; :meth:`_expand_phase` plans again for any other."""
         plan = _ModulePlan.of(x, weights, info, R, weights.B.shape[-2], self.split_k, False)
         h = torch.empty(plan.h_shape, dtype=plan.h_dtype, device=x.device)
-        fast(_sgmv_shrink_kernel).launch_plan(plan.shrink, (x, weights.A, h, h))
+        fast(_sgmv_shrink_kernel).launch_plan(plan.shrink, (x, weights.A, h))
         return h, plan
 
     def _expand_phase(

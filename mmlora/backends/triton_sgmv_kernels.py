@@ -33,13 +33,13 @@ def _tile(
 
 @triton.jit(do_not_specialize=_SHRINK_BATCH_INTS)
 def _sgmv_shrink_kernel(
-    x_ptr, a_ptr, h_ptr, hsum_ptr, seg_indptr_ptr, weight_indices_ptr, ranks_ptr, tile_seg_ptr, tile_m0_ptr,
-    count_ptr, in_features, R, K_PER_SPLIT, stride_xm, stride_as, stride_ap, stride_ar, stride_hs, stride_hm,
+    x_ptr, a_ptr, h_ptr, seg_indptr_ptr, weight_indices_ptr, ranks_ptr, tile_seg_ptr, tile_m0_ptr,
+    in_features, R, K_PER_SPLIT, stride_xm, stride_as, stride_ap, stride_ar, stride_hs, stride_hm,
     M_TILES, R_TILES, SPLIT_K,
     N_SLICES: tl.constexpr, NS_P2: tl.constexpr, SKIP_PAD: tl.constexpr, U: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr, PREC: tl.constexpr, TILED: tl.constexpr, PDL: tl.constexpr,
-    AFTER: tl.constexpr, REDUCE: tl.constexpr,
+    AFTER: tl.constexpr,
 ):  # fmt: skip
     """Shrink, split over in_features: for segment i with slot w[i] >= 0 and split k:
     ``h[k, s[i]:s[i+1]] = x[s[i]:s[i+1], Kk] @ A[w[i], :, Kk].T`` (sum over k gives the shrink).
@@ -53,18 +53,15 @@ def _sgmv_shrink_kernel(
     AFTER: launched as a programmatic dependent of the kernel before it (the base GEMM), which it overlaps:
     it reads nothing that kernel writes, and waits for it (``gdc_wait``) before every exit, so its
     completion, which the expand waits for, implies that kernel's.
-    REDUCE (SPLIT_K > 1): the split that arrives last at its tile's counter (``count_ptr``, int32, one per
-    token tile and rank tile, 0 before the launch and left 0 after it) also sums the tile's planes, in
-    plane order in fp32 as the expand would, into hsum [T, N_SLICES * R] (its row stride ``stride_hm``,
-    B's dtype): the expand then reads one plane of h instead of SPLIT_K.
     """
     if PDL:  # the expand (a programmatic dependent) may start now; it waits before reading h
         tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     pid_r = pid % R_TILES
     sp = (pid // R_TILES) % SPLIT_K
-    tile = pid // (R_TILES * SPLIT_K)
-    seg, m0 = _tile(tile, seg_indptr_ptr, tile_seg_ptr, tile_m0_ptr, M_TILES, BLOCK_M, TILED)
+    seg, m0 = _tile(
+        pid // (R_TILES * SPLIT_K), seg_indptr_ptr, tile_seg_ptr, tile_m0_ptr, M_TILES, BLOCK_M, TILED
+    )
     seg_end = tl.load(seg_indptr_ptr + seg + 1)
     if m0 >= seg_end:
         if AFTER:
@@ -85,12 +82,6 @@ def _sgmv_shrink_kernel(
     h_mask = m_ok[:, None] & col_ok[None, :]
     if (slot < 0) | (pid_r * BLOCK_R >= rank):
         tl.store(h_ptrs, tl.zeros((BLOCK_M, NS_P2 * BLOCK_R), dtype=h_ptr.dtype.element_ty), mask=h_mask)
-        if REDUCE:  # every split of this tile takes this branch, so none counts; the first writes the zeros
-            zeros = tl.zeros((BLOCK_M, NS_P2 * BLOCK_R), dtype=hsum_ptr.dtype.element_ty)
-            first = (offs_m * 0 + sp) == 0  # a tensor mask (the interpreter's & needs one)
-            tl.store(
-                hsum_ptr + offs_m[:, None] * stride_hm + col[None, :], zeros, mask=h_mask & first[:, None]
-            )
         if AFTER:
             tl.extra.cuda.gdc_wait()
         return
@@ -111,38 +102,8 @@ def _sgmv_shrink_kernel(
             at = at.to(tl.float32)
         acc = tl.dot(xt, at, acc, input_precision=PREC)
     tl.store(h_ptrs, acc.to(h_ptr.dtype.element_ty), mask=h_mask)
-    if REDUCE:
-        _sum_if_last(
-            h_ptr,
-            hsum_ptr,
-            count_ptr + tile * R_TILES + pid_r,
-            offs_m,
-            col,
-            h_mask,
-            SPLIT_K,
-            stride_hs,
-            stride_hm,
-        )
     if AFTER:
         tl.extra.cuda.gdc_wait()
-
-
-@triton.jit
-def _sum_if_last(h_ptr, hsum_ptr, count_ptr, offs_m, col, mask, SPLIT_K, stride_hs, stride_hm):
-    """Count this split's arrival at its tile's counter; the last of the SPLIT_K sums the tile's planes (in
-    plane order, fp32, as ``_h_tile``) into hsum, rounded to its dtype, and sets the counter back to 0."""
-    tl.debug_barrier()  # every thread's plane stores come before the arrival is counted
-    arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
-    if arrived == SPLIT_K - 1:
-        tl.debug_barrier()
-        ptrs = h_ptr + offs_m[:, None] * stride_hm + col[None, :]
-        # .cg: the other splits' planes are read from L2, where their stores went, never from this SM's L1.
-        acc = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-        for sp in range(1, SPLIT_K):
-            acc += tl.load(ptrs + sp * stride_hs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-        out_ptrs = hsum_ptr + offs_m[:, None] * stride_hm + col[None, :]
-        tl.store(out_ptrs, acc.to(hsum_ptr.dtype.element_ty), mask=mask)
-        tl.atomic_xchg(count_ptr, 0)
 
 
 @triton.jit

@@ -51,17 +51,6 @@ TUNING = {
     # ... and the software pipeline's depth of their in_features loop (None: Triton's default): few programs
     # each stream a long loop there, so loads in flight per program bound the bandwidth.
     "run_shrink_stages": None,
-    # ... and the last of a tile's splits to finish sums the tile's planes into one plane of h in x.dtype
-    # (``REDUCE``; an arrival counter per tile), so that every expand program reads one plane instead of
-    # all SPLIT_K fp32 planes at every rank step: where the expand has more than one rank step and at
-    # least this many programs per SM (None: never). Same sums in the same order, so the same bits. H100,
-    # session 33 (decode_lora_anatomy.py, B=72 on 24 and 128 on 32 adapters, two rounds): the summing tail
-    # makes every shrink 1.4-2.8 us longer, and it shortens rank-64 gate_up's expand (2576 programs, 12
-    # planes, two rank steps) 49.7 -> 38.1 and 65.2 -> 51.8 us but the other expands only 0.3-2 us; on
-    # every module it was 1.1x slower at rank 16 and 0.96-0.99x at rank 64 (decode graphs: within noise).
-    # H200, session 33, with 8 (rank-64 gate_up alone): rank-64 decode runs 0.96-0.97x as long, but issue
-    # 23's {64} serving run unchanged (0.70 / 0.68x base-only against 0.70 / 0.67x, two rounds). So off.
-    "run_shrink_reduce": None,
     # Expands over 16-token tiles load their out tile and scaling before the rank loop (EARLY_OUT), in
     # flight with the B tile: a small expand is a chain of dependent loads (segment, slot, rank, B, h, out)
     # and takes about 5 us whatever its bytes (o's: 5.0 us for 6 MB, session 17). Off: not yet timed.
