@@ -67,7 +67,7 @@ class ModelConfig:
         '"column-major" (each a view of its contiguous transpose, same values; tied weights stay row-major). '
         "An experiment: on an H100, decode-shape GEMMs took 0.93-1.01x as long column-major, and issue 13's "
         "serving run gained 0.5% base-only with unchanged adapter ratios (benchmarks/results, session 32); "
-        "on an H200, decode graphs at B=32-72 were 2-4% faster but at B=128 8-11% slower, and serving "
+        "on an H200, decode graphs at B=32-72 were 1-4% faster but at B=128 7.6-10.9% slower, and serving "
         "2.2% slower base-only (session 33).",
     )
 
