@@ -158,10 +158,11 @@ def ab_setup(default_batch: tuple[int, ...], default_adapters: int = 32) -> tupl
 
 
 def write_ab(args: argparse.Namespace, fields: dict) -> None:
-    """An A/B script's result to --out (JSON): its model and adapter count, ``fields``, torch and the device."""
+    """An A/B script's result to --out (JSON): its model, adapter count and rank, ``fields``, torch and the
+    device."""
     with open(args.out, "w") as f:
         json.dump(
-            {"model": args.model, "adapters": args.adapters, "rank": getattr(args, "rank", 16), **fields,
+            {"model": args.model, "adapters": args.adapters, "rank": args.rank, **fields,
              "torch": torch.__version__, "device": torch.cuda.get_device_name()},
             f, indent=1,
         )  # fmt: skip

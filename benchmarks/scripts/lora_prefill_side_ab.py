@@ -1,7 +1,7 @@
 """Issue 13: the SGMV shrink of prefill batches on the side stream beside the base GEMM (SGMV's
 ``TUNING["side_min_tokens"]``), against the whole LoRA after the GEMM on one stream, in one process.
 
-One engine (dummy Mistral-7B, bf16, 32 rank-16 adapters). For each configuration (prompts x prompt
+One engine (dummy Mistral-7B, bf16, --adapters adapters of --rank, 32 of rank 16 by default). For each configuration (prompts x prompt
 length, at most max_num_batched_tokens = 2048 in all, adapters cycled over the prompts) one prefill forward
 is timed in each mode, in rotating order, --rounds times. The GPU time of the forward alone: a long GPU sleep is queued first, so the host has launched the
 whole forward before the GPU reaches it; CUDA events around the forward then time the GPU's work, not the
@@ -67,9 +67,10 @@ def main() -> None:
     p.add_argument("--adapters", type=int, default=32)
     p.add_argument("--configs", nargs="+", default=["32x32", "16x128", "4x512"], help="PROMPTSxLENGTH")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rank", type=int, default=16, help="the adapters' rank, and the pool's")
     p.add_argument("--out", required=True)
     args = p.parse_args()
-    engine, _side, adapters = engine_with_adapters(args.model, 64, args.adapters)
+    engine, _side, adapters = engine_with_adapters(args.model, 64, args.adapters, args.rank)
     rng = np.random.default_rng(0)
     original = triton_sgmv.TUNING["side_min_tokens"]
     default = original or 512  # the threshold under test (off by default since this A/B)

@@ -181,9 +181,8 @@ def _micro(
             floor_s = recorder.floor_seconds(sum(ctx), list(ranks.values()), bw)
             replay_s = time_graph_replay(engine)
             by_layout = time_graph_layouts(engine) if with_lora else None
-            steady_s = mean_step_seconds(
-                engine, steps, drain=False
-            )  # last: the replays above keep their context
+            # Last: the replays above keep the context these steps would grow.
+            steady_s = mean_step_seconds(engine, steps, drain=False)
             abort_all(engine, rids)
             rows.append(
                 {
