@@ -65,6 +65,12 @@ TUNING = {
     # 4.98 -> 4.88 s against base-only's 3.9 s.
     "run_expand_group": 2,
     "run_expand_group_stages": 2,
+    # ... or, where set (and ``run_expand_group`` > 1), per launch the largest group of 4, 2 and 1 whose launch
+    # still has this many programs: a wide module (gate_up, 28,672 columns) in bigger groups, narrow ones (o,
+    # down) in smaller. H200 (session 27, decode runs at B=72 on 24 adapters, 36 segment entries): one group
+    # for every module took 0.96-0.98x the LoRA time of 2 at 1 (with 4 warps) and 1.18x at 4 (with 2), yet
+    # gate_up's expand alone was faster at 4 (session 19). Off: not yet timed.
+    "run_expand_group_programs": None,
     # ... and such a program loads its first tile's B before it waits for the shrink (as an ungrouped
     # program does; PDL) and its out tile right after, both before h, not after h's loads. Timed only with
     # the other three opt-ins (H100, session 31: all four 0.97-1.04x the replay, no win); so off.
@@ -94,4 +100,10 @@ TUNING = {
     # gate_up's expand deferred into the gated activation (``defer_lora``: one read of gate_up's output
     # and no write, one launch fewer; :mod:`mmlora.backends.triton_sgmv_act`). False: the plain expand.
     "act_expand": True,
+    # down's shrink fused into the gated activation that writes down's input, at decode runs (one launch for
+    # the activation and the shrink; :mod:`mmlora.backends.triton_sgmv_act_shrink`), and that module's expand
+    # then a programmatic dependent of down's base GEMM (``act_shrink_expand_pdl``: it loads B while the GEMM
+    # drains). Off: written in session 34, not yet timed on a GPU.
+    "act_shrink": False,
+    "act_shrink_expand_pdl": False,
 }

@@ -74,6 +74,31 @@ def test_sgmv_run_expand_groups(
     assert_out(c, c.out, want, out0)
 
 
+@pytest.mark.parametrize("name,dtype", GROUP_CASES[:4], ids=[f"{n}-{str(d)[6:]}" for n, d in GROUP_CASES[:4]])
+def test_sgmv_run_expand_group_by_programs(name: str, dtype: torch.dtype, monkeypatch) -> None:  # noqa: ANN001
+    """``run_expand_group_programs``: each launch takes the largest group of 4, 2, 1 that keeps that many
+    programs (so the group follows the module's width and the batch's segments), and gives the reference."""
+    monkeypatch.setitem(triton_sgmv.TUNING, "block_n", 16)
+    monkeypatch.setitem(triton_sgmv.TUNING, "run_expand_group", 2)
+    c = make_case(*CPU_CASES[name], dtype=dtype, seed=17, pad_value=float("nan"))
+    widths = [b - a for a, b in zip(c.offsets, c.offsets[1:])]
+    n, column_tiles, segments = len(widths), -(-max(widths) // 16), c.info.num_segments
+    chosen = {}
+    for least in (1, segments * n * -(-column_tiles // 2), segments * n * column_tiles, 10**6):
+        monkeypatch.setitem(triton_sgmv.TUNING, "run_expand_group_programs", least)
+        _, _, kwargs = triton_sgmv._expand_launch(
+            (1, 0, 0), c.weights, c.info, c.out.stride(0), c.B.shape[-1]
+        )
+        chosen[least] = kwargs["N_GROUP"]
+        c.info.host_derived.clear()
+        out = c.out.clone()
+        get_backend("triton-sgmv").add_lora(out, c.x, c.weights, c.info)
+        _, want = reference(c)
+        assert_out(c, out, want, c.out)
+    assert column_tiles >= 3  # so each of the four bounds picks another group
+    assert list(chosen.values()) == [4, 2, 1, 1]
+
+
 # Splits of at most 4 where in_features is 32-64; decode-wide-in-qkv's 1024 make 8, as serving's decode runs.
 H_UNROLL_CASES = [
     (name, dtype, *knobs)
