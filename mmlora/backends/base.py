@@ -117,17 +117,6 @@ class LoRABackend(ABC):
         the gated activation). By default never deferred."""
         return None
 
-    def act_and_shrink(
-        self, gate_up: torch.Tensor, act: int, weights: LoRAWeights, info: LoRABatchInfo
-    ) -> tuple[torch.Tensor, Callable[[torch.Tensor], None]] | None:
-        """The gated activation of ``gate_up`` ([T, 2I] -> [T, I]; act 0 SiLU, 1 tanh GELU, as
-        :mod:`mmlora.layers.fused_ops` numbers them) with the work of this module's LoRA that reads only that
-        activation (the shrink) done in the same pass, and a function that adds the delta to the module's
-        base output of it later: ``act, finish = act_and_shrink(...); out = base(act); finish(out)`` equals
-        ``out = base(act); add_lora(out, act, ...)``. None where this backend does not fuse for this batch
-        (the caller then runs its own activation and the plain path). By default never fused."""
-        return None
-
     def splits_work(self, info: LoRABatchInfo) -> bool:
         """Whether :meth:`start_lora` launches anything early for this batch (else a second stream
         would have nothing to overlap)."""

@@ -71,11 +71,6 @@ class TritonAutoBackend(LoRABackend):
     def defer_lora(self, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo) -> DeferredLoRA | None:
         return self.pick(info).defer_lora(x, weights, info)
 
-    def act_and_shrink(
-        self, gate_up: torch.Tensor, act: int, weights: LoRAWeights, info: LoRABatchInfo
-    ) -> tuple[torch.Tensor, Callable[[torch.Tensor], None]] | None:
-        return self.pick(info).act_and_shrink(gate_up, act, weights, info)
-
     def start_lora(
         self, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo
     ) -> Callable[[torch.Tensor], None]:

@@ -16,8 +16,6 @@ once.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import Tensor
 
@@ -40,7 +38,6 @@ from mmlora.backends.triton_common import (
 )
 from mmlora.backends.triton_sgmv_act import TUNING as ACT_TUNING
 from mmlora.backends.triton_sgmv_act import SGMVDeferred
-from mmlora.backends.triton_sgmv_act_shrink import ActShrinkPlan, act_shrink, fits_act_shrink
 from mmlora.backends.triton_sgmv_kernels import _sgmv_expand_kernel, _sgmv_shrink_kernel
 from mmlora.backends.triton_sgmv_tuning import TUNING
 from mmlora.forward.lora import RANK_TILE, LoRABatchInfo, LoRAWeights
@@ -267,34 +264,6 @@ class _ModulePlan:
         return plan
 
 
-def _act_shrink_plan(
-    out: torch.Tensor, gate_up_stride: int, act: int, weights: LoRAWeights, info: LoRABatchInfo, R: int,
-    split_k: int | None,
-) -> ActShrinkPlan | None:  # fmt: skip
-    """The fused activation + shrink's plans for this module shape in this forward (made once, shared by the
-    layers), or None where the batch is not one the fused kernel takes (:meth:`ActShrinkPlan.fits`)."""
-    A, B = weights.A, weights.B
-    expand_pdl = TUNING["act_shrink_expand_pdl"]
-    key = (
-        "sgmv_act_shrink", out.shape[1], gate_up_stride, out.dtype, A.shape, A.stride(), B.shape, B.stride(),
-        weights.scalings.stride(0), R, split_k, act, expand_pdl,
-    )  # fmt: skip
-    if key not in info.host_derived:
-        job = ShrinkJob(out, A, info, 1, R, True, split_k)
-        launch = _shrink_launch(job, fp32_planes=True, whole_rank=False)
-        plan = None
-        if ActShrinkPlan.fits(launch):
-            splits, rows, cols = launch[3]
-            pdl = pdl_launch(out.device, expand_pdl)
-            grid, args, kwargs = _expand_launch(
-                (splits, rows * cols, cols), weights, info, B.shape[-2], R, pdl
-            )
-            expand = fast(_sgmv_expand_kernel).plan(grid, args, kwargs, (0, 1, 2, 3))
-            plan = ActShrinkPlan(job, launch, gate_up_stride, act, expand)
-        info.host_derived[key] = plan
-    return info.host_derived[key]
-
-
 def sgmv_shrink(
     x: Tensor, A: Tensor, info: LoRABatchInfo, n_slices: int | None = None, split_k: int | None = None
 ) -> Tensor:
@@ -371,35 +340,6 @@ class TritonSGMVBackend(FusedTritonBackend):
 
         block_k = _rank_step(info, R, tiles.block_m <= 16)
         return SGMVDeferred(partials[0], weights, info, R, tiles, block_k, expand, check)
-
-    def act_and_shrink(
-        self, gate_up: torch.Tensor, act: int, weights: LoRAWeights, info: LoRABatchInfo
-    ) -> tuple[torch.Tensor, Callable[[torch.Tensor], None]] | None:
-        """The gated activation with this module's shrink fused in, for decode runs where
-        ``TUNING["act_shrink"]`` asks (:mod:`mmlora.backends.triton_sgmv_act_shrink`); the expand follows
-        the module's base GEMM, as after a plain shrink."""
-        if not (
-            TUNING["act_shrink"]
-            and info.has_lora
-            and info.num_tokens
-            and fits_act_shrink(gate_up, weights, info)
-        ):
-            return None
-        out = gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
-        R = self._input_rank(out, weights, info)
-        plan = _act_shrink_plan(out, gate_up.stride(0), act, weights, info, R, self.split_k)
-        if plan is None:
-            return None
-        h = act_shrink(gate_up, out, weights.A, plan)
-
-        def finish(base_out: torch.Tensor) -> None:
-            self._validated_rank(base_out, out, weights, info)
-            if base_out.stride(0) != weights.B.shape[-2]:
-                _expand_planes(h, weights, info, base_out, R)
-                return
-            fast(_sgmv_expand_kernel).launch_plan(plan.expand, (h, weights.B, base_out, weights.scalings))
-
-        return out, finish
 
     def splits_work(self, info: LoRABatchInfo) -> bool:
         """Prefill-sized batches only, where ``TUNING["side_min_tokens"]`` asks (off by default: measured

@@ -100,10 +100,4 @@ TUNING = {
     # gate_up's expand deferred into the gated activation (``defer_lora``: one read of gate_up's output
     # and no write, one launch fewer; :mod:`mmlora.backends.triton_sgmv_act`). False: the plain expand.
     "act_expand": True,
-    # down's shrink fused into the gated activation that writes down's input, at decode runs (one launch for
-    # the activation and the shrink; :mod:`mmlora.backends.triton_sgmv_act_shrink`), and that module's expand
-    # then a programmatic dependent of down's base GEMM (``act_shrink_expand_pdl``: it loads B while the GEMM
-    # drains). Off: written in session 34, not yet timed on a GPU.
-    "act_shrink": False,
-    "act_shrink_expand_pdl": False,
 }

@@ -54,11 +54,4 @@ def warm_up_lora_kernels(backend: LoRABackend, weights: Iterable[LoRAWeights], m
                 if pending is not None:
                     pending.act_and_mul(out, 0)
                     calls += 1
-                # a one-slice module (down): its shrink fused into the gated activation before it
-                if w.n_slices == 1:
-                    gate_up = torch.zeros(n_tokens, 2 * x.shape[1], dtype=x.dtype, device=x.device)
-                    fused = backend.act_and_shrink(gate_up, 0, w, info)
-                    if fused is not None:
-                        fused[1](out)
-                        calls += 1
     return calls

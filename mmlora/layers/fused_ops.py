@@ -14,8 +14,6 @@ CUDA graphs. Inference only: the Triton path has no autograd.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import triton
 import triton.language as tl
@@ -314,9 +312,3 @@ def gelu_tanh_and_mul(gate_up: torch.Tensor, lora: DeferredLoRA | None = None) -
         return gelu_tanh_and_mul_triton(gate_up)
     _check_gate_up("gelu_tanh_and_mul", gate_up)
     return gelu_tanh_and_mul_ref(gate_up)
-
-
-def act_code(act_and_mul: Callable[..., torch.Tensor]) -> int | None:
-    """The number fused LoRA kernels take for this gated activation op (0 :func:`silu_and_mul`, 1
-    :func:`gelu_tanh_and_mul`), None for any other function."""
-    return {silu_and_mul: _SILU, gelu_tanh_and_mul: _GELU_TANH}.get(act_and_mul)

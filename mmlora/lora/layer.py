@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -69,33 +68,6 @@ class LoRALinear(nn.Module):
             if pending is not None:
                 return self.base(x), pending
         return self(x), None
-
-    def forward_from_gated(
-        self, gate_up: torch.Tensor, act: int | None, act_and_mul: Callable[[torch.Tensor], torch.Tensor]
-    ) -> torch.Tensor:
-        """``self(act_and_mul(gate_up))``, with the activation and this module's shrink in one pass where the
-        backend fuses them (:meth:`LoRABackend.act_and_shrink`; ``act``: the activation's number, None for
-        one no kernel knows). As :meth:`forward_deferred`, a row-parallel base fuses on one process only."""
-        info = self.ctx.info
-        if (
-            act is not None
-            and info is not None
-            and info.has_lora
-            and not self.ctx.fuse_base
-            and not (isinstance(self.base, RowParallelLinear) and tp_group().is_parallel)
-            and not self._whole_beside(gate_up, info)
-        ):
-            fused = self.ctx.backend.act_and_shrink(
-                gate_up.reshape(-1, gate_up.shape[-1]), act, self.weights, info
-            )
-            if fused is not None:
-                activation, finish = fused
-                x = activation.view(*gate_up.shape[:-1], activation.shape[-1])
-                row_parallel = isinstance(self.base, RowParallelLinear)
-                out = self.base.partial(x) if row_parallel else self.base(x)
-                finish(out.view(-1, out.shape[-1]))
-                return self.base.reduce(out) if row_parallel else out
-        return self(act_and_mul(gate_up))
 
     def _whole_beside(self, x: torch.Tensor, info: LoRABatchInfo) -> bool:
         """Whether this batch runs its whole LoRA on the side stream (small decode batches of one row per

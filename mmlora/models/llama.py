@@ -16,7 +16,7 @@ from torch import nn
 
 from mmlora.forward.batch import ForwardBatch
 from mmlora.layers.attention import AttentionBackend
-from mmlora.layers.fused_ops import act_code, silu_and_mul
+from mmlora.layers.fused_ops import silu_and_mul
 from mmlora.layers.norms import RMSNorm
 from mmlora.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from mmlora.layers.rotary import MRotaryEmbedding, RotaryEmbedding, share_rotary
@@ -80,7 +80,6 @@ class GatedMLP(nn.Module):
     def __init__(self, cfg: ArchConfig, act_and_mul: Callable[..., torch.Tensor]) -> None:
         super().__init__()
         self.act_and_mul = act_and_mul
-        self.act_code = act_code(act_and_mul)
         inter, names = (cfg.intermediate_size, 1), ("intermediate_size", "intermediate_size")
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, (inter, inter), cfg.mlp_bias, names)
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, cfg.mlp_bias, "intermediate_size")
@@ -88,11 +87,9 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # A LoRA gate_up may leave its expand to the activation, which reads its output anyway.
         deferred = getattr(self.gate_up_proj, "forward_deferred", None)
-        gate_up, lora = deferred(x) if deferred is not None else (self.gate_up_proj(x), None)
-        # A LoRA down may have its shrink done by the activation, which writes its input anyway.
-        from_gated = getattr(self.down_proj, "forward_from_gated", None)
-        if lora is None and from_gated is not None:
-            return from_gated(gate_up, self.act_code, self.act_and_mul)
+        if deferred is None:
+            return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
+        gate_up, lora = deferred(x)
         return self.down_proj(self.act_and_mul(gate_up, lora))
 
 

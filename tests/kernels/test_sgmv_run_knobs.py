@@ -158,7 +158,9 @@ def test_sgmv_run_shrink_k_per_split(name: str, cap: int | None, monkeypatch) ->
     splits = _shrink_splits(c)
     assert splits == max(base, floor)
     if name == "decode-wide-in-qkv" and cap == 64:
-        assert splits == 16 > base  # 1024 in_features: 16 splits of 64, the most h_unroll 16 sums at once
+        assert splits == 16  # 1024 in_features: 16 splits of 64, the most h_unroll 16 sums at once
+        # ... more than the waves rule alone gives for the interpreter's 4 SMs (a GPU's SMs may ask 16 too)
+        assert c.x.is_cuda or base < 16
     _, want = reference(c)
     out0 = c.out.clone()
     for unroll in (None, 16):

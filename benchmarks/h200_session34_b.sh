@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Session 34, second call (about 560 s): SGMV's decode-run expand groups chosen per launch by program count
+# (run_expand_group_programs=1000: gate_up in groups of 4, qkv of 2 or 1, o and down of 1 at serving's
+# batches; the best group of each kernel in c1's per-kernel anatomy at B=72 and 128), against the defaults:
+# 1. its GPU tests; 2. real decode graphs (decode_knobs_ab.py: B=72 and 128 on 24 adapters, two rounds, with
+# one group for all, run_expand_group=1, beside it); 3. issue 13's serving command (default backend,
+# 8 / 32 / 1000 adapters, decode micro-benchmark, two sweep rounds) with the defaults, then with the rule, on
+# one warm card in one call.
+# Usage: bash benchmarks/h200_session34_b.sh OUTDIR
+set -u
+out=${1:?output folder}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PWD/benchmarks/scripts
+date -u > "$out/date.txt"
+git rev-parse HEAD > "$out/commit.txt" 2>/dev/null
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv > "$out/gpu.txt" 2>&1
+timeout 60 python -m pytest -q -rfE -p no:cacheprovider tests/kernels/test_sgmv_run_knobs.py \
+  -k "by_programs or k_per_split or run_expand_groups" > "$out/tests.txt" 2>&1
+echo "tests rc=$? at ${SECONDS} s: $(tail -1 "$out/tests.txt")" | tee "$out/summary.txt"
+knob=run_expand_group_programs=1000
+timeout 100 python benchmarks/scripts/decode_knobs_ab.py --batch 72 128 --adapters 24 --rounds 2 \
+  --mode "gp1000:$knob" g1:run_expand_group=1 --out "$out/graphs_ab.json" > "$out/graphs_ab.txt" 2>&1
+echo "graphs A/B rc=$? at ${SECONDS} s" | tee -a "$out/summary.txt"
+args=(serving --model dummy:mistral-7b-v0.3 --num-adapters 8 32 1000 --num-requests 192 --hf-batch 0
+  --micro-batch 32 128 --sweep-rounds 2)
+echo "python -m mmlora.bench ${args[*]}" > "$out/command.txt"
+echo "python benchmarks/scripts/with_tuning.py triton-sgmv:$knob -- ${args[*]}" >> "$out/command.txt"
+timeout $(((590 - SECONDS) / 2)) python -m mmlora.bench "${args[@]}" --out "$out/serving" > "$out/serving.log" 2>&1
+echo "serving rc=$? at ${SECONDS} s" | tee -a "$out/summary.txt"
+timeout $((590 - SECONDS)) python benchmarks/scripts/with_tuning.py "triton-sgmv:$knob" -- "${args[@]}" \
+  --out "$out/knobs" > "$out/knobs.log" 2>&1
+echo "serving with $knob rc=$? at ${SECONDS} s" | tee -a "$out/summary.txt"
+grep -E "^(FAILED|ERROR)" "$out/tests.txt" | head -8
+grep -ihE "Error|Traceback" "$out"/*.log "$out/graphs_ab.txt" | head -6
+grep -o "B=[0-9]* round.\{0,420\}" "$out/graphs_ab.txt"
+grep -h "^B=[0-9]*:" "$out/graphs_ab.txt" | cut -c1-300
+python benchmarks/scripts/serving_summary.py "$out" serving 2>&1 | head -30
+python benchmarks/scripts/serving_summary.py "$out" knobs 2>&1 | head -30
+true
