@@ -66,11 +66,16 @@ TUNING = {
     "run_expand_group": 2,
     "run_expand_group_stages": 2,
     # ... or, where set (and ``run_expand_group`` > 1), per launch the largest group of 4, 2 and 1 whose launch
-    # still has this many programs: a wide module (gate_up, 28,672 columns) in bigger groups, narrow ones (o,
-    # down) in smaller. H200 (session 27, decode runs at B=72 on 24 adapters, 36 segment entries): one group
-    # for every module took 0.96-0.98x the LoRA time of 2 at 1 (with 4 warps) and 1.18x at 4 (with 2), yet
-    # gate_up's expand alone was faster at 4 (session 19). Off: not yet timed.
-    "run_expand_group_programs": None,
+    # still has this many programs: the wide gate_up (28,672 columns) in bigger groups, the narrow o and down
+    # in smaller, and smaller ones as the batch's segment entries fall. One group for every module lost
+    # somewhere: at 1, gate_up's expand ran 1.2-1.3x as long; at 4, o's, down's and qkv's 1.2-1.35x (H100,
+    # session 34 c1, decode runs at B=72 on 24 adapters and B=128 on 32, segment entries B // 2). 1000 gives
+    # each kernel its best group at both points: gate_up 4, qkv 1 at B=72 and 2 at B=128, o and down 1. With
+    # 800 (the same but qkv 2 at B=72) the LoRA kernels took 0.95-0.96x the time of groups of 2 at both points,
+    # both rounds; with 1000, real decode graphs 0.986-0.997x at B=72 and 0.977-1.0004x at B=128 (two
+    # rounds each, same bits), and in issue 13's serving run the decode graphs' GPU span 0.98-1.0x (H100,
+    # session 34 c2; benchmarks/results/h100-2026-12-05-session34).
+    "run_expand_group_programs": 1000,
     # ... and such a program loads its first tile's B before it waits for the shrink (as an ungrouped
     # program does; PDL) and its out tile right after, both before h, not after h's loads. Timed only with
     # the other three opt-ins (H100, session 31: all four 0.97-1.04x the replay, no win); so off.

@@ -67,6 +67,7 @@ def test_sgmv_expand_groups_on_a_paged_pool(
     first tile's B loaded early and h's planes summed unrolled too."""
     monkeypatch.setitem(triton_sgmv.TUNING, "block_n", 16)
     monkeypatch.setitem(triton_sgmv.TUNING, "run_expand_group", 3)
+    monkeypatch.setitem(triton_sgmv.TUNING, "run_expand_group_programs", None)
     monkeypatch.setitem(triton_sgmv.TUNING, "run_expand_group_b_first", latency_knobs)
     monkeypatch.setitem(triton_sgmv.TUNING, "run_expand_h_unroll", 4 if latency_knobs else None)
     c = make_case(*CPU_CASES[name], dtype=torch.float32, seed=13, pad_value=float("nan"))

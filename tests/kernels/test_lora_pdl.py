@@ -80,8 +80,12 @@ def test_the_shrink_follows_the_base_gemm_as_a_dependent_only_where_that_is_safe
 
 
 #: SGMV's decode-run expand knobs that move loads around the PDL wait (h's planes unrolled after it; the
-#: first grouped tile's B before it and its out right after it).
-LATENCY_KNOBS = {"run_expand_h_unroll": 16, "run_expand_group_b_first": True}
+#: first grouped tile's B before it and its out right after it; groups of 2 at these small batches too).
+LATENCY_KNOBS = {
+    "run_expand_h_unroll": 16,
+    "run_expand_group_b_first": True,
+    "run_expand_group_programs": None,
+}
 RUNS = ([3, 2, 4, 1, 6], [0, 1, 3, -1, 2])  # decode runs, one base-only
 
 

@@ -65,6 +65,7 @@ def test_sgmv_run_expand_groups(
     monkeypatch.setitem(triton_sgmv.TUNING, "run_expand_group_b_first", b_first)
     monkeypatch.setitem(triton_sgmv.TUNING, "block_n", 16)
     monkeypatch.setitem(triton_sgmv.TUNING, "run_expand_group", group)
+    monkeypatch.setitem(triton_sgmv.TUNING, "run_expand_group_programs", None)  # this group, not the rule's
     monkeypatch.setitem(triton_sgmv.TUNING, "run_expand_group_stages", stages)
     c = make_case(*CPU_CASES[name], dtype=dtype, seed=11, pad_value=float("nan"))
     assert c.info.max_seg_len <= 16 or name == "mixed-ranks-1-to-128"
@@ -118,6 +119,7 @@ def test_sgmv_run_expand_h_unroll(
     """``run_expand_h_unroll``: decode-run expands summing h's split-K planes with unrolled loads (more
     planes than unrolled: the loop) give the reference, NaN padding included, and the looped sum's bits."""
     monkeypatch.setitem(triton_sgmv.TUNING, "run_expand_group", group)
+    monkeypatch.setitem(triton_sgmv.TUNING, "run_expand_group_programs", None)
     c = make_case(*CPU_CASES[name], dtype=dtype, seed=13, pad_value=float("nan"))
     assert c.info.max_seg_len <= 16  # the batches the knob applies to
     _, want = reference(c)
