@@ -9,13 +9,7 @@
 #    64, two rounds, with the greedy tokens and logprobs against the default (must be bit-equal).
 # A knob becomes a default only where faster in both rounds at every batch.
 # Usage: bash benchmarks/h200_session33_a.sh OUTDIR
-set -u
-out=${1:?output folder}
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PWD/benchmarks/scripts
-date -u > "$out/date.txt"
-git rev-parse HEAD > "$out/commit.txt" 2>/dev/null
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv > "$out/gpu.txt" 2>&1
+source "$(dirname "$0")/device_preamble.sh" "$@"
 cat "$out/gpu.txt"
 timeout 120 python -m pytest -q -rfE -p no:cacheprovider tests/kernels/test_sgmv_run_knobs.py -k "reduce or h_unroll" \
   > "$out/tests.txt" 2>&1

@@ -6,13 +6,7 @@
 # which kernels change; 2. issue 23's {64} run (32 adapters, rank-64 pool, two rounds against base-only),
 # with the defaults and then with the knob (with_tuning.py), on one card.
 # Usage: bash benchmarks/h200_session33_c.sh OUTDIR
-set -u
-out=${1:?output folder}
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PWD/benchmarks/scripts
-date -u > "$out/date.txt"
-git rev-parse HEAD > "$out/commit.txt" 2>/dev/null
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv > "$out/gpu.txt" 2>&1
+source "$(dirname "$0")/device_preamble.sh" "$@"
 timeout 60 python benchmarks/scripts/decode_lora_anatomy.py --rounds 2 --mode red8:run_shrink_reduce=8 \
   --profile-mode default red8 --rank 64 --page-rank 16 --point decode-runs:72:24:runs decode-runs:128:32:runs \
   --out "$out/anatomy_r64.json" > "$out/anatomy_r64.txt" 2>&1

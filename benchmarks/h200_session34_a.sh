@@ -14,13 +14,7 @@
 # A mode becomes a default only where it is faster in both rounds at both batches; then issue 13's serving
 # command runs with it (h200_session33_b.sh with KNOBS).
 # Usage: bash benchmarks/h200_session34_a.sh OUTDIR
-set -u
-out=${1:?output folder}
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PWD/benchmarks/scripts
-date -u > "$out/date.txt"
-git rev-parse HEAD > "$out/commit.txt" 2>/dev/null
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv > "$out/gpu.txt" 2>&1
+source "$(dirname "$0")/device_preamble.sh" "$@"
 timeout 150 python -m pytest -q -rfE -p no:cacheprovider tests/kernels/test_act_shrink.py \
   tests/kernels/test_lora_warmup.py tests/kernels/test_sgmv_run_knobs.py -k "shrink or fused or warm or group" \
   > "$out/tests.txt" 2>&1

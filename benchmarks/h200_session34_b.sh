@@ -7,13 +7,7 @@
 # 8 / 32 / 1000 adapters, decode micro-benchmark, two sweep rounds) with the defaults, then with the rule, on
 # one warm card in one call.
 # Usage: bash benchmarks/h200_session34_b.sh OUTDIR
-set -u
-out=${1:?output folder}
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PWD/benchmarks/scripts
-date -u > "$out/date.txt"
-git rev-parse HEAD > "$out/commit.txt" 2>/dev/null
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv > "$out/gpu.txt" 2>&1
+source "$(dirname "$0")/device_preamble.sh" "$@"
 timeout 60 python -m pytest -q -rfE -p no:cacheprovider tests/kernels/test_sgmv_run_knobs.py \
   -k "by_programs or k_per_split or run_expand_groups" > "$out/tests.txt" 2>&1
 echo "tests rc=$? at ${SECONDS} s: $(tail -1 "$out/tests.txt")" | tee "$out/summary.txt"

@@ -8,13 +8,7 @@
 # On an H100 (the H200 targets cannot be judged there): issue 23's rank-8 and rank-16 mixes with the rule and
 # without it (run_expand_group_programs=null), two rounds each.
 # Usage: bash benchmarks/h200_session34_c.sh OUTDIR
-set -u
-out=${1:?output folder}
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PWD/benchmarks/scripts
-date -u > "$out/date.txt"
-git rev-parse HEAD > "$out/commit.txt" 2>/dev/null
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv > "$out/gpu.txt" 2>&1
+source "$(dirname "$0")/device_preamble.sh" "$@"
 mixes=(serving --model dummy:mistral-7b-v0.3 --num-adapters 32 --num-requests 192 --hf-batch 0 --rank-mixes 8 16
   --pool-rank 64 --sweep-rounds 2)
 if grep -q H200 "$out/gpu.txt"; then
