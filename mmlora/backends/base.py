@@ -117,6 +117,14 @@ class LoRABackend(ABC):
         the gated activation). By default never deferred."""
         return None
 
+    def warm_up_variants(
+        self, out: torch.Tensor, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo
+    ) -> int:
+        """Launch the kernel variants that other batches of this batch's layout class may pick, where the
+        choice depends on more than the class (the warm-up, :mod:`mmlora.backends.warmup`, runs one batch a
+        class); returns the number of calls made. By default there are none."""
+        return 0
+
     def splits_work(self, info: LoRABatchInfo) -> bool:
         """Whether :meth:`start_lora` launches anything early for this batch (else a second stream
         would have nothing to overlap)."""

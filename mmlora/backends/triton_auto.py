@@ -71,6 +71,11 @@ class TritonAutoBackend(LoRABackend):
     def defer_lora(self, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo) -> DeferredLoRA | None:
         return self.pick(info).defer_lora(x, weights, info)
 
+    def warm_up_variants(
+        self, out: torch.Tensor, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo
+    ) -> int:
+        return self.pick(info).warm_up_variants(out, x, weights, info)
+
     def start_lora(
         self, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo
     ) -> Callable[[torch.Tensor], None]:

@@ -341,6 +341,25 @@ class TritonSGMVBackend(FusedTritonBackend):
         block_k = _rank_step(info, R, tiles.block_m <= 16)
         return SGMVDeferred(partials[0], weights, info, R, tiles, block_k, expand, check)
 
+    def warm_up_variants(
+        self, out: torch.Tensor, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo
+    ) -> int:
+        """Decode runs: the expand in each column-tile group (4, 2, 1) that ``run_expand_group_programs`` may
+        pick for a batch of more segments than this one, launched as serving launches it. ``TUNING`` is
+        changed for the calls and restored."""
+        least, fixed = TUNING["run_expand_group_programs"], TUNING["run_expand_group"]
+        if not least or not fixed or fixed < 2 or not info.has_lora or info.max_seg_len > 16:
+            return 0
+        try:
+            for programs, group in ((1, 2), (None, 2), (2**62, 2)):  # the rule picks 4, then 2, then 1
+                TUNING["run_expand_group_programs"], TUNING["run_expand_group"] = programs, group
+                info.host_derived.clear()  # launch plans are made once per forward
+                self.add_lora(out, x, weights, info)
+        finally:
+            TUNING["run_expand_group_programs"], TUNING["run_expand_group"] = least, fixed
+            info.host_derived.clear()
+        return 3
+
     def splits_work(self, info: LoRABatchInfo) -> bool:
         """Prefill-sized batches only, where ``TUNING["side_min_tokens"]`` asks (off by default: measured
         no faster): their base GEMMs are compute-bound, so the memory-bound shrink could share the GPU

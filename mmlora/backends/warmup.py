@@ -48,7 +48,7 @@ def warm_up_lora_kernels(backend: LoRABackend, weights: Iterable[LoRAWeights], m
                 backend.add_lora(out, x, w, info)
                 if backend.launches_after_base():
                     backend.add_lora_after_base(out, x, w, info)
-                calls += 1
+                calls += 1 + backend.warm_up_variants(out, x, w, info)
                 # gate_up: the expand deferred into its activation (one compile serves both activations)
                 pending = backend.defer_lora(x, w, info) if w.gated_pair else None
                 if pending is not None:

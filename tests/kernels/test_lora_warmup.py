@@ -81,6 +81,32 @@ def test_sgmv_and_auto_launch_variants_after_the_base_gemm_only_with_shrink_pdl(
     assert not get_backend("triton-bgmv").launches_after_base()
 
 
+@pytest.mark.parametrize("backend", ["triton-sgmv", "triton-auto"])
+def test_warm_up_launches_every_expand_group_the_rule_may_pick(backend: str, monkeypatch) -> None:
+    """SGMV's decode-run expand takes its column-tile group (a compile-time constant) from the batch's program
+    count (``run_expand_group_programs``), so the warm-up's small batches launch groups 4, 2 and 1 as well,
+    and leave TUNING as they found it."""
+    from mmlora.backends import triton_sgmv
+
+    groups: set[int] = set()
+    real = triton_sgmv._expand_launch
+
+    def recording(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        launch = real(*args, **kwargs)
+        groups.add(launch[2]["N_GROUP"])
+        return launch
+
+    monkeypatch.setattr(triton_sgmv, "_expand_launch", recording)
+    dev = torch.device("cuda" if HAS_CUDA else "cpu")
+    g = torch.Generator().manual_seed(1)
+    A = (torch.randn(3, 16, 32, generator=g) / 8).to(dev)
+    B = (torch.randn(3, 64, 16, generator=g) / 4).to(dev)
+    before = dict(triton_sgmv.TUNING)
+    warm_up_lora_kernels(get_backend(backend), [LoRAWeights(A, B, torch.ones(3, 1, device=dev), (0, 64))], 8)
+    assert {1, 2, 4} <= groups
+    assert before == triton_sgmv.TUNING
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device (compiles are what is counted)")
 @pytest.mark.parametrize("backend", ["triton-sgmv", "triton-bgmv", "triton-auto"])
@@ -121,6 +147,43 @@ def test_no_compile_after_warm_up(backend: str, shrink_pdl: bool, monkeypatch) -
                 if pending is not None:  # gate_up: the expand inside the gated activation, both kinds
                     for act in (0, 1):
                         assert pending.act_and_mul(out, act) is not None
+        torch.cuda.synchronize()
+    finally:
+        knobs.runtime.jit_post_compile_hook = prev
+    assert compiles == [], f"{len(compiles)} Triton compiles after the warm-up"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device (compiles are what is counted)")
+@pytest.mark.parametrize("backend", ["triton-sgmv", "triton-auto"])
+def test_no_compile_for_wide_decode_runs_after_warm_up(backend: str) -> None:
+    """Decode runs over Mistral-wide modules and many segments, where the expand-group rule picks groups of 4,
+    2 and 1 by the batch (the warm-up's own batches have one segment): nothing compiles after the warm-up."""
+    from triton import knobs
+
+    dev, slots, R = torch.device("cuda"), 8, 16
+    g = torch.Generator().manual_seed(2)
+    weights = []
+    for in_f, widths in [(512, (4096,)), (512, (4096, 1024, 1024)), (512, (14336, 14336))]:
+        offs = tuple([0] + [sum(widths[: i + 1]) for i in range(len(widths))])
+        A = (torch.randn(slots, len(widths) * R, in_f, generator=g) / 16).to(dev, torch.bfloat16)
+        B = (torch.randn(slots, offs[-1], R, generator=g) / 4).to(dev, torch.bfloat16)
+        weights.append(LoRAWeights(A, B, torch.ones(slots, len(widths), device=dev), offs))
+    be = get_backend(backend)
+    warm_up_lora_kernels(be, weights, 1024)
+    compiles = []
+    prev = knobs.runtime.jit_post_compile_hook
+    knobs.runtime.jit_post_compile_hook = lambda *a, **k: compiles.append(k.get("key"))
+    try:
+        info = LoRABatchInfo(1024, slots, dev)
+        for s in range(slots):
+            info.set_slot_rank(s, R)
+        for runs in (20, 130, 300):  # runs of two rows (SGMV under triton-auto too), on the slots in turn
+            info.fill([2] * runs, [i % slots for i in range(runs)])
+            for w in weights:
+                x = torch.randn(2 * runs, w.A.shape[2], device=dev, dtype=w.A.dtype)
+                out = torch.zeros(2 * runs, w.B.shape[1], device=dev, dtype=w.A.dtype)
+                be.add_lora(out, x, w, info)
         torch.cuda.synchronize()
     finally:
         knobs.runtime.jit_post_compile_hook = prev
