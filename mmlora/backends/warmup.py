@@ -1,13 +1,15 @@
 """Compile every LoRA kernel variant before serving, so no Triton compile lands inside a step.
 
 Triton compiles a kernel per set of compile-time constants (and per class of some integer and pointer
-arguments). SGMV and BGMV keep those independent of the batch (its token count, its ranks, its split
-of in_features) except for SGMV's few classes of segment length (decode rows, short runs, runs longer
-than a token tile) and the batch's rank bucket (:func:`mmlora.forward.lora.rank_buckets`: tiles sized
-for the ranks in the batch, not the pool's), so one ``add_lora`` per module shape, rank bucket and
-layout class below compiles all of their variants; the CUDA-graph capture then runs every (batch bucket, rank bound, row layout) a decode
-step can replay. A compile costs about a second; inside a serving run it stalled every request in flight
-(issue 23: rank-8 and mixed-rank runs had 2.6-2.9 s TTFTs).
+arguments). SGMV and BGMV keep those independent of the batch (its token count, its ranks, its split of
+in_features) except for SGMV's few classes of segment length (decode rows, short runs, runs longer than
+a token tile), the batch's rank bucket (:func:`mmlora.forward.lora.rank_buckets`: tiles sized for the
+ranks in the batch, not the pool's) and, for decode runs, the expand's column-tile group, chosen by the
+batch's program count (``LoRABackend.warm_up_variants`` launches the others). So one ``add_lora`` per
+module shape, rank bucket and layout class below, and those variants, compile all of them; the
+CUDA-graph capture then runs every (batch bucket, rank bound, row layout) a decode step can replay. A
+compile costs about a second; inside a serving run it stalled every request in flight (issue 23: rank-8
+and mixed-rank runs had 2.6-2.9 s TTFTs).
 """
 
 from __future__ import annotations
