@@ -31,16 +31,22 @@ def main(out: Path, names: list[str]) -> None:
         res = json.loads(path.read_text())
         rounds = sorted({r.get("round", 0) for r in res["runs"]})
         for k in rounds:
-            runs = {r["num_adapters"]: r for r in res["runs"] if r.get("round", 0) == k}
+            # A sweep over rank mixes (``--rank-mixes``) has one run per adapter count and mix.
+            runs = {
+                (r["num_adapters"], tuple(r.get("ranks") or ())): r
+                for r in res["runs"]
+                if r.get("round", 0) == k
+            }
             label = name if len(rounds) == 1 else f"{name} round {k + 1}"
-            if 0 in runs:
+            if any(n == 0 for n, _ in runs):
                 _round(label, runs)
         _micro(res)
     _clocks(out / "gpu_log.csv")
 
 
 def _round(name: str, runs: dict) -> None:
-    base = runs[0]
+    """One round's lines: ``runs`` keyed by (adapter count, rank mix), base-only at count 0."""
+    base = next(r for (n, _), r in runs.items() if n == 0)
 
     def kinds(r: dict) -> dict:
         return r.get("breakdown", {}).get("step_kinds", {})
@@ -60,13 +66,15 @@ def _round(name: str, runs: dict) -> None:
         f"{base['ttft_p50_s'] * 1e3:.0f} ms, decode {base['decode_seconds']:.2f} s, mixed wall "
         f"{bmx.get('wall_s', 0):.2f} s (launch {bmx.get('forward_launch_s', 0):.2f}); python gc {gc_s(base)}"
     )
-    for n, r in sorted(runs.items()):
+    mixes = {ranks for n, ranks in runs if n}
+    for (n, ranks), r in sorted(runs.items()):
         if not n:
             continue
         dg, mx = kinds(r).get("decode_graph", {}), mixed(r)
         up = r.get("breakdown", {}).get("adapter_uploads", {})
+        mix = f" ranks {','.join(map(str, ranks))}" if len(mixes) > 1 else ""
         print(
-            f"  n={n:5d}: {r['output_tok_per_s']:.0f} tok/s = "
+            f"  n={n:5d}{mix}: {r['output_tok_per_s']:.0f} tok/s = "
             f"{r['output_tok_per_s'] / base['output_tok_per_s']:.3f}x base; "
             f"TTFT p50 {r['ttft_p50_s'] / base['ttft_p50_s']:.2f}x; decode bytes bound "
             f"{base['decode_floor_seconds'] / r['decode_floor_seconds']:.3f}x; decode {r['decode_seconds']:.2f} s "
