@@ -15,19 +15,5 @@ knob=run_expand_group_programs=1000
 timeout 100 python benchmarks/scripts/decode_knobs_ab.py --batch 72 128 --adapters 24 --rounds 2 \
   --mode "gp1000:$knob" g1:run_expand_group=1 --out "$out/graphs_ab.json" > "$out/graphs_ab.txt" 2>&1
 echo "graphs A/B rc=$? at ${SECONDS} s" | tee -a "$out/summary.txt"
-args=(serving --model dummy:mistral-7b-v0.3 --num-adapters 8 32 1000 --num-requests 192 --hf-batch 0
-  --micro-batch 32 128 --sweep-rounds 2)
-echo "python -m mmlora.bench ${args[*]}" > "$out/command.txt"
-echo "python benchmarks/scripts/with_tuning.py triton-sgmv:$knob -- ${args[*]}" >> "$out/command.txt"
-timeout $(((590 - SECONDS) / 2)) python -m mmlora.bench "${args[@]}" --out "$out/serving" > "$out/serving.log" 2>&1
-echo "serving rc=$? at ${SECONDS} s" | tee -a "$out/summary.txt"
-timeout $((590 - SECONDS)) python benchmarks/scripts/with_tuning.py "triton-sgmv:$knob" -- "${args[@]}" \
-  --out "$out/knobs" > "$out/knobs.log" 2>&1
-echo "serving with $knob rc=$? at ${SECONDS} s" | tee -a "$out/summary.txt"
-grep -E "^(FAILED|ERROR)" "$out/tests.txt" | head -8
-grep -ihE "Error|Traceback" "$out"/*.log "$out/graphs_ab.txt" | head -6
-grep -o "B=[0-9]* round.\{0,420\}" "$out/graphs_ab.txt"
-grep -h "^B=[0-9]*:" "$out/graphs_ab.txt" | cut -c1-300
-python benchmarks/scripts/serving_summary.py "$out" serving 2>&1 | head -30
-python benchmarks/scripts/serving_summary.py "$out" knobs 2>&1 | head -30
-true
+source "$(dirname "$0")/serving_ab.sh"
+source "$(dirname "$0")/ab_report.sh"

@@ -126,7 +126,7 @@ def _sgmv_expand_kernel(
     N_SLICES: tl.constexpr, U: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr, PREC: tl.constexpr, TILED: tl.constexpr, PDL: tl.constexpr,
     EARLY_OUT: tl.constexpr, N_GROUP: tl.constexpr, GROUP_STAGES: tl.constexpr, H_UNROLL: tl.constexpr,
-    B_FIRST: tl.constexpr,
+    B_FIRST: tl.constexpr, TRIGGER: tl.constexpr,
 ):  # fmt: skip
     """Expand, all slices in one launch: for segment i with slot w[i] >= 0 and slice j:
     ``y[s[i]:s[i+1], o[j]:o[j+1]] += h[s[i]:s[i+1], j*R:j*R+r] @ B[w[i], o[j]:o[j+1], :r].T * sc[w[i], j]``.
@@ -142,7 +142,11 @@ def _sgmv_expand_kernel(
     of the batch, so there is no rank loop): a program covers N_GROUP consecutive column tiles of its
     slice, N_TILES counting such groups; it loads h and the scaling once, then streams B and out tile by
     tile (a loop GROUP_STAGES deep), so a small expand is no longer one chain of dependent loads per tile.
+    TRIGGER: the next kernel, if launched as a programmatic dependent, may launch now (it waits for this one
+    to finish before it reads anything).
     """
+    if TRIGGER:
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     pid_n = pid % (N_SLICES * N_TILES)
     seg, m0 = _tile(

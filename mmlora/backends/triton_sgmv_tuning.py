@@ -105,4 +105,12 @@ TUNING = {
     # gate_up's expand deferred into the gated activation (``defer_lora``: one read of gate_up's output
     # and no write, one launch fewer; :mod:`mmlora.backends.triton_sgmv_act`). False: the plain expand.
     "act_expand": True,
+    # The kernels that read a module's output after its expand (RoPE after qkv's, the add + RMSNorm after o's
+    # and down's, the gated activation after gate_up's) as programmatic dependent launches (Hopper+): each
+    # expand lets the next kernel launch at its start (``gdc_launch_dependents``), and that kernel waits for
+    # it (``gdc_wait``) before it reads anything, so its launch and ramp overlap the expand's last wave
+    # instead of following it. Read by :mod:`mmlora.layers.fused_ops` and :mod:`mmlora.layers.rotary_ops`
+    # for every launch of those ops. Off: written in session 34 after its device time was spent, not yet
+    # timed.
+    "expand_dependents": False,
 }

@@ -20,7 +20,8 @@ import triton.language as tl
 
 from mmlora.backends import cpu_kernels
 from mmlora.backends.base import DeferredLoRA
-from mmlora.backends.triton_common import cdiv, gated_act, next_pow2
+from mmlora.backends.triton_common import cdiv, gated_act, next_pow2, pdl_launch, pdl_options
+from mmlora.backends.triton_sgmv_tuning import TUNING as SGMV_TUNING
 from mmlora.triton_launch import fast
 
 #: Launch heuristics (read at every launch, so a benchmark can sweep them): the widest row RMSNorm keeps
@@ -60,14 +61,18 @@ def _rms_norm_kernel(
     x_ptr, r_ptr, w_ptr, y_ptr, s_ptr,
     N, stride_x, stride_r, stride_y, stride_s, eps, offset,
     HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr, BLOCK: tl.constexpr, NUM_TILES: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """RMSNorm of one row per program, optionally after a residual add:
     ``s = x + r`` (rounded to x.dtype; stored to S), ``y = s * rsqrt(mean(s^2) + eps)`` scaled by the
     weight as :func:`_rms_norm_scale` says.
 
     x, r, s [rows, N] (same dtype: fp32/fp16/bf16, unit column stride), w [N], y [rows, N] in y's
-    dtype. Statistics in fp32. N <= BLOCK * NUM_TILES; with NUM_TILES > 1 the row is read twice.
+    dtype. Statistics in fp32. N <= BLOCK * NUM_TILES; with NUM_TILES > 1 the row is read twice. PDL:
+    launched as a programmatic dependent of the kernel before it, which it waits for first.
     """
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     r_row = r_ptr + row * stride_r
@@ -98,14 +103,17 @@ def _rms_norm_kernel(
 
 @triton.jit
 def _act_and_mul_kernel(
-    gu_ptr, out_ptr, N_INTER, stride_g, stride_o, ACT: tl.constexpr, BLOCK: tl.constexpr,
+    gu_ptr, out_ptr, N_INTER, stride_g, stride_o, ACT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Gated activation: ``out[t, j] = round(act(gate[t, j])) * up[t, j]`` with gate = gu[t, :I] and
     up = gu[t, I:2I], I = N_INTER; act is SiLU (ACT 0) or tanh-approximated GELU (ACT 1), in fp32.
 
     gu [T, 2I], out [T, I], same dtype (fp32/fp16/bf16), unit column stride. act(gate) is rounded to
-    the dtype before the product, as torch's ``act(gate) * up`` rounds. Program (t, j-block).
+    the dtype before the product, as torch's ``act(gate) * up`` rounds. Program (t, j-block). PDL: as in
+    ``_rms_norm_kernel``.
     """
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < N_INTER
@@ -113,6 +121,13 @@ def _act_and_mul_kernel(
     g = tl.load(g_row + cols, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(g_row + N_INTER + cols, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * stride_o + cols, gated_act(g, u, ACT, out_ptr.dtype.element_ty), mask=ok)
+
+
+def dependent_launch(device: torch.device) -> dict:
+    """Launch options of a fused op that may read a decode-run LoRA expand's output: with SGMV's
+    ``TUNING["expand_dependents"]`` on Hopper, a programmatic dependent launch (``PDL``: the kernel waits for
+    the one before it before reading anything); else a plain launch."""
+    return pdl_options(pdl_launch(device, SGMV_TUNING["expand_dependents"]))
 
 
 # ---- checks ---------------------------------------------------------------------------------------
@@ -205,7 +220,7 @@ def rms_norm_triton(
             x2, r2, weight, y, s,
             N, x2.stride(0), r2.stride(0), y.stride(0), s.stride(0), float(eps), float(offset),
             HAS_RESIDUAL=residual is not None, GEMMA=bool(offset), BLOCK=block, NUM_TILES=tiles,
-            num_warps=min(16, max(1, block // 512)),
+            num_warps=min(16, max(1, block // 512)), **dependent_launch(x.device),
             enable_fp_fusion=False,  # x^2 rounded before the sum, as torch's pow then mean
         )  # fmt: skip
     y = y.view(x.shape)
@@ -259,6 +274,7 @@ def _act_and_mul_triton(name: str, gate_up: torch.Tensor, act: int) -> torch.Ten
         grid = (g2.shape[0], cdiv(inter, block))
         fast(_act_and_mul_kernel)[grid](
             g2, out, inter, g2.stride(0), out.stride(0), ACT=act, BLOCK=block, num_warps=TUNING["act_warps"],
+            **dependent_launch(g2.device),
             enable_fp_fusion=True,  # fma inside act, as nvcc builds torch's own activation kernels
         )  # fmt: skip
     return out.view(*gate_up.shape[:-1], inter)

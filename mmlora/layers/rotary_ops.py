@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from mmlora.backends.triton_common import cdiv, next_pow2
-from mmlora.layers.fused_ops import check_dtype, same_device, unit_cols
+from mmlora.layers.fused_ops import check_dtype, dependent_launch, same_device, unit_cols
 from mmlora.triton_launch import fast
 
 #: Launch heuristics (read at every launch, so a benchmark can sweep them): elements (heads x half
@@ -56,14 +56,17 @@ def _rope_kernel(
     q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr,
     Hq, Hkv, HALF, stride_qt, stride_qh, stride_kt, stride_kh, stride_ct, stride_st,
     stride_qot, stride_qoh, stride_kot, stride_koh, Q_BLOCKS,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Rotary embedding, neox layout, of q and k in one launch: for x in (q, k), with D = 2 * HALF,
     ``out[t, h] = round(x[t, h] * cos[t]) + round(rotate_half(x[t, h]) * sin[t])`` (rounded to x.dtype).
 
     q [T, Hq, D], k [T, Hkv, D], cos/sin [T, D], outputs like q and k; one dtype (fp32/fp16/bf16), any
     token and head strides, unit column stride. Program (t, head block): blocks below Q_BLOCKS are q's.
+    PDL: launched as a programmatic dependent of the kernel before it, which it waits for first.
     """
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     c_row = cos_ptr + t * stride_ct
@@ -138,7 +141,7 @@ def apply_rotary_triton(
         q, k, cos, sin, qo, ko,
         Hq, Hkv, half, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0),
         qo.stride(0), qo.stride(1), ko.stride(0), ko.stride(1), q_blocks,
-        BLOCK_H=block_h, BLOCK_D=block_d, num_warps=TUNING["rope_warps"],
+        BLOCK_H=block_h, BLOCK_D=block_d, num_warps=TUNING["rope_warps"], **dependent_launch(q.device),
         enable_fp_fusion=False,  # no fma: fp32 results round like torch's separate multiply and add
     )  # fmt: skip
     return qo, ko

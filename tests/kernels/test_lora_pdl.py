@@ -79,6 +79,21 @@ def test_the_shrink_follows_the_base_gemm_as_a_dependent_only_where_that_is_safe
     assert bool(got_after) is want and bool(got_launch) is want
 
 
+def _with_knob_off(monkeypatch, tuning: dict, knob: str, chain, info: LoRABatchInfo):  # noqa: ANN001, ANN202
+    """``chain(static)`` run eagerly with ``tuning[knob]`` off, then on again (launch plans rebuilt each
+    time: they are per forward): the plain launches' bits that a capture with the knob on must replay."""
+
+    def plain(static: torch.Tensor) -> list[torch.Tensor]:
+        monkeypatch.setitem(tuning, knob, False)
+        info.host_derived.clear()
+        want = chain(static)
+        monkeypatch.setitem(tuning, knob, True)
+        info.host_derived.clear()
+        return want
+
+    return plain
+
+
 #: SGMV's decode-run expand knobs that move loads around the PDL wait (h's planes unrolled after it; the
 #: first grouped tile's B before it and its out right after it; groups of 2 at these small batches too).
 LATENCY_KNOBS = {
@@ -154,14 +169,7 @@ def test_pdl_chain_equals_plain_launches_and_the_reference(
         assert any(k.metadata.launch_pdl for k in shrinks), "no shrink compiled as the GEMM's dependent"
 
     # Captured with PDL and replayed with new inputs: the plain launches' bits.
-    def plain(static: torch.Tensor) -> list[torch.Tensor]:
-        monkeypatch.setitem(module.TUNING, "pdl", False)
-        info.host_derived.clear()
-        want = chain(static)
-        monkeypatch.setitem(module.TUNING, "pdl", True)
-        info.host_derived.clear()
-        return want
-
+    plain = _with_knob_off(monkeypatch, module.TUNING, "pdl", chain, info)
     assert_replays_match(chain, x0, lambda: torch.randn(T, hidden, device=dev, generator=g).to(dt), plain, 3)
 
 
@@ -220,3 +228,71 @@ def test_pdl_expand_never_reads_partials_before_the_shrink_wrote_them(
         got = run(True)
         assert torch.isfinite(got).all()
         assert torch.equal(got, plain)
+
+
+@pytest.mark.skipif(not HOPPER, reason="needs a Hopper (sm90+) GPU")
+def test_fused_ops_as_dependents_of_the_expand_keep_the_bits(monkeypatch) -> None:
+    """``TUNING["expand_dependents"]``: the fused ops that read a decode-run expand's output (the gated
+    activation, the add + RMSNorm, RoPE) launched as its programmatic dependents, the expand letting them
+    launch at its start. MLP-and-rotary layers over decode runs, eager and captured in a CUDA graph replayed
+    with new inputs: the bits of plain launches; the ops were really compiled as dependent launches."""
+    from mmlora.layers import fused_ops, rotary_ops
+
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(5)
+    S, R, hidden, heads, layers = 4, 16, 512, 4, 4
+    head_dim = hidden // heads
+    slots = sorted(i % S for i in range(48)) + [-1] * 16
+    info = LoRABatchInfo(len(slots), S, dev, max_lora_rank=R)
+    for s in range(S):
+        info.set_slot_rank(s, (16, 8, 16, 4)[s])
+    info.fill_rows(slots, rank_bound=R, layout="runs", segments=len(slots) // 2)
+    T = len(slots)
+
+    def lora(n_slices: int, in_f: int, width: int) -> LoRAWeights:
+        A = (torch.randn(S, n_slices * R, in_f, device=dev, generator=g) / in_f**0.5).to(dt)
+        B = (torch.randn(S, n_slices * width, R, device=dev, generator=g) / 4).to(dt)
+        offs = tuple(i * width for i in range(n_slices + 1))
+        return LoRAWeights(A, B, torch.full((S, n_slices), 0.5, device=dev), offs)
+
+    stacks = []
+    for _ in range(layers):
+        w_up = (torch.randn(2 * hidden, hidden, device=dev, generator=g) / hidden**0.5).to(dt)
+        w_down = (torch.randn(hidden, hidden, device=dev, generator=g) / hidden**0.5).to(dt)
+        norm = (1 + torch.randn(hidden, device=dev, generator=g) / 8).to(dt)
+        stacks.append((w_up, lora(2, hidden, hidden), w_down, lora(1, hidden, hidden), norm))
+    cos = torch.cos(torch.randn(T, head_dim, device=dev, generator=g)).to(dt)
+    sin = torch.sin(torch.randn(T, head_dim, device=dev, generator=g)).to(dt)
+    backend = get_backend("triton-sgmv")
+
+    def chain(x: torch.Tensor) -> list[torch.Tensor]:
+        outs, residual = [], x
+        for w_up, up_lora, w_down, down_lora, norm in stacks:
+            gate_up = x @ w_up.T
+            backend.add_lora(gate_up, x, up_lora, info)
+            q, k = rotary_ops.apply_rotary_triton(
+                gate_up[:, :hidden].view(T, heads, head_dim),
+                gate_up[:, hidden:].view(T, heads, head_dim),
+                cos,
+                sin,
+            )
+            act = fused_ops.silu_and_mul_triton(gate_up)
+            down = act @ w_down.T
+            backend.add_lora(down, act, down_lora, info)
+            x, residual = fused_ops.rms_norm_triton(down, norm, 1e-6, 0.0, residual)
+            outs += [q, k, act, x, residual]
+        return outs
+
+    x0 = torch.randn(T, hidden, device=dev, generator=g).to(dt)
+    monkeypatch.setitem(triton_sgmv.TUNING, "expand_dependents", False)
+    plain = chain(x0)
+    monkeypatch.setitem(triton_sgmv.TUNING, "expand_dependents", True)
+    info.host_derived.clear()  # launch plans are per forward: new ones with the trigger
+    for a, b in zip(chain(x0), plain):
+        assert torch.equal(a, b)
+    for kernel in (fused_ops._rms_norm_kernel, fused_ops._act_and_mul_kernel, rotary_ops._rope_kernel):
+        assert any(k.metadata.launch_pdl for k in fast(kernel)._compiled.values()), f"{kernel} not dependent"
+
+    new_input = lambda: torch.randn(T, hidden, device=dev, generator=g).to(dt)  # noqa: E731
+    plain_of = _with_knob_off(monkeypatch, triton_sgmv.TUNING, "expand_dependents", chain, info)
+    assert_replays_match(chain, x0, new_input, plain_of, 3)
