@@ -4,14 +4,8 @@
 # overrides in KNOBS (e.g. KNOBS="triton-sgmv:run_expand_h_unroll=16", through with_tuning.py), on one warm
 # card in one call. Without KNOBS, only the first run.
 # Usage: [KNOBS="backend:knob=json ..."] bash benchmarks/h200_session33_b.sh OUTDIR
-set -u
-out=${1:?output folder}
+source "$(dirname "$0")/device_preamble.sh" "$@"
 knobs=${KNOBS:-}
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PWD/benchmarks/scripts
-date -u > "$out/date.txt"
-git rev-parse HEAD > "$out/commit.txt" 2>/dev/null
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv > "$out/gpu.txt" 2>&1
 args=(serving --model dummy:mistral-7b-v0.3 --num-adapters 8 32 1000 --num-requests 192 --hf-batch 0
   --micro-batch 32 128 --sweep-rounds 2)
 echo "python -m mmlora.bench ${args[*]}" > "$out/command.txt"

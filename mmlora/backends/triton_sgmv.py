@@ -352,8 +352,9 @@ class TritonSGMVBackend(FusedTritonBackend):
         if not least or not fixed or fixed < 2 or not info.has_lora or info.max_seg_len > 16:
             return 0
         try:
-            for programs, group in ((1, 2), (None, 2), (2**62, 2)):  # the rule picks 4, then 2, then 1
-                TUNING["run_expand_group_programs"], TUNING["run_expand_group"] = programs, group
+            TUNING["run_expand_group"] = 2  # what the rule leaves in place when it is off (None below)
+            for programs in (1, None, 2**62):  # groups of 4, then 2, then 1
+                TUNING["run_expand_group_programs"] = programs
                 info.host_derived.clear()  # launch plans are made once per forward
                 self.add_lora(out, x, weights, info)
         finally:
