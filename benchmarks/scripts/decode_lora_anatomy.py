@@ -113,8 +113,19 @@ def _chosen_points(args: argparse.Namespace) -> list[tuple[str, int, int, str | 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--smoke", action="store_true")
-    p.add_argument("--rank", type=int, default=16)
-    p.add_argument("--pool-rank", type=int, default=None, help="the pool's rank (default --rank)")
+    p.add_argument(
+        "--rank",
+        type=int,
+        nargs="+",
+        default=[16],
+        help="a rank, or a mix: adapter s has rank[s % len(rank)]",
+    )
+    p.add_argument("--pool-rank", type=int, default=None, help="the pool's rank (default the largest --rank)")
+    p.add_argument(
+        "--heavy-first",
+        action="store_true",
+        help="decode rows ordered by rank, largest first (then by slot), instead of by slot alone",
+    )
     p.add_argument("--page-rank", type=int, default=None, help="page the pools by this many ranks")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--out", default=None)
@@ -156,7 +167,16 @@ def main() -> None:
         )
         name = args.backend or default
         backend = get_backend(name)
-        points = sweep._points(case, B, n, args.rank, args.smoke, device, pool_rank=args.pool_rank)
+        points = sweep._points(
+            case,
+            B,
+            n,
+            tuple(args.rank),
+            args.smoke,
+            device,
+            pool_rank=args.pool_rank,
+            heavy_first=args.heavy_first,
+        )
         if args.page_rank:
             for pt in points:
                 pt.weights = page_weights(pt.weights, args.page_rank)
@@ -211,7 +231,8 @@ def main() -> None:
             json.dump(
                 {
                     "rank": args.rank,
-                    "pool_rank": args.pool_rank or args.rank,
+                    "pool_rank": args.pool_rank or max(args.rank),
+                    "heavy_first": args.heavy_first,
                     "copy_bandwidth": bw,
                     "results": results,
                 },

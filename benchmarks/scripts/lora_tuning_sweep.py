@@ -98,10 +98,15 @@ def _points(
     device: torch.device,
     segments: int | None = None,
     pool_rank: int | None = None,
+    heavy_first: bool = False,
 ) -> list:
-    """The four projections' benchmark points of a case; ``segments``: the runs layout's segment entries
-    (default B // 2, as triton-auto captures it); ``pool_rank``: the pool's rank (default ``rank``)."""
-    R = pool_rank or rank
+    """The four projections' benchmark points of a case; ``rank``: one rank, or a mix (distinct adapter s
+    has rank ``mix[s % len(mix)]``); ``segments``: the runs layout's segment entries (default B // 2, as
+    triton-auto captures it); ``pool_rank``: the pool's rank (default the largest rank); ``heavy_first``:
+    a decode batch's rows ordered by rank, largest first, then by slot (instead of by slot alone), so the
+    programs of the highest-rank segments come first in the grid."""
+    mix = (rank,) if isinstance(rank, int) else tuple(rank)
+    R = pool_rank or max(mix)
     projections = kb.SMOKE_PROJECTIONS if smoke else kb.PROJECTIONS
     dtype = torch.float32 if smoke else torch.bfloat16
     points = []
@@ -117,7 +122,7 @@ def _points(
         else:
             phase, T, pop, req_len = "decode", B, ("distinct" if n_adapters >= B else "grouped"), 512
             kb.UNIFORM_POOL = n_adapters
-        pt = kb._Point(proj, in_f, widths, (rank,), pool_rank, phase, T, pop, dtype, device, req_len, 0)
+        pt = kb._Point(proj, in_f, widths, mix, pool_rank, phase, T, pop, dtype, device, req_len, 0)
         if case.startswith("decode"):
             lens, slots = kb._layout(phase, T, pop, req_len, random.Random(0))
             n_distinct = max(slots) + 1
@@ -127,10 +132,12 @@ def _points(
                 info.ranks.copy_(pt.infos[k].ranks)
                 info.ranks_host = list(pt.infos[k].ranks_host)
                 rows = sorted(k * n_distinct + s for s in slots)
+                if heavy_first:
+                    rows.sort(key=lambda row: -info.ranks_host[row])  # stable: by slot within a rank
                 if case == "decode-runs":
-                    info.fill_rows(rows, rank_bucket(rank, R), "runs", segments=max(1, T // 2))
+                    info.fill_rows(rows, rank_bucket(max(mix), R), "runs", segments=max(1, T // 2))
                 else:
-                    info.fill_rows(rows, rank_bucket(rank, R), "rows")
+                    info.fill_rows(rows, rank_bucket(max(mix), R), "rows")
                 infos.append(info)
             pt.infos = infos
         if case.startswith("mixed"):
