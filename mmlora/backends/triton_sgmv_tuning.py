@@ -110,7 +110,8 @@ TUNING = {
     # expand lets the next kernel launch at its start (``gdc_launch_dependents``), and that kernel waits for
     # it (``gdc_wait``) before it reads anything, so its launch and ramp overlap the expand's last wave
     # instead of following it. Read by :mod:`mmlora.layers.fused_ops` and :mod:`mmlora.layers.rotary_ops`
-    # for every launch of those ops. Off: written in session 34 after its device time was spent, not yet
-    # timed.
-    "expand_dependents": False,
+    # for every launch of those ops. H100, session 35 (benchmarks/results/h100-2026-12-05-session35): real
+    # decode graphs 0.980-0.998x at B=72 and B=128 in both rounds, tokens and logprobs bit-equal; issue
+    # 13's serving ratios 0.005-0.008 higher. Not yet timed on an H200.
+    "expand_dependents": True,
 }
