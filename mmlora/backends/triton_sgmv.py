@@ -40,6 +40,7 @@ from mmlora.backends.triton_sgmv_act import TUNING as ACT_TUNING
 from mmlora.backends.triton_sgmv_act import SGMVDeferred
 from mmlora.backends.triton_sgmv_kernels import _sgmv_expand_kernel, _sgmv_shrink_kernel
 from mmlora.backends.triton_sgmv_tuning import TUNING
+from mmlora.forward.host_copy import to_device
 from mmlora.forward.lora import RANK_TILE, LoRABatchInfo, LoRAWeights
 from mmlora.triton_launch import fast
 
@@ -75,8 +76,7 @@ class _Tiles:
             # Rows padded to 16 entries: the second row's pointer stays 64-byte aligned, so its alignment
             # (which Triton compiles for) does not change with the tile count.
             pad = [0] * (-len(seg_ids) % 16)
-            table = torch.tensor([seg_ids + pad, starts + pad], dtype=torch.int32)
-            table = table.to(info.seg_indptr.device, non_blocking=True)
+            table = to_device([seg_ids + pad, starts + pad], torch.int32, info.seg_indptr.device)
             self.seg, self.m0 = table[0], table[1]
             self.count = len(seg_ids)
         else:

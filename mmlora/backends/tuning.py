@@ -1,5 +1,5 @@
-"""The Triton backends' launch-setting tables (each module's ``TUNING``) by name, and the
-``BACKEND:KNOB=JSON`` overrides that benchmark and compile-check scripts try before a setting becomes a
+"""The Triton backends' launch-setting tables (each module's ``TUNING``) by name, with the step inputs'
+host-copy switch (``host-copy``: :mod:`mmlora.forward.host_copy`), and the ``BACKEND:KNOB=JSON`` overrides that benchmark and compile-check scripts try before a setting becomes a
 default (``benchmarks/scripts/with_tuning.py``, ``scripts/cuda_compile_check.py --tuning``)."""
 
 from __future__ import annotations
@@ -8,12 +8,14 @@ import json
 from typing import Any
 
 from mmlora.backends import triton_bgmv, triton_fused_decode, triton_sgmv, triton_sgmv_act
+from mmlora.forward import host_copy
 
 TABLES: dict[str, dict[str, Any]] = {
     "triton-sgmv": triton_sgmv.TUNING,
     "triton-bgmv": triton_bgmv.TUNING,
     "triton-sgmv-act": triton_sgmv_act.TUNING,
     "triton-fused": triton_fused_decode.TUNING,
+    "host-copy": host_copy.SETTINGS,
 }
 
 

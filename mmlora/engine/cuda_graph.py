@@ -55,6 +55,7 @@ from mmlora.distributed.step import send_capture_graphs, send_replay
 from mmlora.engine.overlap import resolve_placeholders
 from mmlora.engine.scheduler import ScheduledBatch
 from mmlora.forward import AttentionMetadata, ForwardBatch
+from mmlora.forward.host_copy import host_tensor
 from mmlora.multimodal.mrope import decode_position
 
 logger = logging.getLogger(__name__)
@@ -295,7 +296,9 @@ class CudaGraphRunner:
             max_blocks = max(max_blocks, nb)
         pad = bs - n
         pad_slot = self.pad_page * bsz
-        i64 = torch.tensor([ids + [0] * pad, pos + [0] * pad, slots_kv + [pad_slot] * pad], dtype=torch.int64)
+        i64 = host_tensor(
+            [ids + [0] * pad, pos + [0] * pad, slots_kv + [pad_slot] * pad], torch.int64, self.device
+        )
         seq_lens += [1] * pad
         # Only the columns in use are refreshed: kernels never read a row past its seq_len, and the
         # stale entries left beyond it are valid page ids (the torch reference gathers, then masks).
@@ -307,7 +310,12 @@ class CudaGraphRunner:
         if self.sends_replays:
             rest = torch.tensor(seq_lens + self.last_slots + [b for r in rows for b in r], dtype=torch.int64)
             send_replay(bs, bound, LAYOUTS.index(layout), torch.cat([i64.view(-1), rest]))
-        self._load(bs, i64, torch.tensor(seq_lens, dtype=torch.int32), torch.tensor(rows, dtype=torch.int32))
+        self._load(
+            bs,
+            i64,
+            host_tensor(seq_lens, torch.int32, self.device),
+            host_tensor(rows, torch.int32, self.device),
+        )
         if future is not None and min(ids) < 0:
             static_ids = self.i64[0, :n]
             static_ids.copy_(resolve_placeholders(static_ids, future))

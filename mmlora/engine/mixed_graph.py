@@ -44,6 +44,7 @@ from mmlora.engine.overlap import resolve_placeholders
 from mmlora.engine.prompt_logprobs import record_prompt_logprobs
 from mmlora.engine.scheduler import ScheduledBatch
 from mmlora.forward import AttentionMetadata, ForwardBatch
+from mmlora.forward.host_copy import host_tensor, to_device
 from mmlora.layers.attention.triton_prefill import PrefillTiles, prefill_tile_table, prefill_tile_tokens
 
 logger = logging.getLogger(__name__)
@@ -234,11 +235,13 @@ class MixedGraphRunner:
         seqs = self.max_seqs
         tile_seq, tile_t0 = prefill_tile_table(num_new, self.tile_tokens, self.tile_entries)
         i32 = qsl + [tokens] * (seqs - n) + seq_lens + [0] * (seqs - n) + tile_seq + tile_t0
-        self.i32.copy_(torch.tensor(i32, dtype=torch.int32), non_blocking=True)
-        i64 = torch.tensor([ids + [0] * pad, pos + [0] * pad, kv_slots + [-1] * pad], dtype=torch.int64)
+        self.i32.copy_(host_tensor(i32, torch.int32, self.device), non_blocking=True)
+        i64 = host_tensor([ids + [0] * pad, pos + [0] * pad, kv_slots + [-1] * pad], torch.int64, self.device)
         self.i64[:, :bucket].copy_(i64, non_blocking=True)
         tables = [r.blocks + [0] * (max_blocks - len(r.blocks)) for r in requests]
-        self.block_tables[:n, :max_blocks].copy_(torch.tensor(tables, dtype=torch.int32), non_blocking=True)
+        self.block_tables[:n, :max_blocks].copy_(
+            host_tensor(tables, torch.int32, self.device), non_blocking=True
+        )
         if future is not None and min(ids) < 0:
             static_ids = self.i64[0, :tokens]
             static_ids.copy_(resolve_placeholders(static_ids, future))
@@ -252,7 +255,7 @@ class MixedGraphRunner:
         record_prompt_logprobs(self.model, self.hidden[:tokens], requests, num_new)
         if not sampling:
             return self.hidden.new_empty(0, 0, dtype=torch.float32), sampling
-        index = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
+        index = to_device(rows, torch.long, self.device)
         return self.model.compute_logits(self.hidden[index]), sampling
 
 

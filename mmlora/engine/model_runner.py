@@ -15,6 +15,7 @@ from mmlora.engine.prompt_logprobs import record_prompt_logprobs
 from mmlora.engine.request import Request
 from mmlora.engine.scheduler import ScheduledBatch
 from mmlora.forward import AttentionMetadata, ForwardBatch
+from mmlora.forward.host_copy import to_device
 from mmlora.kvcache.allocator import KVCache
 from mmlora.layers.attention import AttentionBackend
 from mmlora.layers.packed_linear import prepack_linears
@@ -138,7 +139,7 @@ class ModelRunner:
             layer.self_attn.k_cache = layer.self_attn.v_cache = None
 
     def _i32(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int32).to(self.device, non_blocking=True)
+        return to_device(values, torch.int32, self.device)
 
     def build(self, sched: ScheduledBatch) -> tuple[ForwardBatch, list[int]]:
         """The ForwardBatch, and the batch indices of requests that sample this step."""
@@ -149,8 +150,8 @@ class ModelRunner:
         attn = AttentionMetadata(
             query_start_loc=self._i32(rows.qsl),
             seq_lens=self._i32(seq_lens),
-            block_tables=torch.tensor(tables, dtype=torch.int32).to(self.device, non_blocking=True),
-            slot_mapping=torch.tensor(rows.kv_slots, dtype=torch.int64).to(self.device, non_blocking=True),
+            block_tables=to_device(tables, torch.int32, self.device),
+            slot_mapping=to_device(rows.kv_slots, torch.int64, self.device),
             num_seqs=len(sched),
             num_tokens=len(ids),
             max_query_len=max(sched.num_new),
@@ -164,15 +165,15 @@ class ModelRunner:
             chunks = [(r.mm_inputs, r.num_computed, n) for r, n in zip(sched.requests, sched.num_new)]
             pos, input_embeds, embed_rows = batch_inputs(chunks, self.model.encode_images, self.device)
         else:
-            pos = torch.tensor(rows.positions, dtype=torch.long).to(self.device, non_blocking=True)
-        input_ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
+            pos = to_device(rows.positions, torch.long, self.device)
+        input_ids = to_device(ids, torch.long, self.device)
         if self.future is not None and min(ids) < 0:
             input_ids = resolve_placeholders(input_ids, self.future)
         batch = ForwardBatch(
             input_ids=input_ids,
             positions=pos,
             attn=attn,
-            logits_rows=torch.tensor(rows.logits_rows, dtype=torch.long).to(self.device, non_blocking=True),
+            logits_rows=to_device(rows.logits_rows, torch.long, self.device),
             input_embeds=input_embeds,
             embed_rows=embed_rows,
         )

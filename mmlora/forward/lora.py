@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mmlora.forward.host_copy import host_tensor
+
 #: The Triton LoRA kernels walk a slot's rank in tiles of this many (a slot of rank 8 reads one tile),
 #: so ranks up to it cost the same and the smallest rank bucket is this.
 RANK_TILE = 16
@@ -249,14 +251,14 @@ class LoRABatchInfo:
         for n in seg_lens:
             indptr.append(indptr[-1] + n)
         nseg = len(seg_lens)
-        cpu = dict(dtype=torch.int32)
-        self.seg_indptr[: nseg + 1].copy_(torch.tensor(indptr, **cpu), non_blocking=True)
+        cpu = dict(dtype=torch.int32, device=self.device)
+        self.seg_indptr[: nseg + 1].copy_(host_tensor(indptr, **cpu), non_blocking=True)
         self.seg_indptr[nseg + 1 :].fill_(total)
-        self.seg_lens[:nseg].copy_(torch.tensor(seg_lens, **cpu), non_blocking=True)
+        self.seg_lens[:nseg].copy_(host_tensor(seg_lens, **cpu), non_blocking=True)
         self.seg_lens[nseg:].zero_()
-        self.weight_indices[:nseg].copy_(torch.tensor(seg_slots, **cpu), non_blocking=True)
+        self.weight_indices[:nseg].copy_(host_tensor(seg_slots, **cpu), non_blocking=True)
         self.weight_indices[nseg:].fill_(-1)
-        self.token_slots[:total].copy_(torch.tensor(token_slots, **cpu), non_blocking=True)
+        self.token_slots[:total].copy_(host_tensor(token_slots, **cpu), non_blocking=True)
         self.token_slots[total:].fill_(-1)
         self.num_tokens = total
         self.num_segments = nseg
@@ -303,7 +305,7 @@ class LoRABatchInfo:
         rows = [
             row for block_m in GRAPH_TILE_SIZES for row in length_tiles(lens, block_m, width, absolute=True)
         ]
-        table = torch.tensor(rows, dtype=torch.int32).view(len(GRAPH_TILE_SIZES), 2, width)
+        table = host_tensor(rows, torch.int32, self.device).view(len(GRAPH_TILE_SIZES), 2, width)
         self._tile_buf[:, :, :width].copy_(table, non_blocking=True)
         self.graph_tiles = {
             bm: (
@@ -356,12 +358,14 @@ class LoRABatchInfo:
         n = len(slots)
         if n > self.max_tokens:
             raise ValueError(f"fill_rows: {n} rows exceed the preallocated {self.max_tokens}")
-        device_slots = torch.tensor(slots, dtype=torch.int32)
+        device_slots = host_tensor(slots, torch.int32, self.device)
         self.token_slots[:n].copy_(device_slots, non_blocking=True)
         num_segments = n
         if layout == "rows":
             self.weight_indices[:n].copy_(device_slots, non_blocking=True)
-            self.seg_indptr[: n + 1].copy_(torch.arange(n + 1, dtype=torch.int32), non_blocking=True)
+            self.seg_indptr[: n + 1].copy_(
+                host_tensor(range(n + 1), torch.int32, self.device), non_blocking=True
+            )
             self.seg_lens[:n].fill_(1)
             self.seg_lens_host = [1] * n
             self.seg_slots_host = list(slots)
@@ -380,7 +384,7 @@ class LoRABatchInfo:
             indptr = [0]
             for length in lens:
                 indptr.append(indptr[-1] + length)
-            packed = torch.tensor([indptr, [*lens, 0], [*seg_slots, -1]], dtype=torch.int32)
+            packed = host_tensor([indptr, [*lens, 0], [*seg_slots, -1]], torch.int32, self.device)
             self.seg_indptr[: num_segments + 1].copy_(packed[0], non_blocking=True)
             self.seg_lens[:num_segments].copy_(packed[1, :num_segments], non_blocking=True)
             self.weight_indices[:num_segments].copy_(packed[2, :num_segments], non_blocking=True)
