@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Every test file with CUDA-only tests, in one device call (about 250 s on an H100, session 35): four pytest
-# processes side by side (their Triton compiles are CPU work), the slowest groups first. Run it after a
-# default changes: session 35 found an fp32 test that session 34's new default broke on the GPU alone.
+# Every test file with CUDA-only tests, in one device call: four pytest processes side by side (their Triton
+# compiles are CPU work), the slowest groups first (the two slowest took about 240 s each on an H100, session
+# 35). Run it after a default changes: session 35 found an fp32 test that session 34's new default broke on
+# the GPU alone.
 # Usage: bash benchmarks/gpu_tests.sh OUTDIR
 source "$(dirname "$0")/device_preamble.sh" "$@"
 t() { timeout 330 python -m pytest -q -rfE -p no:cacheprovider "$@"; }
