@@ -3,18 +3,17 @@
 In issue 13's serving runs, the mixed steps' launch time (``forward_launch_s``: host seconds inside the
 forward call) follows the run's adapter uploads (``launch_by_uploads.py``): 0.12-0.26 s in the 46 committed
 runs without uploads, 0.33-0.39 s in every 1000-adapter run with 115 and 0.65-0.88 s with 173 (the GPU wait
-shrank by less). An upload is one ~84 MB host-to-device
-copy from pinned memory on the pool's upload stream (then device-side scatters). A mixed step's launch
-makes several small host-to-device copies from pageable memory (its inputs, the LoRA routing) before and
-after its graph replay. The suspicion: a pageable copy goes through the driver's staging buffers, whose DMA
+shrank by less). An upload is one ~84 MB host-to-device copy from pinned memory on the pool's upload stream
+(then device-side scatters). A mixed step's launch makes several small host-to-device copies from pageable
+memory (its inputs, the LoRA routing) before and after its graph replay. The suspicion: a pageable copy goes through the driver's staging buffers, whose DMA
 queues behind the uploads' on the copy engine, so the host waits for the uploads.
 
 The probe, on the GPU alone (no engine): a burst of ``--uploads`` copies of ``--upload-mb`` MB each
 (pinned, one stream, as the pool's uploads; also cut into 4 MB pieces), then at once, on the main stream,
 timed on the host: small pageable copies, the same from pinned memory (``torch.tensor(..., pin_memory=
 True)``), a kernel launch and the replays of a small CUDA graph and of one of 2048 kernels (a mixed step's
-size); also with each upload scattered device-side as the pool's are; and on the GPU (events): when the main stream's
-small copy completed, counted from the burst's start. Each without a burst first. Three rounds.
+size); also with each upload scattered device-side as the pool's are; and on the GPU (events): when the
+main stream's small copies completed, counted from the burst's start. Each without a burst first. Three rounds.
 
     PYTHONPATH=. python benchmarks/scripts/upload_launch_probe.py --out FILE.json
 """

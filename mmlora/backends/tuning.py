@@ -1,6 +1,7 @@
 """The Triton backends' launch-setting tables (each module's ``TUNING``) by name, with the step inputs'
-host-copy switch (``host-copy``: :mod:`mmlora.forward.host_copy`), and the ``BACKEND:KNOB=JSON`` overrides that benchmark and compile-check scripts try before a setting becomes a
-default (``benchmarks/scripts/with_tuning.py``, ``scripts/cuda_compile_check.py --tuning``)."""
+host-copy switch (``host-copy``: :mod:`mmlora.forward.host_copy`), and the ``BACKEND:KNOB=JSON``
+overrides that benchmark and compile-check scripts try before a setting becomes a default
+(``benchmarks/scripts/with_tuning.py``, ``scripts/cuda_compile_check.py --tuning``)."""
 
 from __future__ import annotations
 

@@ -19,10 +19,16 @@ import torch
 SETTINGS: dict[str, Any] = {"pinned": False}
 
 
+def pinned_for(device: torch.device) -> bool:
+    """Whether host tensors bound for ``device`` are built page-locked: ``SETTINGS["pinned"]`` and a CUDA
+    device (the ``pin_memory`` argument of torch's factories)."""
+    return SETTINGS["pinned"] and device.type == "cuda"
+
+
 def host_tensor(values: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``torch.tensor(values, dtype=dtype)`` on the host, page-locked when ``SETTINGS["pinned"]`` and
-    ``device`` is a CUDA device (the copy's destination)."""
-    return torch.tensor(values, dtype=dtype, pin_memory=SETTINGS["pinned"] and device.type == "cuda")
+    """``torch.tensor(values, dtype=dtype)`` on the host, page-locked where :func:`pinned_for` says
+    (``device``: the copy's destination)."""
+    return torch.tensor(values, dtype=dtype, pin_memory=pinned_for(device))
 
 
 def to_device(values: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

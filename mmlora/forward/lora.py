@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mmlora.forward.host_copy import host_tensor
+from mmlora.forward.host_copy import host_tensor, pinned_for
 
 #: The Triton LoRA kernels walk a slot's rank in tiles of this many (a slot of rank 8 reads one tile),
 #: so ranks up to it cost the same and the smallest rank bucket is this.
@@ -251,14 +251,14 @@ class LoRABatchInfo:
         for n in seg_lens:
             indptr.append(indptr[-1] + n)
         nseg = len(seg_lens)
-        cpu = dict(dtype=torch.int32, device=self.device)
-        self.seg_indptr[: nseg + 1].copy_(host_tensor(indptr, **cpu), non_blocking=True)
+        host = dict(dtype=torch.int32, device=self.device)
+        self.seg_indptr[: nseg + 1].copy_(host_tensor(indptr, **host), non_blocking=True)
         self.seg_indptr[nseg + 1 :].fill_(total)
-        self.seg_lens[:nseg].copy_(host_tensor(seg_lens, **cpu), non_blocking=True)
+        self.seg_lens[:nseg].copy_(host_tensor(seg_lens, **host), non_blocking=True)
         self.seg_lens[nseg:].zero_()
-        self.weight_indices[:nseg].copy_(host_tensor(seg_slots, **cpu), non_blocking=True)
+        self.weight_indices[:nseg].copy_(host_tensor(seg_slots, **host), non_blocking=True)
         self.weight_indices[nseg:].fill_(-1)
-        self.token_slots[:total].copy_(host_tensor(token_slots, **cpu), non_blocking=True)
+        self.token_slots[:total].copy_(host_tensor(token_slots, **host), non_blocking=True)
         self.token_slots[total:].fill_(-1)
         self.num_tokens = total
         self.num_segments = nseg
@@ -363,9 +363,8 @@ class LoRABatchInfo:
         num_segments = n
         if layout == "rows":
             self.weight_indices[:n].copy_(device_slots, non_blocking=True)
-            self.seg_indptr[: n + 1].copy_(
-                host_tensor(range(n + 1), torch.int32, self.device), non_blocking=True
-            )
+            indptr = torch.arange(n + 1, dtype=torch.int32, pin_memory=pinned_for(self.device))
+            self.seg_indptr[: n + 1].copy_(indptr, non_blocking=True)
             self.seg_lens[:n].fill_(1)
             self.seg_lens_host = [1] * n
             self.seg_slots_host = list(slots)
