@@ -9,7 +9,9 @@ reads them at its own rate (about 3 TB/s), the shrink's launches go and a few us
 The probe, on the GPU alone (no engine): Mistral-7B's four projections at bf16, ``F.linear(x, W_cat[:N + E])``
 for B in ``--batches`` and E = slots x slices x rank for ``--slots`` and ``--ranks``, in CUDA graphs over
 ``--layers`` distinct weight copies (so no layer's weight sits in L2), two rounds. Prints per batch and E
-the four GEMMs' us a layer, the increase over E=0 and the rate the extra bytes were read at; writes JSON.
+the four GEMMs' us a layer, the increase over E=0, the rate the extra bytes were read at, and the four
+shrinks as GEMMs of their own over the stacked A alone (``alone``: one cuBLAS launch a module, no ``[W; A]``
+storage); writes JSON.
 
     PYTHONPATH=. python benchmarks/scripts/shrink_in_gemm_probe.py --out probe.json
 """
@@ -66,8 +68,11 @@ def probe(args: argparse.Namespace) -> dict:
             for rnd in range(args.rounds):
                 for e in extras:
                     us = _gemm_us(x, weights, N + e * n)
+                    # The shrink alone as one cuBLAS GEMM over the stacked A (no [W; A] storage needed).
+                    sep = _gemm_us(x, [w[N:] for w in weights], e * n) if e else 0.0
                     rows.append(
                         {"module": name, "B": B, "extra_rank_rows": e, "E": e * n, "round": rnd, "us": us}
+                        | {"sep_us": sep}
                     )
         del weights
         torch.cuda.empty_cache()
@@ -77,13 +82,16 @@ def probe(args: argparse.Namespace) -> dict:
 def report(result: dict) -> None:
     rows = result["rows"]
     worst: dict[tuple, float] = {}
+    alone: dict[tuple, float] = {}  # the shrink as its own cuBLAS GEMM
     for r in rows:
         key = (r["B"], r["extra_rank_rows"], r["module"])
         worst[key] = max(worst.get(key, 0.0), r["us"])
+        alone[key] = max(alone.get(key, 0.0), r.get("sep_us", 0.0))
     batches = sorted({r["B"] for r in rows})
     print(f"device: {result['device']}; us a layer (four GEMMs), worse of the rounds")
     print(
-        f"{'B':>5} {'slots x rank':>13} {'qkv':>7} {'o':>7} {'gate_up':>8} {'down':>7} {'layer':>8} {'+us':>7} {'TB/s':>6}"
+        f"{'B':>5} {'slots x rank':>13} {'qkv':>7} {'o':>7} {'gate_up':>8} {'down':>7} {'layer':>8} {'+us':>7}"
+        f" {'TB/s':>6} {'alone':>7}"
     )
     for B in batches:
         base = sum(worst[(B, 0, m)] for m in MODULES)
@@ -95,7 +103,7 @@ def report(result: dict) -> None:
             rate = extra_bytes / (plus * 1e-6) / 1e12 if plus > 0.05 else float("inf")
             print(
                 f"{B:>5} {e:>13} {per[0]:>7.1f} {per[1]:>7.1f} {per[2]:>8.1f} {per[3]:>7.1f} {layer:>8.1f}"
-                f" {plus:>7.1f} {rate:>6.2f}"
+                f" {plus:>7.1f} {rate:>6.2f} {sum(alone[(B, e, m)] for m in MODULES):>7.1f}"
             )
 
 
