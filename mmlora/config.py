@@ -143,6 +143,14 @@ class LoRAConfig:
         "forward with adapters is 6-12% faster, one without adapters 2-6% slower (it computes the stacked "
         "columns too), and each slot load repacks the modules' weights (about 90 ms for SmolLM2 in fp32).",
     )
+    lora_stage_slots: int = _f(
+        0,
+        "On CUDA, decode graphs with at most this many distinct adapters take the LoRA shrink from the base "
+        "GEMM: each LoRA module's weight gets this many adapters' A stacked under it (mmlora.lora.stage; "
+        "adapters are copied in as they enter a batch), so a decode step runs one expand a module instead "
+        "of a shrink and an expand. Every step's GEMM reads all of them, and they take that much GPU memory "
+        "(Mistral-7B, rank 16: 40 MB an adapter). Unpaged pools on one device only. 0: off.",
+    )
     allow_pickled_adapters: bool = _f(
         False, "Accept adapter_model.bin (read with torch.load(weights_only=True)); safetensors otherwise."
     )
@@ -234,6 +242,7 @@ class EngineConfig:
             f"must be >= max_loras_per_batch ({lora.max_loras_per_batch})",
         )
         _check(lora.lora_side_max_tokens >= 0, "lora_side_max_tokens", "must be >= 0")
+        _check(lora.lora_stage_slots >= 0, "lora_stage_slots", "must be >= 0")
         _check(cache.block_size >= 1, "block_size", "must be >= 1")
         mml = self.model.max_model_len
         _check(mml is None or mml >= 2, "max_model_len", "must be >= 2 (a prompt token and one to generate)")

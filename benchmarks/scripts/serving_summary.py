@@ -82,6 +82,7 @@ def _round(name: str, runs: dict) -> None:
             f"mixed wall {mx.get('wall_s', 0):.2f} s (launch {mx.get('forward_launch_s', 0):.2f}, span "
             f"{mx.get('gpu_span_s', 0):.2f}); uploads {up.get('count')} host "
             f"{up.get('host_s', 0):.2f} gpu {up.get('gpu_s') or 0:.2f} s; python gc {gc_s(r)}"
+            + (f"; LoRA replays {r['lora_replays']}" if r.get("lora_replays") else "")
         )
 
 

@@ -101,6 +101,20 @@ class LoRABackend(ABC):
         adds). The result may be a strided view. By default never fused."""
         return None
 
+    def add_lora_staged(
+        self,
+        out: torch.Tensor,
+        h: torch.Tensor,
+        weights: LoRAWeights,
+        info: LoRABatchInfo,
+        h_pos: torch.Tensor,
+    ) -> None:
+        """The expand alone, ``out [T, out] += delta``, where the shrink came with the base GEMM
+        (:mod:`mmlora.lora.stage`): h [T, C * n * R] (any row stride) holds every stage position's shrink
+        side by side, and a row on slot s reads the n * R columns from ``h_pos[s] * n * R`` (h_pos [S]
+        int32). Backends that list ``staged`` among :attr:`graph_layouts` implement it."""
+        raise NotImplementedError(f"{self.name}: no staged expand")
+
     def start_lora(
         self, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo
     ) -> Callable[[torch.Tensor], None]:

@@ -23,6 +23,7 @@ from mmlora.backends.base import DeferredLoRA, LoRABackend
 from mmlora.backends.registry import register_backend
 from mmlora.backends.triton_bgmv import TritonBGMVBackend
 from mmlora.backends.triton_sgmv import TritonSGMVBackend
+from mmlora.backends.triton_sgmv_staged import staged_expand
 from mmlora.forward.lora import LoRABatchInfo, LoRAWeights
 
 
@@ -47,11 +48,11 @@ class TritonAutoBackend(LoRABackend):
 
     def graph_segments(self, num_rows: int, layout: str) -> int:
         # Runs are replayed only when num_rows >= 2 * num_runs: half the entries (and SGMV programs).
-        return max(1, num_rows // 2) if layout == "runs" else num_rows
+        return max(1, num_rows // 2) if layout in ("runs", "staged") else num_rows
 
     def pick(self, info: LoRABatchInfo) -> LoRABackend:
         if info.graph_layout is not None:
-            return self.sgmv if info.graph_layout == "runs" else self.bgmv
+            return self.bgmv if info.graph_layout == "rows" else self.sgmv
         return self.sgmv if self.segment_kernel_pays(info.num_tokens, info.num_segments) else self.bgmv
 
     def add_lora(self, out: torch.Tensor, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo) -> None:
@@ -75,6 +76,16 @@ class TritonAutoBackend(LoRABackend):
         self, out: torch.Tensor, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo
     ) -> int:
         return self.pick(info).warm_up_variants(out, x, weights, info)
+
+    def add_lora_staged(
+        self,
+        out: torch.Tensor,
+        h: torch.Tensor,
+        weights: LoRAWeights,
+        info: LoRABatchInfo,
+        h_pos: torch.Tensor,
+    ) -> None:
+        staged_expand(out, h, weights, info, h_pos)
 
     def start_lora(
         self, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo

@@ -191,7 +191,7 @@ def _expand_launch(
     args = (
         None, B, None, scalings, info.seg_indptr, info.weight_indices, info.ranks, tiles.seg, tiles.m0,
         R, *h_strides, *b_strides, out_stride,
-        scalings.stride(0), *offset_args(slice_offsets), tiles.m_tiles, n_tiles,
+        scalings.stride(0), *offset_args(slice_offsets), tiles.m_tiles, n_tiles, info.ranks, 0,
     )  # fmt: skip
     kwargs = dict(
         N_SLICES=n, U=U, BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=dot_upcast(B.dtype),
@@ -320,6 +320,13 @@ class TritonSGMVBackend(FusedTritonBackend):
         h = torch.empty(plan.h_shape, dtype=plan.h_dtype, device=x.device)
         fast(_sgmv_shrink_kernel).launch_plan(plan.shrink, (x, weights.A, h))
         fast(_sgmv_expand_kernel).launch_plan(plan.expand, (h, weights.B, out, weights.scalings))
+
+    def add_lora_staged(
+        self, out: Tensor, h: Tensor, weights: LoRAWeights, info: LoRABatchInfo, h_pos: Tensor
+    ) -> None:
+        from mmlora.backends.triton_sgmv_staged import staged_expand  # which builds on this module
+
+        staged_expand(out, h, weights, info, h_pos)
 
     def defer_lora(self, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo) -> SGMVDeferred | None:
         """The shrink now; the expand deferred to gate_up's gated activation (``TUNING["act_expand"]``),

@@ -122,11 +122,11 @@ def _h_tile(h_ptr, offs_m, m_ok, cols, cols_ok, SPLIT_K, stride_hs, stride_hm, d
 def _sgmv_expand_kernel(
     h_ptr, b_ptr, out_ptr, scal_ptr, seg_indptr_ptr, weight_indices_ptr, ranks_ptr, tile_seg_ptr, tile_m0_ptr,
     R, SPLIT_K, stride_hs, stride_hm, stride_bs, stride_bp, stride_bn, stride_om, stride_ss, o0, o1, o2, o3, o4,
-    M_TILES, N_TILES,
+    M_TILES, N_TILES, h_pos_ptr, stride_hpos,
     N_SLICES: tl.constexpr, U: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr, PREC: tl.constexpr, TILED: tl.constexpr, PDL: tl.constexpr,
     EARLY_OUT: tl.constexpr, N_GROUP: tl.constexpr, GROUP_STAGES: tl.constexpr, H_UNROLL: tl.constexpr,
-    B_FIRST: tl.constexpr, TRIGGER: tl.constexpr,
+    B_FIRST: tl.constexpr, TRIGGER: tl.constexpr, H_POS: tl.constexpr = False,
 ):  # fmt: skip
     """Expand, all slices in one launch: for segment i with slot w[i] >= 0 and slice j:
     ``y[s[i]:s[i+1], o[j]:o[j+1]] += h[s[i]:s[i+1], j*R:j*R+r] @ B[w[i], o[j]:o[j+1], :r].T * sc[w[i], j]``.
@@ -143,7 +143,9 @@ def _sgmv_expand_kernel(
     slice, N_TILES counting such groups; it loads h and the scaling once, then streams B and out tile by
     tile (a loop GROUP_STAGES deep), so a small expand is no longer one chain of dependent loads per tile.
     TRIGGER: the next kernel, if launched as a programmatic dependent, may launch now (it waits for this one
-    to finish before it reads anything).
+    to finish before it reads anything). H_POS: h is one plane whose rows hold every staged adapter's
+    shrink side by side (the staged shrink, :mod:`mmlora.lora.stage`): slot w[i]'s columns start at
+    ``h_pos[w[i]] * stride_hpos`` (h_pos [S] int32, the slot's stage position).
     """
     if TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
@@ -160,6 +162,8 @@ def _sgmv_expand_kernel(
     slot = tl.load(weight_indices_ptr + seg)
     if (n0 >= hi) | (m0 >= seg_end) | (slot < 0):
         return
+    if H_POS:
+        h_ptr += tl.load(h_pos_ptr + slot).to(tl.int64) * stride_hpos
     if N_GROUP > 1:
         _expand_group(
             h_ptr, b_ptr, out_ptr, scal_ptr, ranks_ptr, slot, s, m0, seg_end, n0, hi, R, SPLIT_K,

@@ -46,6 +46,7 @@ from mmlora.bench.serving_parts import (
     StepRecorder,
     abort_all,
     copy_bandwidth,
+    lora_replays,
     make_workload,
     mean_step_seconds,
     plot,
@@ -95,6 +96,7 @@ def _engine(args: argparse.Namespace, slots: int, rank: int) -> Any:
         weight_layout=getattr(args, "weight_layout", "row-major"),
         disable_mixed_cuda_graph=getattr(args, "disable_mixed_cuda_graph", False),
         disable_lora_overlap=getattr(args, "disable_lora_overlap", False),
+        lora_stage_slots=getattr(args, "lora_stage_slots", 0),
         **side_max_tokens(args),
         overlap_schedule=getattr(args, "overlap_schedule", "auto"),
         disable_async_uploads=getattr(args, "disable_async_uploads", False),
@@ -283,8 +285,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for w in work:
             w["lora"] = adapters[w["lora"]]["name"] if w["lora"] is not None else None
         breakdown.reset()
+        replays0 = lora_replays(engine)
         res = run_workload(engine, work, recorder, bw)
         res["breakdown"] = breakdown.summary()
+        res["lora_replays"] = {k: v - replays0.get(k, 0) for k, v in lora_replays(engine).items()}
         res.update({"num_adapters": n, "system": "mmlora" if n else "base-only", "adapter_load_s": load_s})
         res["distinct_adapters_used"] = len(used)
         res["round"] = k

@@ -134,6 +134,13 @@ def parse_args(argv: list[str] | None, description: str) -> argparse.Namespace:
         "(default: the engine's lora_side_max_tokens; 0: only the shrink)",
     )
     p.add_argument(
+        "--lora-stage-slots",
+        type=int,
+        default=0,
+        help="the engine's lora_stage_slots: decode graphs of at most this many adapters take the LoRA "
+        "shrink from the base GEMM (mmlora.lora.stage; 0: off)",
+    )
+    p.add_argument(
         "--tp-size",
         "--tensor-parallel-size",
         type=int,
@@ -212,7 +219,11 @@ def parse_args(argv: list[str] | None, description: str) -> argparse.Namespace:
     if args.input_len[1] + args.output_len[1] > args.max_model_len:
         raise ValueError("--max-model-len: must cover the longest input + output")
     check_engine_options(
-        model=args.model, device=args.device, dtype=args.dtype, lora_backend=args.lora_backend
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        lora_backend=args.lora_backend,
+        lora_stage_slots=args.lora_stage_slots,
     )
     if args.workload == "two-tenants" and not (
         args.heavy_load > 0 and args.duration > 0 and args.rounds >= 1

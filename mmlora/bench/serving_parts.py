@@ -104,6 +104,16 @@ class StepRecorder:
             self.pending = None
 
 
+def lora_replays(engine: Any) -> dict[str, int]:
+    """Decode graph replays with LoRA so far, per row layout, and the adapters the shrink stage copied in
+    (``stage_copies``, :mod:`mmlora.lora.stage`); a run's figures are the difference of two calls."""
+    graphs = getattr(engine.runner, "decode_graphs", None)
+    counts = dict(graphs.replays_by_layout) if graphs is not None else {}
+    stage = engine.runner.lora.stage
+    counts["stage_copies"] = stage.copies if stage is not None else 0
+    return counts
+
+
 def time_graph_layouts(engine: Any, reps: int = 20) -> dict[str, float | None] | None:
     """Mean seconds of replaying the last step's graph in each LoRA row layout the backend captured
     (``rows`` / ``runs``: the same batch, its routing refilled in each layout; None for a layout whose

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -56,6 +57,7 @@ from mmlora.engine.overlap import resolve_placeholders
 from mmlora.engine.scheduler import ScheduledBatch
 from mmlora.forward import AttentionMetadata, ForwardBatch
 from mmlora.forward.host_copy import host_tensor
+from mmlora.forward.lora import GRAPH_LAYOUTS
 from mmlora.multimodal.mrope import decode_position
 
 logger = logging.getLogger(__name__)
@@ -63,7 +65,7 @@ logger = logging.getLogger(__name__)
 _BASE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 # Every row layout a graph may have (``LoRABackend.graph_layouts`` picks among them); a REPLAY command
 # names one by its index here.
-LAYOUTS = ("rows", "runs")
+LAYOUTS = GRAPH_LAYOUTS
 
 
 def batch_buckets(max_bs: int) -> list[int]:
@@ -163,6 +165,7 @@ class CudaGraphRunner:
         ]
         self.graphs: dict[tuple[int, int, str], _Graph] = {}
         self.num_replays = 0
+        self.replays_by_layout: Counter[str] = Counter()  # LoRA graphs only (rank bound > 0)
         self.last_key: tuple[int, int, str] | None = None  # (bucket, rank bound, layout) of the last replay
         self.last_slots: list[int] = []  # its rows' adapter slots (-1: base or padding)
         self._pad_host(self.max_bs)
@@ -347,6 +350,8 @@ class CudaGraphRunner:
         """Logits [bs, V] of graph (``bs``, ``bound``, ``layout``) over the static buffers' inputs."""
         entry = self.graphs[(bs, bound, layout)]
         self.num_replays += 1
+        if bound:
+            self.replays_by_layout[layout] += 1
         self.last_key = (bs, bound, layout)
         if entry.graph is None:
             return self._forward(bs)

@@ -31,10 +31,11 @@ GRAPH_TILE_SIZES = (16, 32, 64, 128)
 #: A first token no segment reaches: tile-table entries past the step's tiles point there and exit.
 UNUSED_TILE = 1 << 30
 
-#: The two ways a CUDA-graph decode step can route its rows: ``rows`` (one segment per row: per-row
-#: kernels such as BGMV) and ``runs`` (adjacent rows on one adapter merged into segments of at most
-#: RUN_TILE rows: segment kernels such as SGMV read each adapter once per run).
-GRAPH_LAYOUTS = ("rows", "runs")
+#: The ways a CUDA-graph decode step can route its rows: ``rows`` (one segment per row: per-row kernels
+#: such as BGMV), ``runs`` (adjacent rows on one adapter merged into segments of at most RUN_TILE rows:
+#: segment kernels such as SGMV read each adapter once per run) and ``staged`` (routed as ``runs``; the
+#: shrink comes from the base GEMM, :mod:`mmlora.lora.stage`).
+GRAPH_LAYOUTS = ("rows", "runs", "staged")
 
 
 def slot_runs(slots: Sequence[int], cap: int = RUN_TILE) -> list[tuple[int, int]]:

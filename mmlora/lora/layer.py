@@ -11,6 +11,7 @@ from mmlora.backends.base import DeferredLoRA, LoRABackend
 from mmlora.distributed.state import tp_group
 from mmlora.forward.lora import LoRABatchInfo, LoRAWeights
 from mmlora.layers.parallel_linear import RowParallelLinear
+from mmlora.lora.stage import ShrinkStage, StagedModule
 
 
 @dataclass
@@ -29,6 +30,9 @@ class LoRAContext:
     #: ``cpu_fused_lora``: let the backend run the base GEMM and the LoRA work together
     #: (``LoRABackend.fused_linear``), for base-only batches too.
     fuse_base: bool = False
+    #: ``lora_stage_slots``: decode graphs in the ``staged`` layout take the shrink from the base GEMM
+    #: (:mod:`mmlora.lora.stage`); the modules' ``staged`` are its views.
+    stage: ShrinkStage | None = None
 
 
 class LoRALinear(nn.Module):
@@ -49,6 +53,8 @@ class LoRALinear(nn.Module):
         self.ctx = ctx
         # Whether the base may hold a packed copy of its own that a fused call makes redundant.
         self._base_packed = hasattr(base, "release")
+        #: This module's [W; A_stage] where the manager stages shrinks (:mod:`mmlora.lora.stage`).
+        self.staged: StagedModule | None = None
 
     def forward_deferred(self, x: torch.Tensor) -> tuple[torch.Tensor, DeferredLoRA | None]:
         """(base output, the LoRA delta still to add) where the backend defers the expand to the reader of
@@ -61,6 +67,7 @@ class LoRALinear(nn.Module):
             info is not None
             and info.has_lora
             and not self.ctx.fuse_base
+            and not self._takes_stage(x, info)
             and not (isinstance(self.base, RowParallelLinear) and tp_group().is_parallel)
             and not self._whole_beside(x, info)
         ):
@@ -68,6 +75,11 @@ class LoRALinear(nn.Module):
             if pending is not None:
                 return self.base(x), pending
         return self(x), None
+
+    def _takes_stage(self, x: torch.Tensor, info: LoRABatchInfo) -> bool:
+        """Whether this forward takes its shrink from the base GEMM (a decode graph in the ``staged``
+        layout, which the routing picks only where every slot of the batch is staged)."""
+        return self.staged is not None and info.graph_layout == "staged" and info.has_lora and x.dim() == 2
 
     def _whole_beside(self, x: torch.Tensor, info: LoRABatchInfo) -> bool:
         """Whether this batch runs its whole LoRA on the side stream (small decode batches of one row per
@@ -101,6 +113,10 @@ class LoRALinear(nn.Module):
                 return self.base.reduce(fused.contiguous() if tp_group().is_parallel else fused)
             # Declined (its base packs itself again on use): the next fused call frees that copy again.
             self._base_packed = hasattr(self.base, "release")
+        if lora and self._takes_stage(x, info):
+            out, h = self.staged.linear(x)
+            backend.add_lora_staged(out, h, self.weights, info, self.ctx.stage.h_pos)
+            return self.base.reduce(out) if row_parallel else out
         flat_x = x.reshape(-1, x.shape[-1]) if lora else None
         finish = None
         if lora and side is not None and x.is_cuda:

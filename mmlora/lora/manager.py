@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from mmlora.backends import get_backend
+from mmlora.backends.base import LoRABackend
 from mmlora.backends.warmup import warm_up_lora_kernels
 from mmlora.config import LoRAConfig, split_lora_spec
 from mmlora.distributed.state import tp_group
@@ -30,6 +31,7 @@ from mmlora.lora.registry import AdapterEntry, AdapterRegistry
 from mmlora.lora.routing import ForwardRouting
 from mmlora.lora.shard import AdapterSharder, ShardedLoRAPool, recv_shard
 from mmlora.lora.spec import LoRATargetModel
+from mmlora.lora.stage import ShrinkStage
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +64,7 @@ class LoRAManager(ForwardRouting):
             dtype,
             device,
         )
-        slot_ranks = self.info.set_slot_rank
+        slot_ranks = self._slot_changed
         if tp_group().is_parallel and tp_group().rank == 0:
             sharder = AdapterSharder({t.name: _target(model, 0, t.name) for t in self.spec.targets})
             self._pool = ShardedLoRAPool(
@@ -84,6 +86,7 @@ class LoRAManager(ForwardRouting):
         self._registry = AdapterRegistry()
         self.dtype = dtype
         self._wrap(model)
+        self._stage_shrinks(config.lora_stage_slots, slot_ids, device)
         for spec in config.lora_paths:
             name, path = split_lora_spec(spec)
             self.load(name, path)
@@ -99,6 +102,39 @@ class LoRAManager(ForwardRouting):
                 wrapper = LoRALinear(getattr(parent, attr), weights, self._ctx)
                 setattr(parent, attr, wrapper)
                 self._wrapped.append((parent, attr, wrapper))
+
+    def _stage_shrinks(self, positions: int, slot_ids: int, device: torch.device) -> None:
+        """``lora_stage_slots``: stack that many stage positions under every LoRA module's base weight
+        (:mod:`mmlora.lora.stage`), where decode graphs can use them."""
+        if positions == 0:
+            return
+        backend = self._ctx.backend
+        # Any device: decode CUDA graphs use it, and the graph runner's uncaptured path on CPU (tests).
+        why = (
+            "a paged pool" if self.page_rank is not None
+            else "tensor parallelism" if tp_group().is_parallel
+            else f"the {backend.name} backend has no staged expand"
+            if type(backend).add_lora_staged is LoRABackend.add_lora_staged
+            else None
+        )  # fmt: skip
+        if why is not None:
+            logger.warning("lora_stage_slots=%d is unused: %s", positions, why)
+            return
+        self._ctx.stage = ShrinkStage(positions, slot_ids, device)
+        for _, _, wrapper in self._wrapped:
+            wrapper.staged = self._ctx.stage.add(wrapper.base, wrapper.weights)
+
+    @property
+    def stage(self) -> ShrinkStage | None:
+        """The staged shrinks (``lora_stage_slots``), None when off."""
+        return self._ctx.stage
+
+    def _slot_changed(self, slot: int, rank: int) -> None:
+        """The pool wrote or emptied ``slot``: its rank for the routing, and its staged shrink is stale."""
+        self.info.set_slot_rank(slot, rank)
+        ctx = getattr(self, "_ctx", None)  # None while the pool is being built
+        if ctx is not None and ctx.stage is not None:
+            ctx.stage.forget(slot)
 
     def close(self) -> None:
         """Free the adapter slots: the model gets its base linears back (the wrappers hold views of the

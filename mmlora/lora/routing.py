@@ -36,8 +36,10 @@ class ForwardRouting:
 
     @property
     def graph_layouts(self) -> tuple[str, ...]:
-        """The row layouts the backend's decode graphs are captured in (``LoRABackend.graph_layouts``)."""
-        return self._ctx.backend.graph_layouts
+        """The row layouts the backend's decode graphs are captured in (``LoRABackend.graph_layouts``), and
+        ``staged`` where shrinks are staged (:mod:`mmlora.lora.stage`)."""
+        layouts = self._ctx.backend.graph_layouts
+        return (*layouts, "staged") if self._ctx.stage is not None else layouts
 
     def prepare_capture(self, rows: int, rank_bound: int, layout: str = "rows") -> None:
         """Before capturing a ``rows``-row decode graph: every row base-only, and the host ints the graph
@@ -53,16 +55,27 @@ class ForwardRouting:
         largest rank; 0 when no row has an adapter) and the layout of the graph to replay: the backend's
         pick, or ``layout`` when given (a benchmark timing each; a ValueError if these rows' runs do not
         fit its graph)."""
-        backend = self._ctx.backend
+        backend, stage = self._ctx.backend, self._ctx.stage
         bound = self.info.bound_of(row_slots)
-        runs = slot_runs(row_slots) if bound and "runs" in self.graph_layouts else None
+        layouts = self.graph_layouts
+        runs = slot_runs(row_slots) if bound and ("runs" in layouts or "staged" in layouts) else None
         if layout is None:
             if bound == 0:
                 layout = "rows"
+            elif (
+                stage is not None
+                and len(runs) <= backend.graph_segments(len(row_slots), "staged")
+                and stage.ensure(row_slots)
+            ):
+                layout = "staged"  # every slot of the batch is staged now
             elif len(self.graph_layouts) == 1:
                 layout = self.graph_layouts[0]
             else:
                 layout = backend.graph_layout(len(row_slots), len(runs))
+        elif layout == "staged" and not (stage is not None and stage.ensure(row_slots)):
+            raise ValueError(
+                f"prepare_replay: these rows' adapters do not fit the stage ({stage and stage.capacity})"
+            )
         segments = backend.graph_segments(len(row_slots), layout)
         self.info.fill_rows(row_slots, bound, layout, segments, runs)
         return bound, layout

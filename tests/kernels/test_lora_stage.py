@@ -1,0 +1,202 @@
+"""The staged shrink (``lora_stage_slots``, :mod:`mmlora.lora.stage`): the base GEMM over ``[W; A_stage]``
+gives the base output and every staged adapter's shrink, and the expand reads each row's own columns.
+
+Oracles: the fp64 per-token loop of ``lora_cases.py`` for the staged expand; plain matmuls for the stage's
+GEMM and its bookkeeping; the ordinary eager engine (no stage) for the decode graph runner's ``staged``
+layout (uncaptured on any device, captured on CUDA).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import random
+
+import torch
+
+if not torch.cuda.is_available():  # must precede the first triton import of the session
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+from graph_safety import KeyLog, assert_same_outputs  # noqa: E402
+from lora_cases import CPU_CASES, DEV, assert_out, make_case, reference, route_as_graph_runs  # noqa: E402
+
+import mmlora  # noqa: E402
+from mmlora.backends import get_backend  # noqa: E402
+from mmlora.engine.cuda_graph import CudaGraphRunner  # noqa: E402
+from mmlora.forward.lora import LoRAWeights  # noqa: E402
+from mmlora.lora.stage import ShrinkStage  # noqa: E402
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _staged_h(c, positions: dict[int, int], capacity: int) -> torch.Tensor:  # noqa: ANN001
+    """h [T, capacity * n * R] as the staged GEMM gives it: x @ A[slot].T (rounded to x.dtype) at each
+    staged slot's position, junk (large finite values) at the positions no row reads."""
+    rows = c.A.shape[1]
+    g = torch.Generator().manual_seed(5)
+    h = (torch.rand(c.x.shape[0], capacity * rows, generator=g) * 1e3).to(c.x.dtype).to(c.x.device)
+    for slot, pos in positions.items():
+        h[:, pos * rows : (pos + 1) * rows] = (c.x.double() @ c.A[slot].double().T).to(c.x.dtype)
+    # A wider row stride than the columns, as a view of the GEMM's [T, out + C*n*R] result.
+    wide = torch.zeros(h.shape[0], h.shape[1] + 24, dtype=h.dtype, device=h.device)
+    wide[:, 24:] = h
+    return wide[:, 24:]
+
+
+@pytest.mark.parametrize("backend", ["triton-sgmv", "triton-auto"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["decode-distinct-qkv", "decode-basemix-qkv", "decode-identical", "gate-up"])
+def test_staged_expand_matches_the_reference(backend: str, dtype: torch.dtype, name: str) -> None:
+    """Rows routed as a decode graph's runs (base rows among them), adapters of mixed ranks at shuffled
+    stage positions with junk in the others: the fp64 oracle's out, base rows untouched."""
+    case = CPU_CASES.get(name, (9, 48, (48, 48), 16, [16, 4, 8], "uniform", "decode"))
+    T, in_f, widths, R, ranks, pattern, mode = case
+    c = make_case(T, in_f, widths, R, ranks, pattern, mode, dtype)
+    rng = random.Random(3)
+    slots = sorted(c.token_slots)
+    route_as_graph_runs(c, slots)
+    capacity = len(ranks) + 2
+    order = list(range(capacity))
+    rng.shuffle(order)
+    positions = {s: order[s] for s in range(len(ranks))}
+    h_pos = torch.full((len(ranks),), -1, dtype=torch.int32)
+    for s, p in positions.items():
+        h_pos[s] = p
+    h = _staged_h(c, positions, capacity)
+    out0 = c.out.clone()
+    _, want = reference(c)
+    c.info.graph_layout = "staged"
+    get_backend(backend, DEV).add_lora_staged(c.out, h, c.weights, c.info, h_pos.to(DEV))
+    assert_out(c, c.out, want, out0)
+
+
+def test_staged_expand_rejects_what_it_cannot_read() -> None:
+    c = make_case(*CPU_CASES["decode-distinct-qkv"], torch.float32)
+    backend = get_backend("triton-sgmv", DEV)
+    h_pos = torch.zeros(len(c.ranks), dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match="h must be"):
+        backend.add_lora_staged(c.out, torch.zeros(7, 47, device=DEV), c.weights, c.info, h_pos)
+    with pytest.raises(ValueError, match="h_pos must be int32"):
+        backend.add_lora_staged(c.out, torch.zeros(7, 48, device=DEV), c.weights, c.info, h_pos.long())
+    with pytest.raises(NotImplementedError):
+        get_backend("torch-gather", DEV).add_lora_staged(c.out, torch.zeros(7, 48), c.weights, c.info, h_pos)
+
+
+def _module(out_f: int, in_f: int, slots: int, rows: int, bias: bool, seed: int):  # noqa: ANN202
+    g = torch.Generator().manual_seed(seed)
+    base = torch.nn.Linear(in_f, out_f, bias=bias)
+    with torch.no_grad():
+        base.weight.copy_(torch.randn(out_f, in_f, generator=g))
+    A = torch.randn(slots, rows, in_f, generator=g)
+    weights = LoRAWeights(A, torch.zeros(slots, out_f, rows), torch.ones(slots, 1), (0, out_f))
+    return base, weights
+
+
+def test_stage_stacks_the_shrink_under_the_base_weight_and_stages_on_demand() -> None:
+    """The base weight keeps its values (now a view of W_cat); one GEMM gives ``x @ W.T + b`` and each
+    staged slot's ``x @ A[slot].T`` at its position; positions are reused least recently used first,
+    never for a slot of the batch, a batch of more adapters than positions changes nothing, and a slot
+    the pool rewrote is copied again when it is next used."""
+    stage = ShrinkStage(capacity=2, num_slots=4, device=torch.device("cpu"))
+    mods = [_module(6, 5, 4, 3, bias=True, seed=0), _module(4, 5, 4, 3, bias=False, seed=1)]
+    before = [base.weight.detach().clone() for base, _ in mods]
+    staged = [stage.add(base, w) for base, w in mods]
+    x = torch.randn(3, 5)
+    for (base, _), was, st in zip(mods, before, staged):
+        assert torch.equal(base.weight, was) and base.weight.data_ptr() == st.W_cat.data_ptr()
+
+    def check(expect: dict[int, int]) -> None:
+        assert {s: stage.position_of(s) for s in range(4) if stage.position_of(s) is not None} == expect
+        assert stage.h_pos.tolist() == [expect.get(s, -1) for s in range(4)]
+        for (base, w), st in zip(mods, staged):
+            y, h = st.linear(x)
+            torch.testing.assert_close(y, base(x))
+            for s, p in expect.items():
+                torch.testing.assert_close(h[:, p * 3 : (p + 1) * 3], x @ w.A[s].T)
+
+    assert stage.ensure([-1, 2, 2]) and stage.copies == 1
+    check({2: 0})
+    assert stage.ensure([0, 2]) and stage.copies == 2
+    check({2: 0, 0: 1})
+    assert stage.ensure([2])  # 2 is now the most recent: 0 goes first
+    assert stage.ensure([3, 2]) and stage.copies == 3
+    check({2: 0, 3: 1})
+    assert not stage.ensure([0, 1, 2])  # more adapters than positions
+    check({2: 0, 3: 1})
+    mods[0][1].A[3].add_(1.0)  # the pool writes slot 3 again
+    stage.forget(3)
+    check({2: 0})
+    assert stage.ensure([3]) and stage.copies == 4
+    check({2: 0, 3: 1})
+
+
+def _engine(base, adapters, device: str, **kw) -> mmlora.Engine:  # noqa: ANN001
+    opts = dict(
+        model=str(base), lora_paths=adapters, max_loras_per_batch=2, max_lora_rank=4, max_running_requests=5,
+        block_size=4, max_kv_tokens=2048, device=device, dtype="float32", disable_cpu_graph=True,
+    )  # fmt: skip
+    opts.update(kw)
+    return mmlora.Engine(**opts)
+
+
+PROMPTS = [
+    [5, 9, 13, 2, 7],
+    [31, 4, 4, 8, 19, 3, 6],
+    [11, 12, 13],
+    [40, 41, 2, 9, 9, 9],
+    [7, 7],
+    [8, 1, 2, 3],
+]
+LORAS = ["a", "a", None, "a", "b", "b"]
+SAMPLING = {"max_new_tokens": 10, "temperature": 0.0, "ignore_eos": True}
+
+
+def _generate(engine: mmlora.Engine) -> list:
+    return engine.generate(input_ids=PROMPTS, lora_paths=LORAS, sampling_params=SAMPLING, return_logprob=True)
+
+
+@pytest.mark.parametrize("backend", ["triton-auto", "triton-sgmv"])
+def test_graph_runner_in_the_staged_layout_matches_eager(tiny, backend: str) -> None:
+    """The decode graph runner's static-buffer path (uncaptured, so on any device) with two stage
+    positions: decode steps replay the ``staged`` layout and give the tokens and logprobs of the eager
+    engine without a stage."""
+    base, adapters = tiny()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    kw = dict(lora_backend=backend, disable_cuda_graph=True)
+    ref = _generate(_engine(base, adapters, device, **kw))
+    engine = _engine(base, adapters, device, lora_stage_slots=2, **kw)
+    assert "staged" in engine.runner.lora.graph_layouts
+    graphs = engine.runner.decode_graphs = CudaGraphRunner(
+        engine.runner, 5, engine.max_model_len, capture=False
+    )
+    graphs.graphs = KeyLog(graphs.graphs)
+    assert_same_outputs(ref, _generate(engine), 1e-4)
+    used = {layout for _, bound, layout in graphs.graphs.used if bound}
+    assert "staged" in used, used
+
+
+def test_a_paged_pool_leaves_the_stage_off(tiny, caplog) -> None:  # noqa: ANN001
+    base, adapters = tiny()
+    engine = _engine(base, adapters, "cpu", lora_backend="triton-sgmv", max_lora_rank=32, lora_page_rank=16)
+    assert "staged" not in engine.runner.lora.graph_layouts
+    engine = _engine(base, adapters, "cpu", lora_stage_slots=2, max_lora_rank=32, lora_page_rank=16)
+    assert "staged" not in engine.runner.lora.graph_layouts
+
+
+@cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_captured_staged_graphs_equal_eager(tiny, dtype: str) -> None:
+    """Captured decode graphs with the stage: the eager engine's tokens (bf16: logprobs within 0.05)."""
+    base, adapters = tiny()
+    ref = _generate(_engine(base, adapters, "cuda", disable_cuda_graph=True, dtype=dtype))
+    engine = _engine(base, adapters, "cuda", lora_stage_slots=2, dtype=dtype)
+    graphs = engine.runner.decode_graphs
+    graphs.graphs = KeyLog(graphs.graphs)
+    got = _generate(engine)
+    used = {layout for _, bound, layout in graphs.graphs.used if bound}
+    del engine, graphs
+    gc.collect()
+    torch.cuda.empty_cache()
+    assert_same_outputs(ref, got, 1e-4 if dtype == "float32" else 5e-2)
+    assert "staged" in used, used
