@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -40,6 +41,19 @@ def _target(model: LoRATargetModel, layer: int, target: str) -> nn.Module:
     return model.layers[layer].get_submodule(model.lora_target_paths[target])
 
 
+def _slot_hook(info: LoRABatchInfo, ctx: LoRAContext) -> Callable[[int, int], None]:
+    """The pool's ``on_slot_change``: a slot written or emptied has a new rank for the routing, and its
+    staged shrink (if any) is stale. Not a method: the pool would then hold the manager, whose drop
+    must free the pool without the garbage collector."""
+
+    def changed(slot: int, rank: int) -> None:
+        info.set_slot_rank(slot, rank)
+        if ctx.stage is not None:
+            ctx.stage.forget(slot)
+
+    return changed
+
+
 class LoRAManager(ForwardRouting):
     def __init__(
         self,
@@ -64,7 +78,11 @@ class LoRAManager(ForwardRouting):
             dtype,
             device,
         )
-        slot_ranks = self._slot_changed
+        self._ctx = LoRAContext(
+            backend=get_backend(config.lora_backend, device),
+            fuse_base=config.cpu_fused_lora and device.type == "cpu",
+        )
+        slot_ranks = _slot_hook(self.info, self._ctx)
         if tp_group().is_parallel and tp_group().rank == 0:
             sharder = AdapterSharder({t.name: _target(model, 0, t.name) for t in self.spec.targets})
             self._pool = ShardedLoRAPool(
@@ -76,10 +94,6 @@ class LoRAManager(ForwardRouting):
         # One device (a sharded pool's writes are collectives, kept in step): slot loads beside the forwards.
         if device.type == "cuda" and not tp_group().is_parallel and not config.disable_async_uploads:
             self._pool.upload_stream = torch.cuda.Stream(device)
-        self._ctx = LoRAContext(
-            backend=get_backend(config.lora_backend, device),
-            fuse_base=config.cpu_fused_lora and device.type == "cpu",
-        )
         if device.type == "cuda" and not config.disable_lora_overlap:
             self._ctx.side_stream = torch.cuda.Stream(device)
             self._ctx.side_max_tokens = config.lora_side_max_tokens
@@ -128,13 +142,6 @@ class LoRAManager(ForwardRouting):
     def stage(self) -> ShrinkStage | None:
         """The staged shrinks (``lora_stage_slots``), None when off."""
         return self._ctx.stage
-
-    def _slot_changed(self, slot: int, rank: int) -> None:
-        """The pool wrote or emptied ``slot``: its rank for the routing, and its staged shrink is stale."""
-        self.info.set_slot_rank(slot, rank)
-        ctx = getattr(self, "_ctx", None)  # None while the pool is being built
-        if ctx is not None and ctx.stage is not None:
-            ctx.stage.forget(slot)
 
     def close(self) -> None:
         """Free the adapter slots: the model gets its base linears back (the wrappers hold views of the
