@@ -127,6 +127,8 @@ class LoRAManager(ForwardRouting):
         why = (
             "a paged pool" if self.page_rank is not None
             else "tensor parallelism" if tp_group().is_parallel
+            else "base weights not in row-major layout"
+            if not all(w.base.weight.is_contiguous() for _, _, w in self._wrapped)
             else f"the {backend.name} backend has no staged expand"
             if type(backend).add_lora_staged is LoRABackend.add_lora_staged
             else None
