@@ -5,8 +5,9 @@
 #    rounds) with the defaults, then with --lora-stage-slots 32 (the decode shrink from the base GEMM), then
 #    with the step inputs page-locked (host-copy:pinned=true), each with a third of what is left;
 # 3. if time is left, shrink_in_gemm_probe.py (cuBLAS with the stage's rows, and the shrink alone).
-# Usage: bash benchmarks/h200_session36_b.sh OUTDIR
+# Usage: [BUDGET=seconds] bash benchmarks/h200_session36_b.sh OUTDIR   (BUDGET: the call's limit less 10, 590)
 source "$(dirname "$0")/device_preamble.sh" "$@"
+budget=${BUDGET:-590}
 timeout 120 python -m pytest -q -rfE -p no:cacheprovider tests/kernels/test_lora_stage.py > "$out/tests.txt" 2>&1
 echo "tests rc=$? at ${SECONDS} s: $(tail -1 "$out/tests.txt")" | tee "$out/summary.txt"
 args=(serving --model dummy:mistral-7b-v0.3 --num-adapters 8 32 1000 --num-requests 192 --hf-batch 0
@@ -16,15 +17,15 @@ args=(serving --model dummy:mistral-7b-v0.3 --num-adapters 8 32 1000 --num-reque
   echo "python -m mmlora.bench ${args[*]} --lora-stage-slots 32"
   echo "python benchmarks/scripts/with_tuning.py host-copy:pinned=true -- ${args[*]}"
 } > "$out/command.txt"
-timeout $(((590 - SECONDS) / 3)) python -m mmlora.bench "${args[@]}" --out "$out/serving" > "$out/serving.log" 2>&1
+timeout $(((budget - SECONDS) / 3)) python -m mmlora.bench "${args[@]}" --out "$out/serving" > "$out/serving.log" 2>&1
 echo "serving rc=$? at ${SECONDS} s" | tee -a "$out/summary.txt"
-timeout $(((590 - SECONDS) / 2)) python -m mmlora.bench "${args[@]}" --lora-stage-slots 32 --out "$out/staged" \
+timeout $(((budget - SECONDS) / 2)) python -m mmlora.bench "${args[@]}" --lora-stage-slots 32 --out "$out/staged" \
   > "$out/staged.log" 2>&1
 echo "serving staged rc=$? at ${SECONDS} s" | tee -a "$out/summary.txt"
-timeout $((575 - SECONDS)) python benchmarks/scripts/with_tuning.py host-copy:pinned=true -- "${args[@]}" \
+timeout $((budget - 15 - SECONDS)) python benchmarks/scripts/with_tuning.py host-copy:pinned=true -- "${args[@]}" \
   --out "$out/pinned" > "$out/pinned.log" 2>&1
 echo "serving pinned rc=$? at ${SECONDS} s" | tee -a "$out/summary.txt"
-left=$((585 - SECONDS))
+left=$((budget - 5 - SECONDS))
 if ((left > 20)); then
   timeout $left python benchmarks/scripts/shrink_in_gemm_probe.py --batches 72 128 --slots 24 32 --ranks 16 \
     --out "$out/gemm_probe.json" > "$out/gemm_probe.txt" 2>&1
