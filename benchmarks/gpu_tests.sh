@@ -14,6 +14,7 @@ t tests/kernels/test_lora_kernels.py tests/kernels/test_mixed_graph.py tests/ker
 t tests/kernels/test_lora_paged.py tests/kernels/test_rank_buckets.py tests/kernels/test_sgmv_run_knobs.py \
   tests/kernels/test_fused_decode.py tests/kernels/test_lora_side_delta.py tests/kernels/test_attention.py \
   tests/kernels/test_triton_launch.py tests/kernels/test_weight_layout.py tests/kernels/test_lora_check_memo.py \
+  tests/kernels/test_lora_stage.py \
   tests/unit/test_host_copy.py tests/unit/test_overlap_schedule.py tests/unit/test_slot_loads_beside.py \
   tests/unit/test_preflight.py tests/unit/test_decode_attention_sweep.py > "$out/tests_rest.txt" 2>&1 &
 wait
