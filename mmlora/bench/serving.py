@@ -159,16 +159,14 @@ def _micro(
     rows = []
     for bsz in args.micro_batch:
         for with_lora in (True, False):
-            cap = (
-                min(args.max_running_requests, args.max_loras_per_batch, len(adapters)) if with_lora else None
-            )
-            if bsz > (cap or args.max_running_requests):
+            # The batch's rows must fit the running requests and its distinct adapters the slots.
+            n_adapters = min(bsz, args.micro_adapters or bsz) if with_lora else 0
+            if bsz > args.max_running_requests or n_adapters > min(args.max_loras_per_batch, len(adapters)):
                 rows.append(
                     {"batch": bsz, "lora": with_lora, "skipped": "bsz exceeds slots/adapters/running"}
                 )
                 continue
             if with_lora:
-                n_adapters = min(bsz, args.micro_adapters or bsz)
                 names = [adapters[i % n_adapters]["name"] for i in range(bsz)]
             else:
                 names = [None] * bsz
