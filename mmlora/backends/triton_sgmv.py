@@ -200,7 +200,7 @@ def _expand_launch(
         GROUP_STAGES=TUNING["run_expand_group_stages"] if group > 1 else 1,
         H_UNROLL=(TUNING["run_expand_h_unroll"] or 0) if runs else 0,
         B_FIRST=int(group > 1 and TUNING["run_expand_group_b_first"]),
-        TRIGGER=pdl_launch(B.device, TUNING["expand_dependents"]), num_warps=warps, **pdl_options(pdl),
+        TRIGGER=pdl_launch(B.device, TUNING["expand_dependents"]), H_POS=False, num_warps=warps, **pdl_options(pdl),
     )  # fmt: skip
     return (tiles.count * n * n_tiles,), args, kwargs
 
