@@ -26,6 +26,12 @@ from mmlora.backends.triton_sgmv import TritonSGMVBackend
 from mmlora.backends.triton_sgmv_staged import staged_expand
 from mmlora.forward.lora import LoRABatchInfo, LoRAWeights
 
+#: ``staged_segments``: the segment entries of a ``staged`` decode graph (:mod:`mmlora.lora.stage`), "half"
+#: of the rows as for ``runs`` (a batch with more runs replays BGMV's ``rows`` graph instead: 231 of 508 LoRA
+#: decode steps in session 36's H100 run) or "rows", one per row (every batch whose adapters fit the stage
+#: takes it, its expand launching twice the programs, the unused ones returning at once). Untimed.
+TUNING = {"staged_segments": "half"}
+
 
 @register_backend("triton-auto")
 class TritonAutoBackend(LoRABackend):
@@ -48,7 +54,9 @@ class TritonAutoBackend(LoRABackend):
 
     def graph_segments(self, num_rows: int, layout: str) -> int:
         # Runs are replayed only when num_rows >= 2 * num_runs: half the entries (and SGMV programs).
-        return max(1, num_rows // 2) if layout in ("runs", "staged") else num_rows
+        if layout == "runs" or (layout == "staged" and TUNING["staged_segments"] == "half"):
+            return max(1, num_rows // 2)
+        return num_rows
 
     def pick(self, info: LoRABatchInfo) -> LoRABackend:
         if info.graph_layout is not None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from mmlora.backends import triton_bgmv, triton_fused_decode, triton_sgmv, triton_sgmv_act
+from mmlora.backends import triton_auto, triton_bgmv, triton_fused_decode, triton_sgmv, triton_sgmv_act
 from mmlora.forward import host_copy
 
 TABLES: dict[str, dict[str, Any]] = {
@@ -16,6 +16,7 @@ TABLES: dict[str, dict[str, Any]] = {
     "triton-bgmv": triton_bgmv.TUNING,
     "triton-sgmv-act": triton_sgmv_act.TUNING,
     "triton-fused": triton_fused_decode.TUNING,
+    "triton-auto": triton_auto.TUNING,
     "host-copy": host_copy.SETTINGS,
 }
 

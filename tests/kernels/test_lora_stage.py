@@ -203,3 +203,35 @@ def test_captured_staged_graphs_equal_eager(tiny) -> None:
     torch.cuda.empty_cache()
     assert_same_outputs(ref, got, 1e-4)
     assert "staged" in used, used
+
+
+def test_staged_graphs_with_a_segment_per_row_take_every_batch_that_fits(tiny, monkeypatch) -> None:  # noqa: ANN001
+    """triton-auto's ``staged_segments="rows"``: the ``staged`` graphs have a segment entry per row, so a
+    step with more runs than half its rows (each request on its own adapter, as at B=32 on 24 adapters)
+    replays them too, with the eager engine's tokens; with "half" (the default) it replays BGMV's rows."""
+    from mmlora.backends import triton_auto
+
+    base, adapters = tiny()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    loras = ["a", "b", None, "a", "b", None]  # sorted by slot: runs of one or two rows
+    prompts = PROMPTS[:6]
+
+    def generate(engine: mmlora.Engine) -> list:
+        return engine.generate(
+            input_ids=prompts, lora_paths=loras, sampling_params=SAMPLING, return_logprob=True
+        )
+
+    kw = dict(lora_backend="triton-auto", disable_cuda_graph=True)
+    ref = generate(_engine(base, adapters, device, **kw))
+    used = {}
+    for setting in ("half", "rows"):
+        monkeypatch.setitem(triton_auto.TUNING, "staged_segments", setting)
+        engine = _engine(base, adapters, device, lora_stage_slots=2, max_running_requests=3, **kw)
+        graphs = engine.runner.decode_graphs = CudaGraphRunner(
+            engine.runner, 3, engine.max_model_len, capture=False
+        )
+        graphs.graphs = KeyLog(graphs.graphs)
+        assert_same_outputs(ref, generate(engine), 1e-4)
+        used[setting] = {layout for _, bound, layout in graphs.graphs.used if bound}
+    assert "rows" in used["half"], used
+    assert used["rows"] == {"staged"}, used
