@@ -20,6 +20,7 @@ if not torch.cuda.is_available():  # must precede the first triton import of the
 import pytest  # noqa: E402
 from graph_safety import KeyLog, assert_same_outputs  # noqa: E402
 from lora_cases import CPU_CASES, DEV, assert_out, make_case, reference, route_as_graph_runs  # noqa: E402
+from test_cuda_graph import PROMPTS, _engine  # noqa: E402  (the tiny engine of the decode graph tests)
 
 import mmlora  # noqa: E402
 from mmlora.backends import get_backend  # noqa: E402
@@ -131,23 +132,6 @@ def test_stage_stacks_the_shrink_under_the_base_weight_and_stages_on_demand() ->
     check({2: 0, 3: 1})
 
 
-def _engine(base, adapters, device: str, **kw) -> mmlora.Engine:  # noqa: ANN001
-    opts = dict(
-        model=str(base), lora_paths=adapters, max_loras_per_batch=2, max_lora_rank=4, max_running_requests=5,
-        block_size=4, max_kv_tokens=2048, device=device, dtype="float32", disable_cpu_graph=True,
-    )  # fmt: skip
-    opts.update(kw)
-    return mmlora.Engine(**opts)
-
-
-PROMPTS = [
-    [5, 9, 13, 2, 7],
-    [31, 4, 4, 8, 19, 3, 6],
-    [11, 12, 13],
-    [40, 41, 2, 9, 9, 9],
-    [7, 7],
-    [8, 1, 2, 3],
-]
 LORAS = ["a", "a", None, "a", "b", "b"]
 SAMPLING = {"max_new_tokens": 10, "temperature": 0.0, "ignore_eos": True}
 
