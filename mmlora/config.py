@@ -149,7 +149,8 @@ class LoRAConfig:
         "GEMM: each LoRA module's weight gets this many adapters' A stacked under it (mmlora.lora.stage; "
         "adapters are copied in as they enter a batch), so a decode step runs one expand a module instead "
         "of a shrink and an expand. Every step's GEMM reads all of them, and they take that much GPU memory "
-        "(Mistral-7B, rank 16: 40 MB an adapter). Unpaged pools on one device only. 0: off.",
+        "(Mistral-7B, rank 16: 40 MB an adapter). Unpaged pools only (on CUDA: max_lora_rank 16, or "
+        "lora_page_rank equal to max_lora_rank), on one device. 0: off.",
     )
     allow_pickled_adapters: bool = _f(
         False, "Accept adapter_model.bin (read with torch.load(weights_only=True)); safetensors otherwise."
