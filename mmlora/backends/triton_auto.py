@@ -23,7 +23,6 @@ from mmlora.backends.base import DeferredLoRA, LoRABackend
 from mmlora.backends.registry import register_backend
 from mmlora.backends.triton_bgmv import TritonBGMVBackend
 from mmlora.backends.triton_sgmv import TritonSGMVBackend
-from mmlora.backends.triton_sgmv_staged import staged_expand
 from mmlora.forward.lora import LoRABatchInfo, LoRAWeights
 
 #: ``staged_segments``: the segment entries of a ``staged`` decode graph (:mod:`mmlora.lora.stage`), "half"
@@ -93,7 +92,7 @@ class TritonAutoBackend(LoRABackend):
         info: LoRABatchInfo,
         h_pos: torch.Tensor,
     ) -> None:
-        staged_expand(out, h, weights, info, h_pos)
+        self.sgmv.add_lora_staged(out, h, weights, info, h_pos)
 
     def start_lora(
         self, x: torch.Tensor, weights: LoRAWeights, info: LoRABatchInfo

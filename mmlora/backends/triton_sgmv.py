@@ -165,10 +165,12 @@ def _expand_launch(
     out_stride: int,
     R: int,
     pdl: bool = False,
+    h_pos: torch.Tensor | None = None,
 ) -> tuple[tuple[int], tuple, dict]:
     """(grid, positional args with None for h and out, keyword args) of expand's launch over h's planes
     given as (planes, plane stride, row stride), into an out of row stride ``out_stride``. ``pdl``: launched right after the shrink that writes h (with
-    ``pdl``), as its programmatic dependent (:func:`pdl_launch`)."""
+    ``pdl``), as its programmatic dependent (:func:`pdl_launch`). ``h_pos``: h is a staged shrink, each
+    slot's n * R columns at its stage position (``H_POS`` in the kernel)."""
     B, scalings, slice_offsets = weights.B, weights.scalings, weights.slice_offsets
     n = weights.n_slices
     widths = [b - a for a, b in zip(slice_offsets, slice_offsets[1:])]
@@ -191,7 +193,8 @@ def _expand_launch(
     args = (
         None, B, None, scalings, info.seg_indptr, info.weight_indices, info.ranks, tiles.seg, tiles.m0,
         R, *h_strides, *b_strides, out_stride,
-        scalings.stride(0), *offset_args(slice_offsets), tiles.m_tiles, n_tiles, info.ranks, 0,
+        scalings.stride(0), *offset_args(slice_offsets), tiles.m_tiles, n_tiles,
+        info.ranks if h_pos is None else h_pos, 0 if h_pos is None else n * R,
     )  # fmt: skip
     kwargs = dict(
         N_SLICES=n, U=U, BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=dot_upcast(B.dtype),
@@ -200,7 +203,8 @@ def _expand_launch(
         GROUP_STAGES=TUNING["run_expand_group_stages"] if group > 1 else 1,
         H_UNROLL=(TUNING["run_expand_h_unroll"] or 0) if runs else 0,
         B_FIRST=int(group > 1 and TUNING["run_expand_group_b_first"]),
-        TRIGGER=pdl_launch(B.device, TUNING["expand_dependents"]), H_POS=False, num_warps=warps, **pdl_options(pdl),
+        TRIGGER=pdl_launch(B.device, TUNING["expand_dependents"]), H_POS=h_pos is not None,
+        num_warps=warps, **pdl_options(pdl),
     )  # fmt: skip
     return (tiles.count * n * n_tiles,), args, kwargs
 

@@ -126,7 +126,7 @@ def _sgmv_expand_kernel(
     N_SLICES: tl.constexpr, U: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr, PREC: tl.constexpr, TILED: tl.constexpr, PDL: tl.constexpr,
     EARLY_OUT: tl.constexpr, N_GROUP: tl.constexpr, GROUP_STAGES: tl.constexpr, H_UNROLL: tl.constexpr,
-    B_FIRST: tl.constexpr, TRIGGER: tl.constexpr, H_POS: tl.constexpr = False,
+    B_FIRST: tl.constexpr, TRIGGER: tl.constexpr, H_POS: tl.constexpr,
 ):  # fmt: skip
     """Expand, all slices in one launch: for segment i with slot w[i] >= 0 and slice j:
     ``y[s[i]:s[i+1], o[j]:o[j+1]] += h[s[i]:s[i+1], j*R:j*R+r] @ B[w[i], o[j]:o[j+1], :r].T * sc[w[i], j]``.

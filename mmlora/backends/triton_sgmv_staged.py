@@ -31,7 +31,5 @@ def staged_expand(
     if h_pos.dtype != torch.int32 or h_pos.numel() < weights.B.shape[0]:
         raise ValueError(f"staged_expand: h_pos must be int32 with an entry per slot, got {h_pos.dtype}")
     check_expand_weights(n * R, h.dtype, weights, info, out)
-    grid, args, kwargs = _expand_launch((1, 0, h.stride(0)), weights, info, out.stride(0), R)
-    *head, _, _ = args
-    kwargs["H_POS"] = True
-    fast(_sgmv_expand_kernel)[grid](h, weights.B, out, *head[3:], h_pos, n * R, **kwargs)
+    grid, args, kwargs = _expand_launch((1, 0, h.stride(0)), weights, info, out.stride(0), R, h_pos=h_pos)
+    fast(_sgmv_expand_kernel)[grid](h, weights.B, out, *args[3:], **kwargs)

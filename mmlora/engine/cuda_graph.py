@@ -63,9 +63,6 @@ from mmlora.multimodal.mrope import decode_position
 logger = logging.getLogger(__name__)
 
 _BASE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
-# Every row layout a graph may have (``LoRABackend.graph_layouts`` picks among them); a REPLAY command
-# names one by its index here.
-LAYOUTS = GRAPH_LAYOUTS
 
 
 def batch_buckets(max_bs: int) -> list[int]:
@@ -312,7 +309,8 @@ class CudaGraphRunner:
         bound, layout = self.lora.prepare_replay(self.last_slots)
         if self.sends_replays:
             rest = torch.tensor(seq_lens + self.last_slots + [b for r in rows for b in r], dtype=torch.int64)
-            send_replay(bs, bound, LAYOUTS.index(layout), torch.cat([i64.view(-1), rest]))
+            # A REPLAY command names the layout by its index in GRAPH_LAYOUTS.
+            send_replay(bs, bound, GRAPH_LAYOUTS.index(layout), torch.cat([i64.view(-1), rest]))
         self._load(
             bs,
             i64,
@@ -329,7 +327,7 @@ class CudaGraphRunner:
         the same static inputs and graph. Returns the logits [bucket, V] (rank 0 samples from its own)."""
         rows = payload[: 5 * bucket].view(5, bucket)
         row_slots = rows[4].tolist()
-        got, layout_name = self.lora.prepare_replay(row_slots, LAYOUTS[layout])
+        got, layout_name = self.lora.prepare_replay(row_slots, GRAPH_LAYOUTS[layout])
         if got != bound:
             raise RuntimeError(
                 f"tensor-parallel rank {tp_group().rank}: a decode graph step's LoRA rank bound is {got} "

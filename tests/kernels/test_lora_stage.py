@@ -160,12 +160,21 @@ def test_graph_runner_in_the_staged_layout_matches_eager(tiny, backend: str) -> 
     assert "staged" in used, used
 
 
-def test_a_paged_pool_leaves_the_stage_off(tiny, caplog) -> None:  # noqa: ANN001
+@pytest.mark.parametrize(
+    ("kw", "why"),
+    [
+        (dict(lora_backend="triton-sgmv", max_lora_rank=32, lora_page_rank=16), "a paged pool"),
+        (dict(lora_backend="torch-gather"), "the torch-gather backend has no staged expand"),
+    ],
+)
+def test_the_stage_is_left_off_where_it_cannot_serve(tiny, caplog, kw: dict, why: str) -> None:  # noqa: ANN001
+    """A paged pool, or a backend without a staged expand: no ``staged`` graphs, and a warning says why."""
     base, adapters = tiny()
-    engine = _engine(base, adapters, "cpu", lora_backend="triton-sgmv", max_lora_rank=32, lora_page_rank=16)
+    with caplog.at_level("WARNING", logger="mmlora.lora.manager"):
+        engine = _engine(base, adapters, "cpu", lora_stage_slots=2, **kw)
     assert "staged" not in engine.runner.lora.graph_layouts
-    engine = _engine(base, adapters, "cpu", lora_stage_slots=2, max_lora_rank=32, lora_page_rank=16)
-    assert "staged" not in engine.runner.lora.graph_layouts
+    assert engine.runner.lora.stage is None
+    assert f"lora_stage_slots=2 is unused: {why}" in caplog.text
 
 
 @cuda
