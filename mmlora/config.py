@@ -145,12 +145,13 @@ class LoRAConfig:
     )
     lora_stage_slots: int = _f(
         0,
-        "On CUDA, decode graphs with at most this many distinct adapters take the LoRA shrink from the base "
-        "GEMM: each LoRA module's weight gets this many adapters' A stacked under it (mmlora.lora.stage; "
+        "On CUDA, decode graphs whose adapters fit this many stage positions take the LoRA shrink from the "
+        "base GEMM: each LoRA module's weight gets the positions' A rows stacked under it (mmlora.lora.stage; "
         "adapters are copied in as they enter a batch), so a decode step runs one expand a module instead "
-        "of a shrink and an expand. Every step's GEMM reads all of them, and they take that much GPU memory "
-        "(Mistral-7B, rank 16: 40 MB an adapter). Unpaged pools only (on CUDA: max_lora_rank 16, or "
-        "lora_page_rank equal to max_lora_rank), on one device. 0: off.",
+        "of a shrink and an expand. A position holds one adapter of an unpaged pool, or one page "
+        "(lora_page_rank ranks) of a paged one, where an adapter takes its slot's pages (CUDA's default "
+        "rank-64 pool paged by 16: one for ranks up to 16, four for 64). Every step's GEMM reads all of them, "
+        "and they take that much GPU memory (Mistral-7B: 40 MB a rank-16 position). One device only. 0: off.",
     )
     allow_pickled_adapters: bool = _f(
         False, "Accept adapter_model.bin (read with torch.load(weights_only=True)); safetensors otherwise."

@@ -170,7 +170,8 @@ def _expand_launch(
     """(grid, positional args with None for h and out, keyword args) of expand's launch over h's planes
     given as (planes, plane stride, row stride), into an out of row stride ``out_stride``. ``pdl``: launched right after the shrink that writes h (with
     ``pdl``), as its programmatic dependent (:func:`pdl_launch`). ``h_pos``: h is a staged shrink, each
-    slot's n * R columns at its stage position (``H_POS`` in the kernel)."""
+    slot's n * R columns at its stage position (a paged pool's positions are pages of n * U columns;
+    ``H_POS`` in the kernel)."""
     B, scalings, slice_offsets = weights.B, weights.scalings, weights.slice_offsets
     n = weights.n_slices
     widths = [b - a for a, b in zip(slice_offsets, slice_offsets[1:])]
@@ -194,7 +195,7 @@ def _expand_launch(
         None, B, None, scalings, info.seg_indptr, info.weight_indices, info.ranks, tiles.seg, tiles.m0,
         R, *h_strides, *b_strides, out_stride,
         scalings.stride(0), *offset_args(slice_offsets), tiles.m_tiles, n_tiles,
-        info.ranks if h_pos is None else h_pos, 0 if h_pos is None else n * R,
+        info.ranks if h_pos is None else h_pos, 0 if h_pos is None else n * (U or R),  # a position: a page
     )  # fmt: skip
     kwargs = dict(
         N_SLICES=n, U=U, BLOCK_M=tiles.block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=dot_upcast(B.dtype),

@@ -145,7 +145,8 @@ def _sgmv_expand_kernel(
     TRIGGER: the next kernel, if launched as a programmatic dependent, may launch now (it waits for this one
     to finish before it reads anything). H_POS: h is one plane whose rows hold every staged adapter's
     shrink side by side (the staged shrink, :mod:`mmlora.lora.stage`): slot w[i]'s columns start at
-    ``h_pos[w[i]] * stride_hpos`` (h_pos [S] int32, the slot's stage position).
+    ``h_pos[w[i]] * stride_hpos`` (h_pos [S] int32, the slot's stage position; in a paged pool a position
+    is a page, and the slot's pages follow it, each with its N_SLICES * U columns, see ``_h_cols``).
     """
     if TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
@@ -168,7 +169,8 @@ def _sgmv_expand_kernel(
         _expand_group(
             h_ptr, b_ptr, out_ptr, scal_ptr, ranks_ptr, slot, s, m0, seg_end, n0, hi, R, SPLIT_K,
             stride_hs, stride_hm, stride_bs, stride_bp, stride_bn, stride_om, stride_ss,
-            N_GROUP, U, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PREC, PDL, GROUP_STAGES, H_UNROLL, B_FIRST,
+            N_GROUP, N_SLICES, U, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PREC, PDL, GROUP_STAGES, H_UNROLL, B_FIRST,
+            H_POS,
         )  # fmt: skip
         return
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -196,7 +198,8 @@ def _sgmv_expand_kernel(
         if PDL:
             tl.extra.cuda.gdc_wait()
         hdt = b_ptr.dtype.element_ty
-        ht = _h_sum(h_ptr, offs_m, m_ok, s * R + kk, k_ok, SPLIT_K, stride_hs, stride_hm, hdt, H_UNROLL)
+        cols = _h_cols(s, kk, R, U, N_SLICES, H_POS)
+        ht = _h_sum(h_ptr, offs_m, m_ok, cols, k_ok, SPLIT_K, stride_hs, stride_hm, hdt, H_UNROLL)
         if UPCAST:
             ht = ht.to(tl.float32)
             bt = bt.to(tl.float32)
@@ -213,9 +216,9 @@ def _sgmv_expand_kernel(
 def _expand_group(
     h_ptr, b_ptr, out_ptr, scal_ptr, ranks_ptr, slot, s, m0, seg_end, n0, hi, R, SPLIT_K,
     stride_hs, stride_hm, stride_bs, stride_bp, stride_bn, stride_om, stride_ss,
-    N_GROUP: tl.constexpr, U: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr,
-    GROUP_STAGES: tl.constexpr, H_UNROLL: tl.constexpr, B_FIRST: tl.constexpr,
+    N_GROUP: tl.constexpr, N_SLICES: tl.constexpr, U: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr,
+    GROUP_STAGES: tl.constexpr, H_UNROLL: tl.constexpr, B_FIRST: tl.constexpr, H_POS: tl.constexpr,
 ):  # fmt: skip
     """The expand's N_GROUP column tiles from ``n0`` (within ``[.., hi)``) for one token tile of one slot
     and slice, its whole rank in one BLOCK_K step (see ``_sgmv_expand_kernel``). B_FIRST (0 or 1): the
@@ -240,8 +243,9 @@ def _expand_group(
         o_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
         o_mask = m_ok[:, None] & n_ok[None, :]
         prev_first = tl.load(o_ptrs, mask=o_mask)
+    cols = _h_cols(s, kk, R, U, N_SLICES, H_POS)
     ht = _h_sum(
-        h_ptr, offs_m, m_ok, s * R + kk, k_ok, SPLIT_K, stride_hs, stride_hm, b_ptr.dtype.element_ty, H_UNROLL
+        h_ptr, offs_m, m_ok, cols, k_ok, SPLIT_K, stride_hs, stride_hm, b_ptr.dtype.element_ty, H_UNROLL
     )
     if UPCAST:
         ht = ht.to(tl.float32)
@@ -291,6 +295,16 @@ def _h_planes(h_ptr, offs_m, m_ok, cols, cols_ok, SPLIT_K, stride_hs, stride_hm,
             hsum += plane.to(tl.float32)
         h = hsum.to(dtype)
     return h
+
+
+@triton.jit
+def _h_cols(s, kk, R, U: tl.constexpr, N_SLICES: tl.constexpr, H_POS: tl.constexpr):
+    """h's columns for ranks ``kk`` of slice ``s``: ``s * R + kk`` as the shrink writes them, or, in a
+    staged shrink of a paged pool (the GEMM's columns follow A's rows: page, slice, rank within the page),
+    ``(kk // U) * N_SLICES * U + s * U + kk % U``."""
+    if H_POS and U > 0:
+        return (kk // U) * (N_SLICES * U) + s * U + kk % U
+    return s * R + kk
 
 
 @triton.jit

@@ -49,7 +49,7 @@ def _slot_hook(info: LoRABatchInfo, ctx: LoRAContext) -> Callable[[int, int], No
     def changed(slot: int, rank: int) -> None:
         info.set_slot_rank(slot, rank)
         if ctx.stage is not None:
-            ctx.stage.forget(slot)
+            ctx.stage.set_rank(slot, rank)
 
     return changed
 
@@ -125,8 +125,7 @@ class LoRAManager(ForwardRouting):
         backend = self._ctx.backend
         # Any device: decode CUDA graphs use it, and the graph runner's uncaptured path on CPU (tests).
         why = (
-            "a paged pool" if self.page_rank is not None
-            else "tensor parallelism" if tp_group().is_parallel
+            "tensor parallelism" if tp_group().is_parallel
             else "base weights not in row-major layout"
             if not all(w.base.weight.is_contiguous() for _, _, w in self._wrapped)
             else f"the {backend.name} backend has no staged expand"
@@ -136,7 +135,8 @@ class LoRAManager(ForwardRouting):
         if why is not None:
             logger.warning("lora_stage_slots=%d is unused: %s", positions, why)
             return
-        self._ctx.stage = ShrinkStage(positions, slot_ids, device)
+        pages = 1 if self.page_rank is None else self.config.max_lora_rank // self.page_rank
+        self._ctx.stage = ShrinkStage(positions, slot_ids, device, self.page_rank, pages)
         for _, _, wrapper in self._wrapped:
             wrapper.staged = self._ctx.stage.add(wrapper.base, wrapper.weights)
 

@@ -101,6 +101,11 @@ class PageMap:
         start = chosen[1]
         return start, {u for u in owner[start : start + pages] if u is not None}
 
+    def copy(self) -> PageMap:
+        other = PageMap(0)
+        other.owner, other.count = list(self.owner), dict(self.count)
+        return other
+
     def take(self, first: int, pages: int, uid: int) -> None:
         self.owner[first : first + pages] = [uid] * pages
         self.count[first] = pages

@@ -7,6 +7,7 @@ the GPU for decode CUDA graphs: every LoRA module's base weight becomes the firs
 
     W_cat [out + C * n * R, in]   rows 0..out: the base weight W (the base layer's weight is a view of them)
                                   then C stage positions of n * R rows: one adapter's A each
+                                  (a paged pool's positions are pages of n * U rows, see below)
 
 so ``F.linear(x, W_cat)`` gives ``[T, out + C*n*R]``: the base output, then the shrink of every staged
 adapter for every row. The expand reads each row's own adapter's columns (its slot's position in
@@ -15,9 +16,14 @@ made when an adapter enters a step's batch and is not staged yet (least recently
 reused), and dropped when the pool rewrites the slot. Other steps (prefill, mixed, eager) run the base
 weight ``W`` as before: it is a contiguous prefix of ``W_cat``.
 
+In a pool paged by rank tile (``lora_page_rank`` U) a position is one page: an adapter whose slot holds
+k pages takes k consecutive positions, aligned to k as the pool places them (:mod:`mmlora.lora.pages`), and
+its columns come page by page in the order of A's rows. A rank-8 adapter then costs the GEMM one page, a
+rank-64 one four, and a mix its pages' mean.
+
 The GEMM reads all C positions in every decode step, used or not, so C trades bytes against the batches
-that fit (a batch of more distinct adapters than C runs the plain kernels). Unpaged pools on one device
-only (the routing layer, :meth:`~mmlora.lora.routing.ForwardRouting.prepare_replay`, decides per step).
+that fit (a batch whose adapters need more positions than C runs the plain kernels). One device only (the
+routing layer, :meth:`~mmlora.lora.routing.ForwardRouting.prepare_replay`, decides per step).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from torch import nn
 
 from mmlora.forward.host_copy import to_device
 from mmlora.forward.lora import LoRAWeights
+from mmlora.lora.pages import PageMap, pages_for
 
 
 class StagedModule:
@@ -40,8 +47,9 @@ class StagedModule:
         W = base.weight
         out_f, in_f = W.shape
         self.out_features = out_f
-        self.weights = weights
-        self.rows_per_position = weights.A.shape[1]  # n * R
+        # Each slot's A as pages [S, k, rows, in] (one page of n * R rows when unpaged).
+        self.slot_pages = weights.A if weights.pages > 1 else weights.A.unsqueeze(1)
+        self.rows_per_position = self.slot_pages.shape[2]  # n * U, or n * R unpaged
         rows = capacity * self.rows_per_position
         cat = torch.zeros(out_f + rows, in_f, dtype=W.dtype, device=W.device)
         cat[:out_f].copy_(W)
@@ -55,8 +63,8 @@ class StagedModule:
             self.bias_cat[:out_f].copy_(bias)
 
     def linear(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(base output [T, out], every position's shrink [T, C*n*R]): two column views of one GEMM's
-        result (row stride out + C*n*R)."""
+        """(base output [T, out], every position's shrink [T, C * rows per position]): two column views of
+        one GEMM's result (row stride out + C * rows per position)."""
         y = torch.nn.functional.linear(x, self.W_cat, self.bias_cat)
         return y[..., : self.out_features], y[..., self.out_features :]
 
@@ -64,61 +72,96 @@ class StagedModule:
 class ShrinkStage:
     """``capacity`` stage positions shared by every LoRA module, and which pool slot each holds.
 
-    ``h_pos [num_slots] int32`` (device): each slot's position, -1 where not staged; the expand reads it
-    (``H_POS`` in :func:`mmlora.backends.triton_sgmv_kernels._sgmv_expand_kernel`)."""
+    ``h_pos [num_slots] int32`` (device): each slot's (first) position, -1 where not staged; the expand
+    reads it (``H_POS`` in :func:`mmlora.backends.triton_sgmv_kernels._sgmv_expand_kernel`). With
+    ``page_rank`` (a paged pool of ``max_pages`` pages a slot) a slot takes the pages its rank does
+    (:meth:`set_rank`), else one position."""
 
-    def __init__(self, capacity: int, num_slots: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        capacity: int,
+        num_slots: int,
+        device: torch.device,
+        page_rank: int | None = None,
+        max_pages: int = 1,
+    ) -> None:
         if capacity < 1:
             raise ValueError(f"ShrinkStage: capacity must be >= 1, got {capacity}")
         self.capacity = capacity
+        self.page_rank = page_rank
+        self.max_pages = max_pages if page_rank is not None else 1
         self.modules: list[StagedModule] = []
         self.h_pos = torch.full((num_slots,), -1, dtype=torch.int32, device=device)
-        self._position: OrderedDict[int, int] = OrderedDict()  # slot -> position, least recent first
+        self._position: OrderedDict[int, int] = OrderedDict()  # slot -> first position, least recent first
+        self._map = PageMap(capacity)  # owner of each position (a slot)
+        self._pages = [1] * num_slots  # positions each slot's adapter takes
         self.copies = 0  # adapters copied into positions (a benchmark's count)
 
     def add(self, base: nn.Linear, weights: LoRAWeights) -> StagedModule:
         """Stage one module: its ``W_cat`` (the base's weight becomes a view of it)."""
-        if weights.pages > 1:
-            raise ValueError("ShrinkStage: a paged pool's A is not one block of rows per slot")
+        if weights.pages != self.max_pages:
+            raise ValueError(
+                f"ShrinkStage: {weights.pages} pages a slot, the stage was made for {self.max_pages}"
+            )
         module = StagedModule(base, weights, self.capacity)
         self.modules.append(module)
         return module
 
+    def set_rank(self, slot: int, rank: int) -> None:
+        """The pool wrote (or emptied, rank 0) ``slot``: its staged copy is stale, and in a paged pool its
+        adapter takes the positions of its pages."""
+        self.forget(slot)
+        if self.page_rank is not None:
+            self._pages[slot] = pages_for(max(rank, 1), self.page_rank, self.max_pages)
+
     def ensure(self, slots: Iterable[int]) -> bool:
         """Stage every adapter slot among ``slots`` (-1: none), copying the missing ones' A into free or
-        least recently used positions (on the current stream, after the slot's load); False, changing
-        nothing, when they are more than the positions."""
+        least recently used positions (on the current stream, after the slot's load); False, staging
+        nothing, when they do not fit the positions together."""
         wanted = {s for s in slots if s >= 0}
-        if len(wanted) > self.capacity:
+        if sum(self._pages[s] for s in wanted) > self.capacity:
             return False
         for slot in wanted & self._position.keys():
             self._position.move_to_end(slot)
-        missing = sorted(wanted - self._position.keys())
+        missing = sorted(wanted - self._position.keys(), key=lambda s: (-self._pages[s], s))
         if not missing:
             return True
-        used = set(self._position.values())
-        free = [p for p in range(self.capacity) if p not in used]
-        changed: dict[int, int] = {}
+        # Plan on a copy, largest first (aligned windows, as the pool's), so a batch that cannot be placed
+        # changes nothing.
+        plan = self._map.copy()
+        age = {slot: i for i, slot in enumerate(self._position)}
+        evicted: list[int] = []
+        placed: list[tuple[int, int]] = []
         for slot in missing:
-            if free:
-                pos = free.pop(0)
-            else:  # the least recent slot this batch does not use
-                old = next(s for s in self._position if s not in wanted)
-                pos = self._position.pop(old)
-                changed[old] = -1
-            self._position[slot] = pos
-            changed[slot] = pos
-        dst = [m.tail[self._position[s]] for s in missing for m in self.modules]
-        src = [m.weights.A[s] for s in missing for m in self.modules]
+            where = plan.choose(self._pages[slot], lambda s: s not in wanted, age.__getitem__)
+            if where is None:
+                return False
+            first, evict = where
+            for old in evict:
+                plan.release(self._position[old])
+                evicted.append(old)
+            plan.take(first, self._pages[slot], slot)
+            placed.append((slot, first))
+        self._map = plan
+        changed = {old: -1 for old in evicted}
+        for old in evicted:
+            del self._position[old]
+        for slot, first in placed:
+            self._position[slot] = first
+            changed[slot] = first
+        dst = [m.tail[p : p + self._pages[s]] for s, p in placed for m in self.modules]
+        src = [m.slot_pages[s, : self._pages[s]] for s, _ in placed for m in self.modules]
         if dst:
             torch._foreach_copy_(dst, src)
-        self.copies += len(missing)
+        self.copies += len(placed)
         self._publish(changed)
         return True
 
     def forget(self, slot: int) -> None:
         """The pool rewrote or emptied ``slot``: its staged copy is stale."""
-        if self._position.pop(slot, None) is not None:
+        first = self._position.pop(slot, None)
+        if first is not None:
+            self._map.release(first)
             self._publish({slot: -1})
 
     def position_of(self, slot: int) -> int | None:
