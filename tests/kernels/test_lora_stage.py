@@ -177,6 +177,54 @@ def test_stage_stacks_the_shrink_under_the_base_weight_and_stages_on_demand() ->
     check({2: 0, 3: 1})
 
 
+def test_a_paged_stage_places_each_adapter_on_its_pages() -> None:
+    """Paged by 2 ranks, 4 pages a slot: an adapter takes the positions of its pages (rank 1 or 2: one,
+    3 or 4: two, 8: four), aligned to their count; each position's columns are ``x @ A[slot, page].T``;
+    a batch that does not fit (too many pages, or no aligned window free of the batch's own adapters)
+    stages nothing; an adapter evicts the least recently used ones of the window it takes."""
+    stage = ShrinkStage(capacity=6, num_slots=8, device=torch.device("cpu"), page_rank=2, max_pages=4)
+    g = torch.Generator().manual_seed(2)
+    A = torch.randn(8, 4, 2 * 2, 5, generator=g)  # [slots, pages, n * U, in], n = 2
+    weights = LoRAWeights(A, torch.zeros(8, 4, 6, 2), torch.ones(8, 2), (0, 3, 6))
+    module = stage.add(torch.nn.Linear(5, 6, bias=False), weights)
+    pages = {0: 1, 1: 2, 2: 4, 3: 2, 4: 1, 5: 1}
+    for slot, rank in enumerate([2, 4, 8, 3, 1, 2, 0, 0]):
+        stage.set_rank(slot, rank)
+    x = torch.randn(3, 5)
+
+    def check(expect: dict[int, int]) -> None:  # slot -> first position
+        assert {s: stage.position_of(s) for s in range(8) if stage.position_of(s) is not None} == expect
+        assert stage.h_pos.tolist() == [expect.get(s, -1) for s in range(8)]
+        _, h = module.linear(x)
+        for s, first in expect.items():
+            assert first % pages[s] == 0
+            for page in range(pages[s]):
+                torch.testing.assert_close(
+                    h[:, (first + page) * 4 : (first + page + 1) * 4], x @ A[s, page].T
+                )
+
+    assert stage.ensure([0, 1, 0]) and stage.copies == 2
+    check({1: 0, 0: 2})  # the larger first, each in the first free aligned window
+    assert not stage.ensure([2, 0, 1])  # 4 + 1 + 2 pages > 6
+    assert stage.ensure([2]) and stage.copies == 3  # the only window of four holds 1 and 0: both go
+    check({2: 0})
+    assert stage.ensure([4, 5, 3]) and stage.copies == 6  # 3 on the free pair, 4 and 5 evict 2
+    check({3: 4, 4: 0, 5: 1})
+    assert stage.ensure([0]) and stage.copies == 7
+    check({3: 4, 4: 0, 5: 1, 0: 2})
+    # 6 pages in all, but every aligned pair holds one of the batch's own adapters: nothing changes.
+    assert not stage.ensure([4, 0, 3, 1]) and stage.copies == 7
+    check({3: 4, 4: 0, 5: 1, 0: 2})
+    # Without 0 and 3 in the batch: of the pairs 2-3 (0, least recent) and 4-5 (3), 2-3 goes.
+    assert stage.ensure([1, 5]) and stage.copies == 8
+    check({3: 4, 4: 0, 5: 1, 1: 2})
+    stage.set_rank(1, 8)  # the pool wrote slot 1 again, with a rank of four pages
+    check({3: 4, 4: 0, 5: 1})
+    pages[1] = 4
+    assert stage.ensure([1]) and stage.copies == 9
+    check({3: 4, 1: 0})
+
+
 LORAS = ["a", "a", None, "a", "b", "b"]
 SAMPLING = {"max_new_tokens": 10, "temperature": 0.0, "ignore_eos": True}
 
