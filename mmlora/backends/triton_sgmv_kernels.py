@@ -198,8 +198,8 @@ def _sgmv_expand_kernel(
         if PDL:
             tl.extra.cuda.gdc_wait()
         hdt = b_ptr.dtype.element_ty
-        cols = _h_cols(s, kk, R, U, N_SLICES, H_POS)
-        ht = _h_sum(h_ptr, offs_m, m_ok, cols, k_ok, SPLIT_K, stride_hs, stride_hm, hdt, H_UNROLL)
+        cols, h_ok = _h_cols(s, kk, k_ok, rank, R, U, N_SLICES, H_POS)
+        ht = _h_sum(h_ptr, offs_m, m_ok, cols, h_ok, SPLIT_K, stride_hs, stride_hm, hdt, H_UNROLL)
         if UPCAST:
             ht = ht.to(tl.float32)
             bt = bt.to(tl.float32)
@@ -243,9 +243,9 @@ def _expand_group(
         o_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
         o_mask = m_ok[:, None] & n_ok[None, :]
         prev_first = tl.load(o_ptrs, mask=o_mask)
-    cols = _h_cols(s, kk, R, U, N_SLICES, H_POS)
+    cols, h_ok = _h_cols(s, kk, k_ok, rank, R, U, N_SLICES, H_POS)
     ht = _h_sum(
-        h_ptr, offs_m, m_ok, cols, k_ok, SPLIT_K, stride_hs, stride_hm, b_ptr.dtype.element_ty, H_UNROLL
+        h_ptr, offs_m, m_ok, cols, h_ok, SPLIT_K, stride_hs, stride_hm, b_ptr.dtype.element_ty, H_UNROLL
     )
     if UPCAST:
         ht = ht.to(tl.float32)
@@ -298,13 +298,15 @@ def _h_planes(h_ptr, offs_m, m_ok, cols, cols_ok, SPLIT_K, stride_hs, stride_hm,
 
 
 @triton.jit
-def _h_cols(s, kk, R, U: tl.constexpr, N_SLICES: tl.constexpr, H_POS: tl.constexpr):
-    """h's columns for ranks ``kk`` of slice ``s``: ``s * R + kk`` as the shrink writes them, or, in a
-    staged shrink of a paged pool (the GEMM's columns follow A's rows: page, slice, rank within the page),
-    ``(kk // U) * N_SLICES * U + s * U + kk % U``."""
+def _h_cols(s, kk, k_ok, rank, R, U: tl.constexpr, N_SLICES: tl.constexpr, H_POS: tl.constexpr):
+    """(h's columns for ranks ``kk`` of slice ``s``, which of them to read): ``s * R + kk`` as the shrink
+    writes them, read where ``k_ok``; or, in a staged shrink of a paged pool (the GEMM's columns follow A's
+    rows: page, slice, rank within the page), ``(kk // U) * N_SLICES * U + s * U + kk % U``, read only in
+    the slot's own pages: ``k_ok`` may reach past them (a rank bound of 16 over pages of fewer ranks), into
+    the next positions, past h's end at the last one (NaN there would survive B's zeroed padding)."""
     if H_POS and U > 0:
-        return (kk // U) * (N_SLICES * U) + s * U + kk % U
-    return s * R + kk
+        return (kk // U) * (N_SLICES * U) + s * U + kk % U, k_ok & (kk < tl.cdiv(rank, U) * U)
+    return s * R + kk, k_ok
 
 
 @triton.jit

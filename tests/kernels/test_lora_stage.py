@@ -97,6 +97,7 @@ def test_staged_expand_on_a_paged_pool_matches_the_reference(
     rng = random.Random(4)
     order = list(range(len(c.ranks)))
     rng.shuffle(order)
+    order.sort(key=lambda s: c.ranks[s] <= U)  # an adapter of one page last: its load bound passes its page
     positions, cursor = {}, 0
     for s in order:
         k = pages_for(c.ranks[s], U, weights.pages)
@@ -104,7 +105,11 @@ def test_staged_expand_on_a_paged_pool_matches_the_reference(
         positions[s], cursor = first, first + k
     width = weights.n_slices * U
     g = torch.Generator().manual_seed(5)
-    h = (torch.rand(c.x.shape[0], (cursor + 1) * width, generator=g) * 1e3).to(dtype).to(c.x.device)
+    # Junk between positions, NaN past the last one: the expand must not read past a slot's own pages
+    # (with pages of fewer than 16 ranks its loads are bounded by 16), nor past h's end.
+    h = (torch.rand(c.x.shape[0], cursor * width, generator=g) * 1e3).to(dtype).to(c.x.device)
+    h = torch.cat([h, torch.full((h.shape[0], 2 * width), float("nan"), dtype=dtype, device=h.device)], 1)
+    h = h[:, : cursor * width]
     for s, first in positions.items():
         for page in range(pages_for(c.ranks[s], U, weights.pages)):
             cols = slice((first + page) * width, (first + page + 1) * width)
