@@ -25,11 +25,15 @@ from mmlora.backends.triton_bgmv import TritonBGMVBackend
 from mmlora.backends.triton_sgmv import TritonSGMVBackend
 from mmlora.forward.lora import LoRABatchInfo, LoRAWeights
 
-#: ``staged_segments``: the segment entries of a ``staged`` decode graph (:mod:`mmlora.lora.stage`), "half"
-#: of the rows as for ``runs`` (a batch with more runs replays BGMV's ``rows`` graph instead: 231 of 508 LoRA
-#: decode steps in session 36's H100 run) or "rows", one per row (every batch whose adapters fit the stage
-#: takes it, its expand launching twice the programs, the unused ones returning at once). Untimed.
-TUNING = {"staged_segments": "half"}
+#: ``staged_segments``: the segment entries of a ``staged`` decode graph (:mod:`mmlora.lora.stage`): "rows",
+#: one per row (every batch whose adapters fit the stage takes it, its expand launching up to twice the
+#: programs of "half", the unused ones returning at once), or "half" of the rows as for ``runs`` (a batch with
+#: more runs replays BGMV's ``rows`` graph instead). H200, session 37 (benchmarks/results/
+#: h200-2026-12-06-session37): one B=32 batch on 32 adapters replayed in 6.81 ms staged against 6.99 ms in
+#: BGMV's rows, and with "rows" every LoRA decode step of issue 13's 8 and 32 adapters took the stage, where
+#: "half" had left 169 of 602 steps of issue 23's mix to BGMV. The two were not timed against each other on
+#: a batch that fits both.
+TUNING = {"staged_segments": "rows"}
 
 
 @register_backend("triton-auto")

@@ -303,9 +303,9 @@ def test_captured_staged_graphs_equal_eager(tiny, pool: dict, positions: int) ->
 
 
 def test_staged_graphs_with_a_segment_per_row_take_every_batch_that_fits(tiny, monkeypatch) -> None:  # noqa: ANN001
-    """triton-auto's ``staged_segments="rows"``: the ``staged`` graphs have a segment entry per row, so a
-    step with more runs than half its rows (each request on its own adapter, as at B=32 on 24 adapters)
-    replays them too, with the eager engine's tokens; with "half" (the default) it replays BGMV's rows."""
+    """triton-auto's ``staged_segments="rows"`` (the default): the ``staged`` graphs have a segment entry per
+    row, so a step with more runs than half its rows (each request on its own adapter, as at B=32 on 24
+    adapters) replays them too, with the eager engine's tokens; with "half" it replays BGMV's rows."""
     from mmlora.backends import triton_auto
 
     base, adapters = tiny()
