@@ -243,17 +243,23 @@ def _generate(engine: mmlora.Engine) -> list:
 POOLS = [({}, 2), ({"lora_page_rank": 2}, 3)]
 
 
+# bf16 on CPU only: on CUDA the wider GEMM's cuBLAS algorithm may round the base columns differently (see
+# test_captured_staged_graphs_equal_eager).
+DTYPES = ["float32"] + ([] if torch.cuda.is_available() else ["bfloat16"])
+
+
 @pytest.mark.parametrize("backend", ["triton-auto", "triton-sgmv"])
 @pytest.mark.parametrize("pool,positions", POOLS, ids=["unpaged", "paged"])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_graph_runner_in_the_staged_layout_matches_eager(
-    tiny, backend: str, pool: dict, positions: int
+    tiny, backend: str, pool: dict, positions: int, dtype: str
 ) -> None:
     """The decode graph runner's static-buffer path (uncaptured, so on any device) with just enough stage
     positions for both adapters: decode steps replay the ``staged`` layout and give the tokens and
     logprobs of the eager engine without a stage."""
     base, adapters = tiny()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    kw = dict(lora_backend=backend, disable_cuda_graph=True, **pool)
+    kw = dict(lora_backend=backend, disable_cuda_graph=True, dtype=dtype, **pool)
     ref = _generate(_engine(base, adapters, device, **kw))
     engine = _engine(base, adapters, device, lora_stage_slots=positions, **kw)
     assert (engine.runner.lora.page_rank is not None) == bool(pool)
@@ -262,7 +268,9 @@ def test_graph_runner_in_the_staged_layout_matches_eager(
         engine.runner, 5, engine.max_model_len, capture=False
     )
     graphs.graphs = KeyLog(graphs.graphs)
-    assert_same_outputs(ref, _generate(engine), 1e-4)
+    # bf16: the same tokens; logprobs within 0.05 (0.038 seen on CPU, where the wider GEMM's base columns are
+    # bit-equal to x @ W.T: h is the GEMM's sums rounded to bf16, not the shrink kernel's, in another order)
+    assert_same_outputs(ref, _generate(engine), 1e-4 if dtype == "float32" else 5e-2)
     used = {layout for _, bound, layout in graphs.graphs.used if bound}
     assert "staged" in used, used
 
@@ -284,10 +292,10 @@ def test_the_stage_is_left_off_where_it_cannot_serve(tiny, caplog, kw: dict, why
 @pytest.mark.parametrize("pool,positions", POOLS, ids=["unpaged", "paged"])
 def test_captured_staged_graphs_equal_eager(tiny, pool: dict, positions: int) -> None:
     """Captured decode graphs with the stage: the eager engine's tokens and logprobs, in fp32. (In bf16 the
-    tiny model's greedy tokens parted after four steps on an H100, session 36. Not yet traced; the likely
-    cause is rounding: h comes rounded from cuBLAS's GEMM instead of the shrink's fp32 sums, and cuBLAS may
-    pick another algorithm for the wider ``[W; A]`` GEMM. The staged expand's bf16 results are checked
-    against the fp64 oracle above.)"""
+    tiny model's greedy tokens parted after four steps on an H100, session 36. On CPU the same bf16 engine
+    with the stage gives eager's tokens (the runner test above), so the likely cause is cuBLAS: the wider
+    ``[W; A]`` GEMM may take another algorithm, and its base columns round differently from ``x @ W.T``'s. The staged
+    expand's bf16 results are checked against the fp64 oracle above.)"""
     base, adapters = tiny()
     ref = _generate(_engine(base, adapters, "cuda", disable_cuda_graph=True, **pool))
     engine = _engine(base, adapters, "cuda", lora_stage_slots=positions, **pool)
