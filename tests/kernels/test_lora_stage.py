@@ -294,8 +294,8 @@ def test_captured_staged_graphs_equal_eager(tiny, pool: dict, positions: int) ->
     """Captured decode graphs with the stage: the eager engine's tokens and logprobs, in fp32. (In bf16 the
     tiny model's greedy tokens parted after four steps on an H100, session 36. On CPU the same bf16 engine
     with the stage gives eager's tokens (the runner test above), so the likely cause is cuBLAS: the wider
-    ``[W; A]`` GEMM may take another algorithm, and its base columns round differently from ``x @ W.T``'s. The staged
-    expand's bf16 results are checked against the fp64 oracle above.)"""
+    ``[W; A]`` GEMM may take another algorithm, and its base columns round differently from ``x @ W.T``'s.
+    The staged expand's bf16 results are checked against the fp64 oracle above.)"""
     base, adapters = tiny()
     ref = _generate(_engine(base, adapters, "cuda", disable_cuda_graph=True, **pool))
     engine = _engine(base, adapters, "cuda", lora_stage_slots=positions, **pool)
