@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Session 37, call 3 (BUDGET seconds, default 440): the stage's CUDA tests after the paged expand's fix (reads
+# Session 37, call 3, not run (the session's device time ran out in machine refusals); for the next
+# session. BUDGET seconds, default 440: the stage's CUDA tests after the paged expand's fix (reads
 # only in a slot's own pages), issue 23's {8, 64} mix with the paged stage and a segment entry per row in
 # the staged graphs (triton-auto:staged_segments="rows"; call b's 169 of 602 steps could not take the
 # stage), two rounds; then, with what is left, issue 13's 1000 adapters alone, the defaults against the
