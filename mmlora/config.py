@@ -150,8 +150,9 @@ class LoRAConfig:
         "adapters are copied in as they enter a batch), so a decode step runs one expand a module instead "
         "of a shrink and an expand. A position holds one adapter of an unpaged pool, or one page "
         "(lora_page_rank ranks) of a paged one, where an adapter takes its slot's pages (CUDA's default "
-        "rank-64 pool paged by 16: one for ranks up to 16, four for 64). Every step's GEMM reads all of them, "
-        "and they take that much GPU memory (Mistral-7B: 40 MB a rank-16 position). One device only. 0: off.",
+        "rank-64 pool paged by 16: one for ranks up to 16, four for 64). A step's GEMM reads the first quarter, "
+        "half or all of them, whichever holds its batch's adapters (positions are taken lowest first), and "
+        "they take GPU memory (Mistral-7B: 40 MB a rank-16 position). One device only. 0: off.",
     )
     allow_pickled_adapters: bool = _f(
         False, "Accept adapter_model.bin (read with torch.load(weights_only=True)); safetensors otherwise."

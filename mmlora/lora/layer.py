@@ -9,7 +9,7 @@ from torch import nn
 
 from mmlora.backends.base import DeferredLoRA, LoRABackend
 from mmlora.distributed.state import tp_group
-from mmlora.forward.lora import LoRABatchInfo, LoRAWeights
+from mmlora.forward.lora import STAGED_LAYOUTS, LoRABatchInfo, LoRAWeights
 from mmlora.layers.parallel_linear import RowParallelLinear
 from mmlora.lora.stage import ShrinkStage, StagedModule
 
@@ -77,9 +77,11 @@ class LoRALinear(nn.Module):
         return self(x), None
 
     def _takes_stage(self, x: torch.Tensor, info: LoRABatchInfo) -> bool:
-        """Whether this forward takes its shrink from the base GEMM (a decode graph in the ``staged``
-        layout, which the routing picks only where every slot of the batch is staged)."""
-        return self.staged is not None and info.graph_layout == "staged" and info.has_lora and x.dim() == 2
+        """Whether this forward takes its shrink from the base GEMM (a decode graph in a staged layout,
+        which the routing picks only where every slot of the batch is staged within its positions)."""
+        return (
+            self.staged is not None and info.graph_layout in STAGED_LAYOUTS and info.has_lora and x.dim() == 2
+        )
 
     def _whole_beside(self, x: torch.Tensor, info: LoRABatchInfo) -> bool:
         """Whether this batch runs its whole LoRA on the side stream (small decode batches of one row per
@@ -114,7 +116,7 @@ class LoRALinear(nn.Module):
             # Declined (its base packs itself again on use): the next fused call frees that copy again.
             self._base_packed = hasattr(self.base, "release")
         if lora and self._takes_stage(x, info):
-            out, h = self.staged.linear(x)
+            out, h = self.staged.linear(x, self.ctx.stage.width(info.graph_layout))
             backend.add_lora_staged(out, h, self.weights, info, self.ctx.stage.h_pos)
             return self.base.reduce(out) if row_parallel else out
         flat_x = x.reshape(-1, x.shape[-1]) if lora else None

@@ -8,7 +8,7 @@ import contextlib
 from collections.abc import Iterator
 
 from mmlora.config import LoRAConfig
-from mmlora.forward.lora import LoRABatchInfo, rank_buckets, slot_runs
+from mmlora.forward.lora import STAGED_LAYOUTS, LoRABatchInfo, rank_buckets, slot_runs
 from mmlora.lora.layer import LoRAContext
 
 
@@ -37,17 +37,17 @@ class ForwardRouting:
     @property
     def graph_layouts(self) -> tuple[str, ...]:
         """The row layouts the backend's decode graphs are captured in (``LoRABackend.graph_layouts``), and
-        ``staged`` where shrinks are staged (:mod:`mmlora.lora.stage`)."""
-        layouts = self._ctx.backend.graph_layouts
-        return (*layouts, "staged") if self._ctx.stage is not None else layouts
+        the stage's (``staged`` and its narrower prefixes) where shrinks are staged (:mod:`mmlora.lora.stage`)."""
+        layouts, stage = self._ctx.backend.graph_layouts, self._ctx.stage
+        return (*layouts, *stage.layouts) if stage is not None else layouts
 
     def prepare_capture(self, rows: int, rank_bound: int, layout: str = "rows") -> None:
         """Before capturing a ``rows``-row decode graph: every row base-only, and the host ints the graph
         bakes in (the LoRA kernels' launch shapes cover ranks up to ``rank_bound``, one of
         :attr:`rank_buckets`, 0: the graph without LoRA; and segments in ``layout``, one of
         :attr:`graph_layouts`)."""
-        backend = self._ctx.backend
-        self.info.fill_rows([-1] * rows, rank_bound, layout, backend.graph_segments(rows, layout))
+        segments = self._ctx.backend.graph_segments(rows, _segment_layout(layout))
+        self.info.fill_rows([-1] * rows, rank_bound, layout, segments)
 
     def prepare_replay(self, row_slots: list[int], layout: str | None = None) -> tuple[int, str]:
         """Before replaying a graph captured by :meth:`prepare_capture`: each row's slot (-1 = base or
@@ -58,25 +58,31 @@ class ForwardRouting:
         backend, stage = self._ctx.backend, self._ctx.stage
         bound = self.info.bound_of(row_slots)
         layouts = self.graph_layouts
-        runs = slot_runs(row_slots) if bound and ("runs" in layouts or "staged" in layouts) else None
+        staged = stage is not None
+        runs = slot_runs(row_slots) if bound and ("runs" in layouts or staged) else None
         if layout is None:
             if bound == 0:
                 layout = "rows"
             elif (
-                stage is not None
+                staged
                 and len(runs) <= backend.graph_segments(len(row_slots), "staged")
                 and stage.ensure(row_slots)
             ):
-                layout = "staged"  # every slot of the batch is staged now
+                layout = stage.layout_for(row_slots)  # every slot of the batch is staged now
             elif len(self.graph_layouts) == 1:
                 layout = self.graph_layouts[0]
             else:
                 layout = backend.graph_layout(len(row_slots), len(runs))
-        elif layout == "staged" and not (stage is not None and stage.ensure(row_slots)):
+        elif layout in STAGED_LAYOUTS and not (
+            staged
+            and stage.ensure(row_slots)
+            and stage.width(layout) >= stage.width(stage.layout_for(row_slots))
+        ):
             raise ValueError(
-                f"prepare_replay: these rows' adapters do not fit the stage ({stage and stage.capacity})"
+                f"prepare_replay: these rows' adapters do not fit the {layout} stage positions "
+                f"({stage and stage.capacity} in all)"
             )
-        segments = backend.graph_segments(len(row_slots), layout)
+        segments = backend.graph_segments(len(row_slots), _segment_layout(layout))
         self.info.fill_rows(row_slots, bound, layout, segments, runs)
         return bound, layout
 
@@ -105,3 +111,8 @@ class ForwardRouting:
             yield self.info
         finally:
             self._ctx.info = None
+
+
+def _segment_layout(layout: str) -> str:
+    """The layout a backend sizes a graph's segment entries by: every staged layout is ``staged``."""
+    return "staged" if layout in STAGED_LAYOUTS else layout

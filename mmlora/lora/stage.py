@@ -21,8 +21,10 @@ k pages takes k consecutive positions, aligned to k as the pool places them (:mo
 its columns come page by page in the order of A's rows. A rank-8 adapter then costs the GEMM one page, a
 rank-64 one four, and a mix its pages' mean.
 
-The GEMM reads all C positions in every decode step, used or not, so C trades bytes against the batches
-that fit (a batch whose adapters need more positions than C runs the plain kernels). One device only (the
+A staged GEMM reads a prefix of the positions: all C (layout ``staged``), or the first C/2 or C/4
+(``staged/2``, ``staged/4``), whichever is the narrowest to hold the batch's adapters (positions are
+taken lowest first). So a stage larger than the adapters in use costs a step little more than their
+bytes, and a batch whose adapters need more positions than C runs the plain kernels. One device only (the
 routing layer, :meth:`~mmlora.lora.routing.ForwardRouting.prepare_replay`, decides per step).
 """
 
@@ -35,7 +37,7 @@ import torch
 from torch import nn
 
 from mmlora.forward.host_copy import to_device
-from mmlora.forward.lora import LoRAWeights
+from mmlora.forward.lora import STAGED_LAYOUTS, LoRAWeights
 from mmlora.lora.pages import PageMap, pages_for
 
 
@@ -62,10 +64,12 @@ class StagedModule:
             self.bias_cat = torch.zeros(out_f + rows, dtype=bias.dtype, device=bias.device)
             self.bias_cat[:out_f].copy_(bias)
 
-    def linear(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(base output [T, out], every position's shrink [T, C * rows per position]): two column views of
-        one GEMM's result (row stride out + C * rows per position)."""
-        y = torch.nn.functional.linear(x, self.W_cat, self.bias_cat)
+    def linear(self, x: torch.Tensor, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(base output [T, out], the first ``positions`` positions' shrinks [T, positions * rows per
+        position]): two column views of one GEMM's result over a prefix of ``W_cat``."""
+        rows = self.out_features + positions * self.rows_per_position
+        bias = None if self.bias_cat is None else self.bias_cat[:rows]
+        y = torch.nn.functional.linear(x, self.W_cat[:rows], bias)
         return y[..., : self.out_features], y[..., self.out_features :]
 
 
@@ -166,6 +170,24 @@ class ShrinkStage:
 
     def position_of(self, slot: int) -> int | None:
         return self._position.get(slot)
+
+    @property
+    def layouts(self) -> tuple[str, ...]:
+        """The staged graph layouts of this stage, narrowest first (those whose widths differ and are >= 1)."""
+        widths: dict[int, str] = {}
+        for layout, divisor in STAGED_LAYOUTS.items():
+            if self.capacity // divisor >= 1:
+                widths.setdefault(self.capacity // divisor, layout)
+        return tuple(widths[w] for w in sorted(widths))
+
+    def width(self, layout: str) -> int:
+        """Positions the GEMM of a staged ``layout`` reads."""
+        return self.capacity // STAGED_LAYOUTS[layout]
+
+    def layout_for(self, slots: Iterable[int]) -> str:
+        """The narrowest staged layout whose positions hold every staged slot among ``slots``."""
+        reach = max((self._position[s] + self._pages[s] for s in slots if s in self._position), default=0)
+        return next(layout for layout in self.layouts if self.width(layout) >= reach)
 
     def _publish(self, changed: dict[int, int]) -> None:
         # One host-to-device copy of the changed entries (a kernel on the current stream, no sync).

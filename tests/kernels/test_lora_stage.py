@@ -161,7 +161,7 @@ def test_stage_stacks_the_shrink_under_the_base_weight_and_stages_on_demand() ->
         assert {s: stage.position_of(s) for s in range(4) if stage.position_of(s) is not None} == expect
         assert stage.h_pos.tolist() == [expect.get(s, -1) for s in range(4)]
         for (base, w), st in zip(mods, staged):
-            y, h = st.linear(x)
+            y, h = st.linear(x, 2)
             torch.testing.assert_close(y, base(x))
             for s, p in expect.items():
                 torch.testing.assert_close(h[:, p * 3 : (p + 1) * 3], x @ w.A[s].T)
@@ -200,7 +200,7 @@ def test_a_paged_stage_places_each_adapter_on_its_pages() -> None:
     def check(expect: dict[int, int]) -> None:  # slot -> first position
         assert {s: stage.position_of(s) for s in range(8) if stage.position_of(s) is not None} == expect
         assert stage.h_pos.tolist() == [expect.get(s, -1) for s in range(8)]
-        _, h = module.linear(x)
+        _, h = module.linear(x, 6)
         for s, first in expect.items():
             assert first % pages[s] == 0
             for page in range(pages[s]):
@@ -208,13 +208,24 @@ def test_a_paged_stage_places_each_adapter_on_its_pages() -> None:
                     h[:, (first + page) * 4 : (first + page + 1) * 4], x @ A[s, page].T
                 )
 
+    assert stage.layouts == ("staged/4", "staged/2", "staged") and stage.width("staged/4") == 1
     assert stage.ensure([0, 1, 0]) and stage.copies == 2
     check({1: 0, 0: 2})  # the larger first, each in the first free aligned window
+    assert stage.layout_for([0, 1]) == "staged/2"  # positions 0-2 of 6
+    y3, h3 = module.linear(x, 3)  # the GEMM over the first three positions only
+    y6, h6 = module.linear(x, 6)
+    assert h3.shape == (3, 12) and torch.equal(y3, y6) and torch.equal(h3, h6[:, :12])
     assert not stage.ensure([2, 0, 1])  # 4 + 1 + 2 pages > 6
     assert stage.ensure([2]) and stage.copies == 3  # the only window of four holds 1 and 0: both go
     check({2: 0})
     assert stage.ensure([4, 5, 3]) and stage.copies == 6  # 3 on the free pair, 4 and 5 evict 2
     check({3: 4, 4: 0, 5: 1})
+    assert [stage.layout_for(b) for b in ([4], [4, 5], [5, 3], [-1])] == [
+        "staged/4",
+        "staged/2",
+        "staged",
+        "staged/4",
+    ]
     assert stage.ensure([0]) and stage.copies == 7
     check({3: 4, 4: 0, 5: 1, 0: 2})
     # 6 pages in all, but every aligned pair holds one of the batch's own adapters: nothing changes.
@@ -255,24 +266,38 @@ def test_graph_runner_in_the_staged_layout_matches_eager(
     tiny, backend: str, pool: dict, positions: int, dtype: str
 ) -> None:
     """The decode graph runner's static-buffer path (uncaptured, so on any device) with just enough stage
-    positions for both adapters: decode steps replay the ``staged`` layout and give the tokens and
-    logprobs of the eager engine without a stage."""
+    positions for both adapters: decode steps replay the staged layouts and give the tokens and logprobs
+    of the eager engine without a stage. A batch of adapter "a" alone, at the first of the unpaged stage's
+    two positions, replays ``staged/2``, whose GEMM reads that position only."""
     base, adapters = tiny()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     kw = dict(lora_backend=backend, disable_cuda_graph=True, dtype=dtype, **pool)
-    ref = _generate(_engine(base, adapters, device, **kw))
+    only_a = dict(
+        input_ids=PROMPTS[:3], lora_paths=["a", None, "a"], sampling_params=SAMPLING, return_logprob=True
+    )
+    eager = _engine(base, adapters, device, **kw)
+    ref, ref_a = _generate(eager), eager.generate(**only_a)
     engine = _engine(base, adapters, device, lora_stage_slots=positions, **kw)
     assert (engine.runner.lora.page_rank is not None) == bool(pool)
-    assert "staged" in engine.runner.lora.graph_layouts
+    stage = engine.runner.lora.stage
+    assert stage.layouts == ("staged/2", "staged")  # 2 or 3 positions: widths 1 and all
+    assert set(stage.layouts) <= set(engine.runner.lora.graph_layouts)
     graphs = engine.runner.decode_graphs = CudaGraphRunner(
         engine.runner, 5, engine.max_model_len, capture=False
     )
     graphs.graphs = KeyLog(graphs.graphs)
     # bf16: the same tokens; logprobs within 0.05 (0.038 seen on CPU, where the wider GEMM's base columns are
     # bit-equal to x @ W.T: h is the GEMM's sums rounded to bf16, not the shrink kernel's, in another order)
-    assert_same_outputs(ref, _generate(engine), 1e-4 if dtype == "float32" else 5e-2)
+    atol = 1e-4 if dtype == "float32" else 5e-2
+    assert_same_outputs(ref, _generate(engine), atol)
     used = {layout for _, bound, layout in graphs.graphs.used if bound}
-    assert "staged" in used, used
+    assert used == {"staged"}, used  # both adapters: every position
+    graphs.graphs.used.clear()
+    assert_same_outputs(ref_a, engine.generate(**only_a), atol)
+    used = {layout for _, bound, layout in graphs.graphs.used if bound}
+    # Unpaged, "a" holds position 0 of 2; paged by 2 ranks, "a" (rank 4) holds positions 0-1 of 3, more
+    # than staged/2's one.
+    assert used == ({"staged"} if pool else {"staged/2"}), used
 
 
 @pytest.mark.parametrize(
