@@ -277,7 +277,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             print(f"skipping n={n}: past 60% of --time-budget {args.time_budget:.0f} s", flush=True)
             continue
         adapters = by_mix[label]
-        work = make_workload(args, n, engine.model.arch.vocab_size, rng)
+        # Which adapter each request takes depends on the round and the adapter count only, so runs with
+        # other points (one rank mix against two, a knob's A/B) time the same requests at each point.
+        work = make_workload(args, n, engine.model.arch.vocab_size, np.random.default_rng([args.seed, k, n]))
         used = {w["lora"] for w in work if w["lora"] is not None}
         load_s = _register(engine, adapters, {adapters[i]["name"] for i in used})
         for w in work:

@@ -79,6 +79,42 @@ def test_serving_rank_mix_sweep(tmp_path):
     assert (out / "serving.png").stat().st_size > 0
 
 
+def test_serving_points_take_the_same_requests_in_any_run(tmp_path, monkeypatch):
+    """Which adapter each request takes depends on the round and the adapter count only: a run of one
+    rank mix and a run of two give that mix's points the same assignment (so an A/B across runs with other
+    points times the same requests), and the rounds differ from each other."""
+    from mmlora.bench import serving
+
+    base = make_checkpoint(tmp_path / "base", "llama")
+    seen: list[list[str | None]] = []
+    real = serving.run_workload
+    monkeypatch.setattr(
+        serving,
+        "run_workload",
+        lambda engine, work, *a: seen.append([w["lora"] for w in work]) or real(engine, work, *a),
+    )
+
+    def points(mixes: list[str]) -> dict[tuple[int, str], list]:
+        seen.clear()
+        argv = [
+            "serving", "--model", str(base), "--device", "cpu", "--dtype", "float32", "--rank-mixes", *mixes,
+            "--num-adapters", "4", "--num-requests", "12", "--input-len", "4", "6", "--output-len", "2", "4",
+            "--max-model-len", "64", "--max-loras-per-batch", "4", "--max-running-requests", "4",
+            "--sweep-rounds", "2", "--hf-batch", "0", "--micro-batch", "--out", str(tmp_path / "-".join(mixes)),
+        ]  # fmt: skip
+        assert bench_main(argv) == 0
+        result = json.loads((tmp_path / "-".join(mixes) / "serving.json").read_text())
+        timed = seen[-len(result["runs"]) :]  # after the warm-up's
+        return {
+            (r["round"], ",".join(map(str, r.get("ranks") or []))): w for r, w in zip(result["runs"], timed)
+        }
+
+    one, two = points(["4"]), points(["2", "4"])
+    assert one[(0, "4")] == two[(0, "4")] and one[(1, "4")] == two[(1, "4")]
+    assert one[(0, "4")] != one[(1, "4")]
+    assert None not in one[(0, "4")] and len(set(one[(0, "4")])) > 1  # every request on one of the adapters
+
+
 def test_serving_sweep_rounds_and_pool_rank(tmp_path):
     """--sweep-rounds: base-only then the mix, in turn, each ratio against its own round's base-only run;
     --pool-rank sizes the slots (rank 2 adapters in rank-8 slots: three quarters padding)."""
