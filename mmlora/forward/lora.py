@@ -31,15 +31,15 @@ GRAPH_TILE_SIZES = (16, 32, 64, 128)
 #: A first token no segment reaches: tile-table entries past the step's tiles point there and exit.
 UNUSED_TILE = 1 << 30
 
+#: Each staged layout and the share of the stage's positions its GEMM reads (1 / the divisor).
+STAGED_LAYOUTS = {"staged": 1, "staged/2": 2, "staged/4": 4}
+
 #: The ways a CUDA-graph decode step can route its rows: ``rows`` (one segment per row: per-row kernels
 #: such as BGMV), ``runs`` (adjacent rows on one adapter merged into segments of at most RUN_TILE rows:
 #: segment kernels such as SGMV read each adapter once per run) and the staged ones (routed as ``runs``; the
 #: shrink comes from the base GEMM, :mod:`mmlora.lora.stage`): ``staged`` over every stage position,
-#: ``staged/2`` and ``staged/4`` over the first half and quarter of them (:data:`STAGED_LAYOUTS`).
-GRAPH_LAYOUTS = ("rows", "runs", "staged", "staged/2", "staged/4")
-
-#: Each staged layout and the share of the stage's positions its GEMM reads (1 / the divisor).
-STAGED_LAYOUTS = {"staged": 1, "staged/2": 2, "staged/4": 4}
+#: ``staged/2`` and ``staged/4`` over the first half and quarter of them.
+GRAPH_LAYOUTS = ("rows", "runs", *STAGED_LAYOUTS)
 
 
 def slot_runs(slots: Sequence[int], cap: int = RUN_TILE) -> list[tuple[int, int]]:

@@ -135,8 +135,7 @@ class LoRAManager(ForwardRouting):
         if why is not None:
             logger.warning("lora_stage_slots=%d is unused: %s", positions, why)
             return
-        pages = 1 if self.page_rank is None else self.config.max_lora_rank // self.page_rank
-        self._ctx.stage = ShrinkStage(positions, slot_ids, device, self.page_rank, pages)
+        self._ctx.stage = ShrinkStage(positions, slot_ids, device, self.page_rank, self._pool.pages)
         for _, _, wrapper in self._wrapped:
             wrapper.staged = self._ctx.stage.add(wrapper.base, wrapper.weights)
 

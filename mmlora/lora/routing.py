@@ -69,14 +69,12 @@ class ForwardRouting:
                 and stage.ensure(row_slots)
             ):
                 layout = stage.layout_for(row_slots)  # every slot of the batch is staged now
-            elif len(self.graph_layouts) == 1:
-                layout = self.graph_layouts[0]
+            elif len(layouts) == 1:
+                layout = layouts[0]
             else:
                 layout = backend.graph_layout(len(row_slots), len(runs))
         elif layout in STAGED_LAYOUTS and not (
-            staged
-            and stage.ensure(row_slots)
-            and stage.width(layout) >= stage.width(stage.layout_for(row_slots))
+            staged and stage.ensure(row_slots) and stage.reach(row_slots) <= stage.width(layout)
         ):
             raise ValueError(
                 f"prepare_replay: these rows' adapters do not fit the {layout} stage positions "

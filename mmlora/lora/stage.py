@@ -100,6 +100,12 @@ class ShrinkStage:
         self._map = PageMap(capacity)  # owner of each position (a slot)
         self._pages = [1] * num_slots  # positions each slot's adapter takes
         self.copies = 0  # adapters copied into positions (a benchmark's count)
+        # The staged graph layouts, narrowest first: those whose widths differ and are >= 1.
+        widths: dict[int, str] = {}
+        for layout, divisor in STAGED_LAYOUTS.items():
+            if capacity // divisor >= 1:
+                widths.setdefault(capacity // divisor, layout)
+        self.layouts = tuple(widths[w] for w in sorted(widths))
 
     def add(self, base: nn.Linear, weights: LoRAWeights) -> StagedModule:
         """Stage one module: its ``W_cat`` (the base's weight becomes a view of it)."""
@@ -171,22 +177,17 @@ class ShrinkStage:
     def position_of(self, slot: int) -> int | None:
         return self._position.get(slot)
 
-    @property
-    def layouts(self) -> tuple[str, ...]:
-        """The staged graph layouts of this stage, narrowest first (those whose widths differ and are >= 1)."""
-        widths: dict[int, str] = {}
-        for layout, divisor in STAGED_LAYOUTS.items():
-            if self.capacity // divisor >= 1:
-                widths.setdefault(self.capacity // divisor, layout)
-        return tuple(widths[w] for w in sorted(widths))
-
     def width(self, layout: str) -> int:
         """Positions the GEMM of a staged ``layout`` reads."""
         return self.capacity // STAGED_LAYOUTS[layout]
 
+    def reach(self, slots: Iterable[int]) -> int:
+        """Positions from the first to the last one held by a staged slot among ``slots``."""
+        return max((self._position[s] + self._pages[s] for s in slots if s in self._position), default=0)
+
     def layout_for(self, slots: Iterable[int]) -> str:
         """The narrowest staged layout whose positions hold every staged slot among ``slots``."""
-        reach = max((self._position[s] + self._pages[s] for s in slots if s in self._position), default=0)
+        reach = self.reach(slots)
         return next(layout for layout in self.layouts if self.width(layout) >= reach)
 
     def _publish(self, changed: dict[int, int]) -> None:
