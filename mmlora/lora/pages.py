@@ -60,18 +60,23 @@ class PageMap:
         self.count: dict[int, int] = {}  # first page -> pages
 
     def choose(
-        self, pages: int, evictable: Callable[[int], bool], age: Callable[[int], int]
+        self,
+        pages: int,
+        evictable: Callable[[int], bool],
+        age: Callable[[int], int],
+        limit: int | None = None,
     ) -> tuple[int, set[int]] | None:
         """(first page, uids to evict) of an aligned window of ``pages`` pages: the first free one, else
         the one whose owners are all ``evictable`` and whose most recent use (``age``, larger is newer)
         is oldest, the first such window on ties; None when every window holds an adapter that may not be
-        evicted.
+        evicted. With ``limit``, only windows within the first ``limit`` pages (an owner there may
+        reach past it: evicting it frees all its pages).
 
         The scheduler asks this for every adapter it loads, twice (can it, then where), and prefetches
         ask too: with a full pool of 512 one-page adapters a scan that built each window's owner set and
         asked its owners again per window took about 0.5 ms; each adapter's verdict and age are asked once
         per call here (about 0.15 ms)."""
-        owner = self.owner
+        owner = self.owner if limit is None else self.owner[:limit]
         if None in owner:  # a free window, if any, wins: look for one only where a page is free
             if pages == 1:
                 return owner.index(None), set()
@@ -79,8 +84,9 @@ class PageMap:
                 if owner[start] is None and owner[start : start + pages].count(None) == pages:
                     return start, set()
         # Each placed adapter's age, or None where it may not be evicted: asked once per adapter.
+        every = self.owner
         verdict = {
-            owner[first]: age(owner[first]) if evictable(owner[first]) else None for first in self.count
+            every[first]: age(every[first]) if evictable(every[first]) else None for first in self.count
         }
         chosen: tuple[int, int] | None = None  # (newest age in the window, its first page)
         for start in range(0, len(owner) - pages + 1, pages):

@@ -22,9 +22,11 @@ its columns come page by page in the order of A's rows. A rank-8 adapter then co
 rank-64 one four, and a mix its pages' mean.
 
 A staged GEMM reads a prefix of the positions: all C (layout ``staged``), or the first C/2 or C/4
-(``staged/2``, ``staged/4``), whichever is the narrowest to hold the batch's adapters (positions are
-taken lowest first). So a stage larger than the adapters in use costs a step little more than their
-bytes, and a batch whose adapters need more positions than C runs the plain kernels. One device only (the
+(``staged/2``, ``staged/4``), whichever is the narrowest to hold the batch's adapters: :meth:`ShrinkStage.ensure`
+places them within the narrowest prefix that can hold them all, copying again an adapter staged past it
+(a copy of an adapter's A is tens of MB, tens of microseconds; a prefix half as wide saves a step the
+bytes of half the positions). So a stage larger than the adapters in use costs a step little more than
+their bytes, and a batch whose adapters need more positions than C runs the plain kernels. One device only (the
 routing layer, :meth:`~mmlora.lora.routing.ForwardRouting.prepare_replay`, decides per step).
 """
 
@@ -125,33 +127,63 @@ class ShrinkStage:
             self._pages[slot] = pages_for(max(rank, 1), self.page_rank, self.max_pages)
 
     def ensure(self, slots: Iterable[int]) -> bool:
-        """Stage every adapter slot among ``slots`` (-1: none), copying the missing ones' A into free or
-        least recently used positions (on the current stream, after the slot's load); False, staging
-        nothing, when they do not fit the positions together."""
+        """Stage every adapter slot among ``slots`` (-1: none) within the narrowest layout's positions that
+        can hold them, copying the missing ones' A there (on the current stream, after the slot's load):
+        into free positions, else over the least recently used ones the batch does not use; an adapter
+        staged past those positions is copied again into them. False, staging nothing, when they do not
+        fit the positions together."""
         wanted = {s for s in slots if s >= 0}
-        if sum(self._pages[s] for s in wanted) > self.capacity:
+        need = sum(self._pages[s] for s in wanted)
+        if need > self.capacity:
             return False
         for slot in wanted & self._position.keys():
             self._position.move_to_end(slot)
-        missing = sorted(wanted - self._position.keys(), key=lambda s: (-self._pages[s], s))
+        width = next(w for w in map(self.width, self.layouts) if w >= need)
+        # Kept where they are, the batch's staged adapters may leave no aligned window for the rest; placed
+        # again together, largest first, they always fit: pages are powers of two, so each window size
+        # divides the pages placed before it.
+        plan = self._plan(wanted, width, repack=False) or self._plan(wanted, width, repack=True)
+        if plan is None:
+            return False
+        self._apply(*plan)
+        return True
+
+    def _plan(
+        self, wanted: set[int], width: int, repack: bool
+    ) -> tuple[PageMap, list[int], list[tuple[int, int]]] | None:
+        """(the map after, slots evicted, (slot, first position) placed) that puts every ``wanted`` slot
+        in the first ``width`` positions, None if they cannot be; planned on a copy of the map, largest
+        adapters first (aligned windows, as the pool's). Staged adapters of the batch stay where they are
+        unless they are past ``width`` or ``repack``."""
+        beyond = [
+            s for s in wanted & self._position.keys() if repack or self._position[s] + self._pages[s] > width
+        ]
+        missing = sorted((wanted - self._position.keys()).union(beyond), key=lambda s: (-self._pages[s], s))
         if not missing:
-            return True
-        # Plan on a copy, largest first (aligned windows, as the pool's), so a batch that cannot be placed
-        # changes nothing.
+            return self._map, [], []
         plan = self._map.copy()
+        for slot in beyond:
+            plan.release(self._position[slot])
         age = {slot: i for i, slot in enumerate(self._position)}
-        evicted: list[int] = []
+        evicted: list[int] = list(beyond)
         placed: list[tuple[int, int]] = []
         for slot in missing:
-            where = plan.choose(self._pages[slot], lambda s: s not in wanted, age.__getitem__)
+            where = plan.choose(self._pages[slot], lambda s: s not in wanted, age.__getitem__, width)
             if where is None:
-                return False
+                return None
             first, evict = where
             for old in evict:
                 plan.release(self._position[old])
                 evicted.append(old)
             plan.take(first, self._pages[slot], slot)
             placed.append((slot, first))
+        return plan, evicted, placed
+
+    def _apply(self, plan: PageMap, evicted: list[int], placed: list[tuple[int, int]]) -> None:
+        """Take a :meth:`_plan`: copy the placed adapters' A into their positions and publish ``h_pos``."""
+        if not placed:
+            return
+        moved = [(s, p) for s, p in placed if self._position.get(s) != p]  # a repack may keep some
         self._map = plan
         changed = {old: -1 for old in evicted}
         for old in evicted:
@@ -159,13 +191,12 @@ class ShrinkStage:
         for slot, first in placed:
             self._position[slot] = first
             changed[slot] = first
-        dst = [m.tail[p : p + self._pages[s]] for s, p in placed for m in self.modules]
-        src = [m.slot_pages[s, : self._pages[s]] for s, _ in placed for m in self.modules]
+        dst = [m.tail[p : p + self._pages[s]] for s, p in moved for m in self.modules]
+        src = [m.slot_pages[s, : self._pages[s]] for s, _ in moved for m in self.modules]
         if dst:
             torch._foreach_copy_(dst, src)
-        self.copies += len(placed)
+        self.copies += len(moved)
         self._publish(changed)
-        return True
 
     def forget(self, slot: int) -> None:
         """The pool rewrote or emptied ``slot``: its staged copy is stale."""

@@ -146,9 +146,10 @@ def _module(out_f: int, in_f: int, slots: int, rows: int, bias: bool, seed: int)
 
 def test_stage_stacks_the_shrink_under_the_base_weight_and_stages_on_demand() -> None:
     """The base weight keeps its values (now a view of W_cat); one GEMM gives ``x @ W.T + b`` and each
-    staged slot's ``x @ A[slot].T`` at its position; positions are reused least recently used first,
-    never for a slot of the batch, a batch of more adapters than positions changes nothing, and a slot
-    the pool rewrote is copied again when it is next used."""
+    staged slot's ``x @ A[slot].T`` at its position; a batch's adapters are placed within the narrowest
+    staged layout's positions that can hold them (one staged past them is copied again); positions are
+    reused least recently used first, never for a slot of the batch, a batch of more adapters than
+    positions changes nothing, and a slot the pool rewrote is copied again when it is next used."""
     stage = ShrinkStage(capacity=2, num_slots=4, device=torch.device("cpu"))
     mods = [_module(6, 5, 4, 3, bias=True, seed=0), _module(4, 5, 4, 3, bias=False, seed=1)]
     before = [base.weight.detach().clone() for base, _ in mods]
@@ -175,18 +176,22 @@ def test_stage_stacks_the_shrink_under_the_base_weight_and_stages_on_demand() ->
     check({2: 0, 3: 1})
     assert not stage.ensure([0, 1, 2])  # more adapters than positions
     check({2: 0, 3: 1})
+    # One adapter fits the narrowest graph (staged/2, the first position): 3 is copied again there, over 2.
+    assert stage.ensure([3]) and stage.copies == 4
+    check({3: 0})
     mods[0][1].A[3].add_(1.0)  # the pool writes slot 3 again
     stage.forget(3)
-    check({2: 0})
-    assert stage.ensure([3]) and stage.copies == 4
-    check({2: 0, 3: 1})
+    check({})
+    assert stage.ensure([3]) and stage.copies == 5
+    check({3: 0})
 
 
 def test_a_paged_stage_places_each_adapter_on_its_pages() -> None:
     """Paged by 2 ranks, 4 pages a slot: an adapter takes the positions of its pages (rank 1 or 2: one,
     3 or 4: two, 8: four), aligned to their count; each position's columns are ``x @ A[slot, page].T``;
-    a batch that does not fit (too many pages, or no aligned window free of the batch's own adapters)
-    stages nothing; an adapter evicts the least recently used ones of the window it takes."""
+    a batch that does not fit (too many pages) stages nothing; a batch's adapters are placed within the
+    narrowest staged layout's positions that can hold them, again together where those kept in place
+    leave no window; an adapter evicts the least recently used ones of the window it takes."""
     stage = ShrinkStage(capacity=6, num_slots=8, device=torch.device("cpu"), page_rank=2, max_pages=4)
     g = torch.Generator().manual_seed(2)
     A = torch.randn(8, 4, 2 * 2, 5, generator=g)  # [slots, pages, n * U, in], n = 2
@@ -226,18 +231,21 @@ def test_a_paged_stage_places_each_adapter_on_its_pages() -> None:
         "staged",
         "staged/4",
     ]
-    assert stage.ensure([0]) and stage.copies == 7
-    check({3: 4, 4: 0, 5: 1, 0: 2})
-    # 6 pages in all, but every aligned pair holds one of the batch's own adapters: nothing changes.
-    assert not stage.ensure([4, 0, 3, 1]) and stage.copies == 7
-    check({3: 4, 4: 0, 5: 1, 0: 2})
-    # Without 0 and 3 in the batch: of the pairs 2-3 (0, least recent) and 4-5 (3), 2-3 goes.
-    assert stage.ensure([1, 5]) and stage.copies == 8
-    check({3: 4, 4: 0, 5: 1, 1: 2})
+    assert stage.ensure([0]) and stage.copies == 7  # staged/4's one position, over 4
+    check({3: 4, 0: 0, 5: 1})
+    assert stage.ensure([5, 4]) and stage.copies == 8  # within staged/2's three: 4 on the free one
+    check({3: 4, 0: 0, 5: 1, 4: 2})
+    # 6 pages in all, and every aligned pair holds one of the batch's own adapters: placed again together,
+    # largest first, they fit; 0 and 3 land where they were (not copied again), 4 evicts 5.
+    assert stage.ensure([0, 4, 1, 3]) and stage.copies == 10
+    check({1: 2, 3: 4, 0: 0, 4: 1})
+    # Staged/2's three positions: 1 (past them) moves to the pair 0-1 over 0 and 4, 5 takes the free one.
+    assert stage.ensure([1, 5]) and stage.copies == 12
+    check({1: 0, 5: 2, 3: 4})
     stage.set_rank(1, 8)  # the pool wrote slot 1 again, with a rank of four pages
-    check({3: 4, 4: 0, 5: 1})
+    check({5: 2, 3: 4})
     pages[1] = 4
-    assert stage.ensure([1]) and stage.copies == 9
+    assert stage.ensure([1]) and stage.copies == 13  # the only window of four: 5 goes
     check({3: 4, 1: 0})
 
 
@@ -275,7 +283,8 @@ def test_graph_runner_in_the_staged_layout_matches_eager(
     """The decode graph runner's static-buffer path (uncaptured, so on any device) with just enough stage
     positions for both adapters: decode steps replay the staged layouts and give the tokens and logprobs
     of the eager engine without a stage. A batch of adapter "a" alone, at the first of the unpaged stage's
-    two positions, replays ``staged/2``, whose GEMM reads that position only."""
+    two positions (where the stage places it: the narrowest layout's), replays ``staged/2``, whose GEMM
+    reads that position only."""
     base, adapters = tiny()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     kw = dict(lora_backend=backend, disable_cuda_graph=True, dtype=dtype, **pool)
@@ -298,7 +307,8 @@ def test_graph_runner_in_the_staged_layout_matches_eager(
     atol = 1e-4 if dtype == "float32" else 5e-2
     assert_same_outputs(ref, _generate(engine), atol)
     used = {layout for _, bound, layout in graphs.graphs.used if bound}
-    assert used == {"staged"}, used  # both adapters: every position
+    # Both adapters: every position; a step of one adapter (requests start and end in turn) may take less.
+    assert "staged" in used and used <= {"staged", "staged/2"}, used
     graphs.graphs.used.clear()
     assert_same_outputs(ref_a, engine.generate(**only_a), atol)
     used = {layout for _, bound, layout in graphs.graphs.used if bound}

@@ -7,11 +7,13 @@ import pytest
 from mmlora.lora.pages import PageMap
 
 
-def scan_every_window(owner, pages, evictable, age):
-    """The rule, written plainly: the first fully free window; else, over windows whose owners may all be
-    evicted, the one whose newest owner is oldest (the first on ties); else None."""
+def scan_every_window(owner, pages, evictable, age, limit=None):
+    """The rule, written plainly: the first fully free window (within the first ``limit`` pages); else,
+    over windows whose owners may all be evicted, the one whose newest owner is oldest (the first on
+    ties); else None."""
     best = None
-    for start in range(0, len(owner) - pages + 1, pages):
+    end = len(owner) if limit is None else limit
+    for start in range(0, end - pages + 1, pages):
         owners = {u for u in owner[start : start + pages] if u is not None}
         if not owners:
             return start, set()
@@ -55,6 +57,11 @@ def test_choose_matches_a_scan_of_every_window(seed: int) -> None:
             continue
         want = scan_every_window(list(pm.owner), pages, lambda u: u not in busy, ages.__getitem__)
         assert pm.choose(pages, evictable, ages.__getitem__) == want, (pages, pm.owner, busy, ages)
+        # Within a prefix (a staged GEMM's narrower layouts): owners may reach past it.
+        limit = rng.randrange(pages, num_pages + 1)
+        want = scan_every_window(list(pm.owner), pages, evictable, ages.__getitem__, limit)
+        got = pm.choose(pages, evictable, ages.__getitem__, limit=limit)
+        assert got == want, (pages, limit, pm.owner, busy, ages)
 
 
 def test_a_full_pool_of_one_page_adapters_evicts_the_least_recent_idle_one() -> None:
