@@ -151,8 +151,11 @@ class LoRAConfig:
         "of a shrink and an expand. A position holds one adapter of an unpaged pool, or one page "
         "(lora_page_rank ranks) of a paged one, where an adapter takes its slot's pages (CUDA's default "
         "rank-64 pool paged by 16: one for ranks up to 16, four for 64). A step's GEMM reads the first quarter, "
-        "half or all of them, whichever holds its batch's adapters (positions are taken lowest first), and "
-        "they take GPU memory (Mistral-7B: 40 MB a rank-16 position). One device only. 0: off.",
+        "half or all of them, the narrowest that can hold its batch's adapters (they are placed there, an "
+        "adapter staged further out copied again), and they take GPU memory from the KV cache (Mistral-7B: "
+        "40 MB a rank-16 position; on an 80 GB card beside a 128-slot rank-64 pool, an engine with 80 "
+        "positions decoded issue 23's base-only run in batches of 49 requests against 73). One device "
+        "only. 0: off.",
     )
     allow_pickled_adapters: bool = _f(
         False, "Accept adapter_model.bin (read with torch.load(weights_only=True)); safetensors otherwise."
