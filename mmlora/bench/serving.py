@@ -46,10 +46,11 @@ from mmlora.bench.serving_parts import (
     StepRecorder,
     abort_all,
     copy_bandwidth,
+    describe_memory,
+    engine_memory,
     lora_replays,
     make_workload,
     mean_step_seconds,
-    plot,
     result_header,
     run_workload,
     start_decode_batch,
@@ -57,6 +58,7 @@ from mmlora.bench.serving_parts import (
     time_graph_replay,
     weight_bytes,
 )
+from mmlora.bench.serving_plot import plot
 from mmlora.engine.setup import freeze_startup_objects
 from mmlora.lora.pages import pages_for
 
@@ -232,9 +234,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     overlap = engine.overlap
     graphs = engine.runner.mixed_graphs
     mixed_graphs = {"on": graphs is not None, "graph_bytes": graphs.pool_bytes if graphs else 0}
-    bw = copy_bandwidth(device)
+    bw, memory = copy_bandwidth(device), engine_memory(engine)
     print(
-        f"engine up on {device} ({dtype}) in {time.perf_counter() - t_start:.1f} s; copy bandwidth {bw / 1e12:.3f} TB/s"
+        f"engine up on {device} ({dtype}) in {time.perf_counter() - t_start:.1f} s; copy bandwidth {bw / 1e12:.3f} TB/s; "
+        f"{describe_memory(memory)}"
     )
     tmp = tempfile.TemporaryDirectory() if args.adapter_dir is None else None
     adir = Path(args.adapter_dir or tmp.name)
@@ -356,6 +359,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "overlap_schedule": overlap,  # what "auto" resolved to
         "mixed_cuda_graphs": mixed_graphs,  # prefill and mixed steps replayed (mmlora.engine.mixed_graph)
         "copy_bandwidth_bytes_per_s": bw,
+        "memory": memory,  # KV cache tokens, adapter slot and stage bytes (the stage's come out of the KV cache)
         "weight_bytes": weights,
         "adapter_bytes_by_rank": adapter_bytes,
         "pool_rank": pool_rank,

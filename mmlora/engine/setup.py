@@ -133,13 +133,14 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         device,
     )
     logger.info(
-        "KV cache: %d tokens (%d pages of %d); adapter slots: %d x rank %d (%.1f MiB)",
+        "KV cache: %d tokens (%d pages of %d); adapter slots: %d x rank %d (%.1f MiB); shrink stage: %.1f MiB",
         num_blocks * config.cache.block_size,
         num_blocks,
         config.cache.block_size,
         config.lora.max_loras_per_batch,
         config.lora.max_lora_rank,
         lora.nbytes() / 2**20,
+        lora.stage.nbytes() / 2**20 if lora.stage is not None else 0.0,
     )
     attention = get_attention_backend(sched.attention_backend, device)
     return EngineParts(

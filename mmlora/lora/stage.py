@@ -208,6 +208,15 @@ class ShrinkStage:
     def position_of(self, slot: int) -> int | None:
         return self._position.get(slot)
 
+    def nbytes(self) -> int:
+        """GPU memory the positions take: every module's rows past its base weight, and its bias's."""
+        total = 0
+        for m in self.modules:
+            total += m.tail.numel() * m.tail.element_size()
+            if m.bias_cat is not None:
+                total += (m.bias_cat.numel() - m.out_features) * m.bias_cat.element_size()
+        return total
+
     def width(self, layout: str) -> int:
         """Positions the GEMM of a staged ``layout`` reads."""
         return self.capacity // STAGED_LAYOUTS[layout]

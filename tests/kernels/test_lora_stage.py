@@ -157,6 +157,8 @@ def test_stage_stacks_the_shrink_under_the_base_weight_and_stages_on_demand() ->
     x = torch.randn(3, 5)
     for (base, _), was, st in zip(mods, before, staged):
         assert torch.equal(base.weight, was) and base.weight.data_ptr() == st.W_cat.data_ptr()
+    # 2 positions of 3 rows of 5 inputs a module, and the biased module's 2 * 3 padded bias entries, fp32.
+    assert stage.nbytes() == (2 * (2 * 3 * 5) + 2 * 3) * 4
 
     def check(expect: dict[int, int]) -> None:
         assert {s: stage.position_of(s) for s in range(4) if stage.position_of(s) is not None} == expect

@@ -45,6 +45,8 @@ def test_serving_cli_on_cpu(tmp_path, capsys):
     uploads = [r["breakdown"]["adapter_uploads"] for r in result["runs"][1:]]
     assert all((u["bytes"] > 0) == (u["count"] > 0) for u in uploads)
     assert result["triton_compiles_in_timed_runs"] is not None
+    memory = result["memory"]  # no stage unless --lora-stage-slots
+    assert memory["stage_bytes"] == 0 and memory["kv_tokens"] > 0 and memory["adapter_slot_bytes"] > 0
     # The warm-up ran the timed workload once (its breakdown kept; no CUDA allocator on CPU).
     warm = result["warmup"]["breakdown"]
     assert warm["step_kinds"]["prefill"]["count"] >= 1 and warm["cuda_allocator"] is None
@@ -56,7 +58,8 @@ def test_serving_cli_on_cpu(tmp_path, capsys):
     assert all(m["engine_step_steady_ms"] > 0 for m in result["decode_step"])
     assert result["hf_peft"]["output_tok_per_s"] > 0, result["hf_peft"]
     assert result["mmlora_subset"]["output_tok_per_s"] > 0
-    assert "out tok/s" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "out tok/s" in printed and f"KV cache {memory['kv_tokens']} tokens" in printed
 
 
 def test_serving_rank_mix_sweep(tmp_path):
