@@ -26,10 +26,9 @@ A staged GEMM reads a prefix of the positions: all C (layout ``staged``), or the
 places them within the narrowest prefix that can hold them all, copying again an adapter staged past it
 (a copy of an adapter's A is tens of MB, tens of microseconds; a prefix half as wide saves every step
 the bytes of half the positions). So a step reads at most twice its adapters' A, or a quarter of the
-positions where they take fewer (a batch just past half the positions reads them all; session 38 on an H100 found the stage 0.002 behind the plain kernels at
-1000 adapters, where such batches are the run's tail), and a batch whose adapters need more positions than
-C runs the plain kernels. One device only (the routing layer,
-:meth:`~mmlora.lora.routing.ForwardRouting.prepare_replay`, decides per step).
+positions where they take fewer, and a batch whose adapters need more positions than C runs the plain
+kernels. One device only (the routing layer, :meth:`~mmlora.lora.routing.ForwardRouting.prepare_replay`,
+decides per step).
 """
 
 from __future__ import annotations
