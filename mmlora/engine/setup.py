@@ -123,6 +123,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     per_token = KVCache.bytes_per_token(len(model.layers), attn0.num_kv_heads, attn0.head_dim, dtype)
     num_blocks = _plan_kv_blocks(config, device, per_token, max_tokens, model.arch.vocab_size)
     num_blocks = all_reduce_min(num_blocks, device)  # every rank pages the same blocks
+    _warn_if_the_stage_crowds_the_kv_cache(lora, num_blocks * config.cache.block_size, per_token)
     kv_cache = KVCache(
         len(model.layers),
         num_blocks,
@@ -177,6 +178,28 @@ def freeze_startup_objects() -> None:
     collected, so call it once the long-lived objects exist (``gc.unfreeze()`` undoes it)."""
     gc.collect()
     gc.freeze()
+
+
+#: A shrink stage above this share of the KV cache's bytes is worth a warning: its memory came out of the
+#: KV cache. On an 80 GB H100 beside 128 rank-64 slots, 80 positions of Mistral-7B (3.2 GB) cut the requests
+#: decoded at once from 73 to 49 (benchmarks/results/h100-2026-12-06-session38); on a 141 GB H200 the same
+#: engine lost none (session 37).
+STAGE_KV_SHARE_WARNING = 0.1
+
+
+def _warn_if_the_stage_crowds_the_kv_cache(lora: LoRAManager, kv_tokens: int, per_token: int) -> None:
+    stage_bytes = lora.stage.nbytes() if lora.stage is not None else 0
+    kv_bytes = kv_tokens * per_token
+    if stage_bytes > STAGE_KV_SHARE_WARNING * kv_bytes:
+        logger.warning(
+            "lora_stage_slots=%d: the shrink stage takes %.2f GiB, %.0f%% of the KV cache's %.2f GiB "
+            "(%d tokens) it was taken from; fewer positions leave room for more requests at once",
+            lora.stage.capacity,
+            stage_bytes / 2**30,
+            100 * stage_bytes / kv_bytes,
+            kv_bytes / 2**30,
+            kv_tokens,
+        )
 
 
 def _plan_kv_blocks(

@@ -319,6 +319,35 @@ def test_graph_runner_in_the_staged_layout_matches_eager(
     assert used == ({"staged"} if pool else {"staged/2"}), used
 
 
+@pytest.mark.parametrize("kv_tokens", [64, 4096])
+def test_a_stage_that_crowds_the_kv_cache_is_warned_of(tiny, caplog, kv_tokens: int) -> None:  # noqa: ANN001
+    """The stage's memory comes out of the KV cache: past a tenth of the cache's bytes, start-up warns with
+    both sizes."""
+    base, adapters = tiny()
+    with caplog.at_level("WARNING", logger="mmlora.engine.setup"):
+        engine = _engine(
+            base, adapters, "cpu", lora_backend="triton-sgmv", lora_stage_slots=2, max_kv_tokens=kv_tokens
+        )
+    stage, alloc = engine.runner.lora.stage, engine.kv_cache.allocator
+    assert stage is not None and stage.nbytes() > 0
+    attn = engine.model.layers[0].self_attn
+    # K and V of every layer, fp32: the KV cache's bytes from the model's shapes.
+    kv_bytes = (
+        alloc.num_blocks
+        * alloc.block_size
+        * len(engine.model.layers)
+        * 2
+        * attn.num_kv_heads
+        * attn.head_dim
+        * 4
+    )
+    warned = [r.getMessage() for r in caplog.records if "shrink stage takes" in r.getMessage()]
+    assert len(warned) == (stage.nbytes() > 0.1 * kv_bytes), (stage.nbytes(), kv_bytes, warned)
+    if warned:
+        assert f"{100 * stage.nbytes() / kv_bytes:.0f}% of the KV cache" in warned[0]
+    engine.shutdown()
+
+
 @pytest.mark.parametrize(
     ("kw", "why"), [(dict(lora_backend="torch-gather"), "the torch-gather backend has no staged expand")]
 )
