@@ -154,8 +154,8 @@ class LoRAConfig:
         "half or all of them, the narrowest that can hold its batch's adapters (they are placed there, an "
         "adapter staged further out copied again), and they take GPU memory from the KV cache (Mistral-7B: "
         "40 MB a rank-16 position; on an 80 GB card beside a 128-slot rank-64 pool, an engine with 80 "
-        "positions decoded issue 23's base-only run in batches of 49 requests against 73). One device "
-        "only. 0: off.",
+        "positions decoded issue 23's base-only run in batches of 49 requests against 73; start-up warns past "
+        "a tenth of the KV cache's bytes). One device only. 0: off.",
     )
     allow_pickled_adapters: bool = _f(
         False, "Accept adapter_model.bin (read with torch.load(weights_only=True)); safetensors otherwise."
