@@ -25,7 +25,8 @@ from test_cuda_graph import PROMPTS, _engine  # noqa: E402  (the tiny engine of 
 import mmlora  # noqa: E402
 from mmlora.backends import get_backend  # noqa: E402
 from mmlora.engine.cuda_graph import CudaGraphRunner  # noqa: E402
-from mmlora.forward.lora import LoRAWeights, page_weights  # noqa: E402
+from mmlora.forward.lora import STAGED_LAYOUTS, LoRAWeights, page_weights  # noqa: E402
+from mmlora.lora import stage as stage_module  # noqa: E402
 from mmlora.lora.pages import pages_for  # noqa: E402
 from mmlora.lora.stage import ShrinkStage  # noqa: E402
 
@@ -317,6 +318,30 @@ def test_graph_runner_in_the_staged_layout_matches_eager(
     # Unpaged, "a" holds position 0 of 2; paged by 2 ranks, "a" (rank 4) holds positions 0-1 of 3, more
     # than staged/2's one.
     assert used == ({"staged"} if pool else {"staged/2"}), used
+
+
+def test_a_batch_that_fills_too_little_of_its_staged_layout_replays_the_usual_one(tiny, monkeypatch) -> None:  # noqa: ANN001
+    """``stage.SETTINGS["min_fill"]``: a decode batch whose adapters take less than that share of the
+    narrowest staged layout that holds them replays the backend's own layout; 0 (the default) stages every
+    batch that fits."""
+    base, adapters = tiny()
+    engine = _engine(
+        base, adapters, "cpu", lora_backend="triton-sgmv", lora_stage_slots=4, lora_page_rank=2,
+        disable_cuda_graph=True,
+    )  # fmt: skip
+    engine.generate(input_ids=PROMPTS[:2], lora_paths=["a", "b"], sampling_params={"max_new_tokens": 1})
+    lora = engine.runner.lora
+    a, b = (lora.slot_of(lora.entry(name)) for name in "ab")
+    # Paged by 2 ranks: "a" (rank 4) takes two positions, "b" (rank 2) one; of 4, layouts read 1, 2 or 4.
+    assert lora.stage.layouts == ("staged/4", "staged/2", "staged")
+    both = [a, b, -1, a]
+    assert lora.prepare_replay(both)[1] == "staged"  # 3 of its 4 positions
+    monkeypatch.setitem(stage_module.SETTINGS, "min_fill", 0.8)
+    assert lora.prepare_replay(both)[1] not in STAGED_LAYOUTS  # 3 of 4 is less than 0.8
+    assert lora.prepare_replay([b, b])[1] == "staged/4"  # 1 of 1
+    assert lora.prepare_replay([a, -1])[1] == "staged/2"  # 2 of 2
+    assert not lora.stage.worth(both) and lora.stage.worth([a])
+    engine.shutdown()
 
 
 @pytest.mark.parametrize("kv_tokens", [64, 4096])
