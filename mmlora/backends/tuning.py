@@ -1,6 +1,6 @@
 """The Triton backends' launch-setting tables (each module's ``TUNING``) by name, with the step inputs'
 host-copy switch (``host-copy``: :mod:`mmlora.forward.host_copy`), the shrink stage's (``stage``:
-:mod:`mmlora.lora.stage`), and the ``BACKEND:KNOB=JSON``
+:mod:`mmlora.forward.stage_policy`), and the ``BACKEND:KNOB=JSON``
 overrides that benchmark and compile-check scripts try before a setting becomes a default
 (``benchmarks/scripts/with_tuning.py``, ``scripts/cuda_compile_check.py --tuning``)."""
 
@@ -10,8 +10,7 @@ import json
 from typing import Any
 
 from mmlora.backends import triton_auto, triton_bgmv, triton_fused_decode, triton_sgmv, triton_sgmv_act
-from mmlora.forward import host_copy
-from mmlora.lora import stage
+from mmlora.forward import host_copy, stage_policy
 
 TABLES: dict[str, dict[str, Any]] = {
     "triton-sgmv": triton_sgmv.TUNING,
@@ -20,7 +19,7 @@ TABLES: dict[str, dict[str, Any]] = {
     "triton-fused": triton_fused_decode.TUNING,
     "triton-auto": triton_auto.TUNING,
     "host-copy": host_copy.SETTINGS,
-    "stage": stage.SETTINGS,
+    "stage": stage_policy.SETTINGS,
 }
 
 

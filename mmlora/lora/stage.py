@@ -41,16 +41,8 @@ from torch import nn
 
 from mmlora.forward.host_copy import to_device
 from mmlora.forward.lora import STAGED_LAYOUTS, LoRAWeights
+from mmlora.forward.stage_policy import fills_enough
 from mmlora.lora.pages import PageMap, pages_for
-
-#: ``min_fill``: the least share of its layout's positions a decode batch's adapters must take for the step
-#: to replay a staged graph (else the backend's usual layout). A staged GEMM reads every position of its
-#: layout, the shrink kernels only the batch's adapters: on an H100, B=32 on 32 adapters (all positions
-#: used) replayed 0.13 ms faster staged, about what 10 of 32 unused rank-16 positions cost to read, and at
-#: 1000 adapters, where a staged batch may fill little more than half its layout, the stage was 0.002 behind
-#: (benchmarks/results/h100-2026-12-06-session38). 0 (the default): every batch that fits takes the stage;
-#: 0.75 is what the next A/B tries (``stage:min_fill=0.75`` in benchmarks/scripts/with_tuning.py).
-SETTINGS: dict[str, float] = {"min_fill": 0.0}
 
 
 class StagedModule:
@@ -138,12 +130,11 @@ class ShrinkStage:
 
     def worth(self, slots: Iterable[int]) -> bool:
         """Whether a decode step over ``slots`` should take the stage: its adapters fit the positions and take
-        at least ``SETTINGS["min_fill"]`` of the narrowest layout that holds them."""
+        enough of the narrowest layout that holds them (:func:`~mmlora.forward.stage_policy.fills_enough`)."""
         need = sum(self._pages[s] for s in {s for s in slots if s >= 0})
         if need > self.capacity:
             return False
-        width = next(w for w in map(self.width, self.layouts) if w >= need)
-        return need >= SETTINGS["min_fill"] * width
+        return fills_enough(need, next(w for w in map(self.width, self.layouts) if w >= need))
 
     def ensure(self, slots: Iterable[int]) -> bool:
         """Stage every adapter slot among ``slots`` (-1: none) within the narrowest layout's positions that

@@ -25,8 +25,8 @@ from test_cuda_graph import PROMPTS, _engine  # noqa: E402  (the tiny engine of 
 import mmlora  # noqa: E402
 from mmlora.backends import get_backend  # noqa: E402
 from mmlora.engine.cuda_graph import CudaGraphRunner  # noqa: E402
+from mmlora.forward import stage_policy  # noqa: E402
 from mmlora.forward.lora import STAGED_LAYOUTS, LoRAWeights, page_weights  # noqa: E402
-from mmlora.lora import stage as stage_module  # noqa: E402
 from mmlora.lora.pages import pages_for  # noqa: E402
 from mmlora.lora.stage import ShrinkStage  # noqa: E402
 
@@ -253,7 +253,9 @@ def test_a_paged_stage_places_each_adapter_on_its_pages() -> None:
 
 
 LORAS = ["a", "a", None, "a", "b", "b"]
-SAMPLING = {"max_new_tokens": 10, "temperature": 0.0, "ignore_eos": True}
+# Six tokens: every decode layout these tests expect is replayed within them (ten took 148 s of the CI's
+# CPU for the four engine tests, six 81 s).
+SAMPLING = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
 
 
 def _generate(engine: mmlora.Engine) -> list:
@@ -321,7 +323,7 @@ def test_graph_runner_in_the_staged_layout_matches_eager(
 
 
 def test_a_batch_that_fills_too_little_of_its_staged_layout_replays_the_usual_one(tiny, monkeypatch) -> None:  # noqa: ANN001
-    """``stage.SETTINGS["min_fill"]``: a decode batch whose adapters take less than that share of the
+    """``stage_policy.SETTINGS["min_fill"]``: a decode batch whose adapters take less than that share of the
     narrowest staged layout that holds them replays the backend's own layout; 0 (the default) stages every
     batch that fits."""
     base, adapters = tiny()
@@ -336,7 +338,7 @@ def test_a_batch_that_fills_too_little_of_its_staged_layout_replays_the_usual_on
     assert lora.stage.layouts == ("staged/4", "staged/2", "staged")
     both = [a, b, -1, a]
     assert lora.prepare_replay(both)[1] == "staged"  # 3 of its 4 positions
-    monkeypatch.setitem(stage_module.SETTINGS, "min_fill", 0.8)
+    monkeypatch.setitem(stage_policy.SETTINGS, "min_fill", 0.8)
     assert lora.prepare_replay(both)[1] not in STAGED_LAYOUTS  # 3 of 4 is less than 0.8
     assert lora.prepare_replay([b, b])[1] == "staged/4"  # 1 of 1
     assert lora.prepare_replay([a, -1])[1] == "staged/2"  # 2 of 2
