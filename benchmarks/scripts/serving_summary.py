@@ -3,7 +3,8 @@
     python benchmarks/scripts/serving_summary.py OUTDIR RUN [RUN ...]
 
 For each RUN (a subfolder holding ``serving.json``, or ``serving.partial.json`` when the run was cut
-short): base-only tok/s, then per adapter count the ratio to base-only, TTFT p50 ratio, decode seconds,
+short): the engine's memory (KV cache tokens, adapter slot and stage bytes; finished runs), base-only tok/s
+and mean decode batch, then per adapter count the ratio to base-only, TTFT p50 ratio, decode seconds,
 the decode-graph and mixed-step GPU spans, adapter uploads, and the decode microbenchmark rows (with each
 graph layout's replay when timed); a run of several rounds (``--sweep-rounds``) gets a block per round,
 each against its own round's base-only run. Also prints ``rc.txt``, the last lines of ``tests.txt``, and
@@ -29,6 +30,12 @@ def main(out: Path, names: list[str]) -> None:
             print(f"== {name}: no result")
             continue
         res = json.loads(path.read_text())
+        if "memory" in res:  # a finished run's engine: KV cache tokens, adapter slot and stage bytes
+            mem = res["memory"]
+            print(
+                f"== {name}: KV cache {mem['kv_tokens']} tokens, adapter slots "
+                f"{mem['adapter_slot_bytes'] / 2**30:.2f} GiB, stage {mem['stage_bytes'] / 2**30:.2f} GiB"
+            )
         rounds = sorted({r.get("round", 0) for r in res["runs"]})
         for k in rounds:
             # A sweep over rank mixes (``--rank-mixes``) has one run per adapter count and mix.
@@ -63,7 +70,8 @@ def _round(name: str, runs: dict) -> None:
     bmx = mixed(base)
     print(
         f"== {name}: base-only {base['output_tok_per_s']:.0f} tok/s, TTFT p50 "
-        f"{base['ttft_p50_s'] * 1e3:.0f} ms, decode {base['decode_seconds']:.2f} s, mixed wall "
+        f"{base['ttft_p50_s'] * 1e3:.0f} ms, decode {base['decode_seconds']:.2f} s "
+        f"({base.get('mean_decode_batch', 0):.1f} requests a step), mixed wall "
         f"{bmx.get('wall_s', 0):.2f} s (launch {bmx.get('forward_launch_s', 0):.2f}); python gc {gc_s(base)}"
     )
     mixes = {ranks for n, ranks in runs if n}
