@@ -15,6 +15,8 @@ import json
 import sys
 from pathlib import Path
 
+from mmlora.bench.serving_parts import describe_memory
+
 
 def main(out: Path, names: list[str]) -> None:
     if (out / "rc.txt").exists():
@@ -31,11 +33,7 @@ def main(out: Path, names: list[str]) -> None:
             continue
         res = json.loads(path.read_text())
         if "memory" in res:  # a finished run's engine: KV cache tokens, adapter slot and stage bytes
-            mem = res["memory"]
-            print(
-                f"== {name}: KV cache {mem['kv_tokens']} tokens, adapter slots "
-                f"{mem['adapter_slot_bytes'] / 2**30:.2f} GiB, stage {mem['stage_bytes'] / 2**30:.2f} GiB"
-            )
+            print(f"== {name}: {describe_memory(res['memory'])}")
         rounds = sorted({r.get("round", 0) for r in res["runs"]})
         for k in rounds:
             # A sweep over rank mixes (``--rank-mixes``) has one run per adapter count and mix.

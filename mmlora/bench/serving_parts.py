@@ -116,11 +116,11 @@ def lora_replays(engine: Any) -> dict[str, int]:
 def engine_memory(engine: Any) -> dict[str, int]:
     """What the engine's memory went to, beside the weights: KV cache tokens, and the bytes of the adapter
     slots and of the shrink stage (:mod:`mmlora.lora.stage`, 0 when off), which come out of the KV cache."""
-    alloc, lora = engine.kv_cache.allocator, engine.runner.lora
+    lora = engine.runner.lora
     return {
-        "kv_tokens": alloc.num_blocks * alloc.block_size,
+        "kv_tokens": engine.stats()["kv_tokens_total"],
         "adapter_slot_bytes": lora.nbytes(),
-        "stage_bytes": lora.stage.nbytes() if lora.stage is not None else 0,
+        "stage_bytes": lora.stage_nbytes(),
     }
 
 

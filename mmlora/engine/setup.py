@@ -123,7 +123,10 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     per_token = KVCache.bytes_per_token(len(model.layers), attn0.num_kv_heads, attn0.head_dim, dtype)
     num_blocks = _plan_kv_blocks(config, device, per_token, max_tokens, model.arch.vocab_size)
     num_blocks = all_reduce_min(num_blocks, device)  # every rank pages the same blocks
-    _warn_if_the_stage_crowds_the_kv_cache(lora, num_blocks * config.cache.block_size, per_token)
+    stage_bytes = lora.stage_nbytes()
+    _warn_if_the_stage_crowds_the_kv_cache(
+        config, stage_bytes, num_blocks * config.cache.block_size, per_token
+    )
     kv_cache = KVCache(
         len(model.layers),
         num_blocks,
@@ -141,7 +144,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         config.lora.max_loras_per_batch,
         config.lora.max_lora_rank,
         lora.nbytes() / 2**20,
-        lora.stage.nbytes() / 2**20 if lora.stage is not None else 0.0,
+        stage_bytes / 2**20,
     )
     attention = get_attention_backend(sched.attention_backend, device)
     return EngineParts(
@@ -187,14 +190,15 @@ def freeze_startup_objects() -> None:
 STAGE_KV_SHARE_WARNING = 0.1
 
 
-def _warn_if_the_stage_crowds_the_kv_cache(lora: LoRAManager, kv_tokens: int, per_token: int) -> None:
-    stage_bytes = lora.stage.nbytes() if lora.stage is not None else 0
+def _warn_if_the_stage_crowds_the_kv_cache(
+    config: EngineConfig, stage_bytes: int, kv_tokens: int, per_token: int
+) -> None:
     kv_bytes = kv_tokens * per_token
     if stage_bytes > STAGE_KV_SHARE_WARNING * kv_bytes:
         logger.warning(
             "lora_stage_slots=%d: the shrink stage takes %.2f GiB, %.0f%% of the KV cache's %.2f GiB "
             "(%d tokens) it was taken from; fewer positions leave room for more requests at once",
-            lora.stage.capacity,
+            config.lora.lora_stage_slots,
             stage_bytes / 2**30,
             100 * stage_bytes / kv_bytes,
             kv_bytes / 2**30,

@@ -205,6 +205,10 @@ class LoRAManager(ForwardRouting):
     def nbytes(self) -> int:
         return self._pool.nbytes()
 
+    def stage_nbytes(self) -> int:
+        """GPU memory of the shrink stage's positions (:meth:`ShrinkStage.nbytes`), 0 when off."""
+        return self._ctx.stage.nbytes() if self._ctx.stage is not None else 0
+
     def slot_padding_fraction(self, entries: list[AdapterEntry] | None = None) -> float:
         """Share of the slot memory of ``entries`` (default: every adapter in a slot) that is padding;
         entries without a slot are left out (see LoRAPool.slot_padding_fraction)."""

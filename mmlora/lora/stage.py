@@ -128,13 +128,19 @@ class ShrinkStage:
         if self.page_rank is not None:
             self._pages[slot] = pages_for(max(rank, 1), self.page_rank, self.max_pages)
 
+    def _fit(self, wanted: set[int]) -> tuple[int, int] | None:
+        """(positions the ``wanted`` slots' adapters take, the narrowest staged layout's width that holds
+        them), None when they need more than every position."""
+        need = sum(self._pages[s] for s in wanted)
+        if need > self.capacity:
+            return None
+        return need, next(w for w in map(self.width, self.layouts) if w >= need)
+
     def worth(self, slots: Iterable[int]) -> bool:
         """Whether a decode step over ``slots`` should take the stage: its adapters fit the positions and take
         enough of the narrowest layout that holds them (:func:`~mmlora.forward.stage_policy.fills_enough`)."""
-        need = sum(self._pages[s] for s in {s for s in slots if s >= 0})
-        if need > self.capacity:
-            return False
-        return fills_enough(need, next(w for w in map(self.width, self.layouts) if w >= need))
+        fit = self._fit({s for s in slots if s >= 0})
+        return fit is not None and fills_enough(*fit)
 
     def ensure(self, slots: Iterable[int]) -> bool:
         """Stage every adapter slot among ``slots`` (-1: none) within the narrowest layout's positions that
@@ -143,12 +149,12 @@ class ShrinkStage:
         staged past those positions is copied again into them. False, staging nothing, when they do not
         fit the positions together."""
         wanted = {s for s in slots if s >= 0}
-        need = sum(self._pages[s] for s in wanted)
-        if need > self.capacity:
+        fit = self._fit(wanted)
+        if fit is None:
             return False
         for slot in wanted & self._position.keys():
             self._position.move_to_end(slot)
-        width = next(w for w in map(self.width, self.layouts) if w >= need)
+        width = fit[1]
         # Kept where they are, the batch's staged adapters may leave no aligned window for the rest; placed
         # again together, largest first, they always fit: pages are powers of two, so each window size
         # divides the pages placed before it.
