@@ -25,11 +25,36 @@ if not torch.cuda.is_available():
 
 _built: list[weakref.ref] = []  # every Engine built in this session, in order
 
+# On CUDA an engine without max_kv_tokens sizes its KV cache to mem_fraction_static of the whole card,
+# less what is in use there; benchmarks/gpu_tests.sh runs several pytest processes on one card, so such an
+# engine would leave the others' engines no room (session 39 lost six tests to it). Tests cap it here.
+TEST_KV_TOKENS_ON_CUDA = 1 << 16
+
+
+def _cap_kv_cache_on_cuda() -> None:
+    """Wrap the KV planner once: on CUDA, an engine whose config sets no cap gets TEST_KV_TOKENS_ON_CUDA."""
+    from mmlora.engine import setup
+
+    plan = setup._plan_kv_blocks
+    if getattr(plan, "capped", False):
+        return
+
+    @functools.wraps(plan)
+    def capped_plan(config: Any, device: torch.device, *args: Any) -> int:
+        blocks = plan(config, device, *args)
+        if device.type == "cuda" and config.cache.max_kv_tokens is None:
+            blocks = min(blocks, TEST_KV_TOKENS_ON_CUDA // config.cache.block_size)
+        return blocks
+
+    capped_plan.capped = True  # type: ignore[attr-defined]
+    setup._plan_kv_blocks = capped_plan
+
 
 def _track_engines() -> None:
     """Wrap ``Engine.__init__`` once so each engine built is noted (weakly: noting keeps none alive)."""
     from mmlora.engine.engine import Engine
 
+    _cap_kv_cache_on_cuda()
     init = Engine.__init__
     if getattr(init, "tracked", False):
         return
