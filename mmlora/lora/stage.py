@@ -41,7 +41,7 @@ from torch import nn
 
 from mmlora.forward.host_copy import to_device
 from mmlora.forward.lora import STAGED_LAYOUTS, LoRAWeights
-from mmlora.forward.stage_policy import fills_enough
+from mmlora.forward.stage_policy import worth_staging
 from mmlora.lora.pages import PageMap, pages_for
 
 
@@ -137,10 +137,13 @@ class ShrinkStage:
         return need, next(w for w in map(self.width, self.layouts) if w >= need)
 
     def worth(self, slots: Iterable[int]) -> bool:
-        """Whether a decode step over ``slots`` should take the stage: its adapters fit the positions and take
-        enough of the narrowest layout that holds them (:func:`~mmlora.forward.stage_policy.fills_enough`)."""
-        fit = self._fit({s for s in slots if s >= 0})
-        return fit is not None and fills_enough(*fit)
+        """Whether a decode step over ``slots`` (-1: a row without adapter) should take the stage: its adapters
+        fit the positions, take enough of the narrowest layout that holds them, and have rows enough each
+        (:func:`~mmlora.forward.stage_policy.worth_staging`)."""
+        rows = [s for s in slots if s >= 0]
+        wanted = set(rows)
+        fit = self._fit(wanted)
+        return fit is not None and worth_staging(len(rows), len(wanted), *fit)
 
     def ensure(self, slots: Iterable[int]) -> bool:
         """Stage every adapter slot among ``slots`` (-1: none) within the narrowest layout's positions that

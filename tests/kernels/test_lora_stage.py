@@ -322,10 +322,12 @@ def test_graph_runner_in_the_staged_layout_matches_eager(
     assert used == ({"staged"} if pool else {"staged/2"}), used
 
 
-def test_a_batch_that_fills_too_little_of_its_staged_layout_replays_the_usual_one(tiny, monkeypatch) -> None:  # noqa: ANN001
-    """``stage_policy.SETTINGS["min_fill"]``: a decode batch whose adapters take less than that share of the
-    narrowest staged layout that holds them replays the backend's own layout; 0 (the default) stages every
-    batch that fits."""
+def test_a_batch_that_fills_too_little_or_has_too_few_rows_replays_the_usual_layout(
+    tiny, monkeypatch
+) -> None:  # noqa: ANN001
+    """``stage_policy.SETTINGS``: a decode batch whose adapters take less than ``min_fill`` of the narrowest
+    staged layout that holds them, or have fewer than ``min_rows_per_adapter`` rows each on average (base
+    rows not counted), replays the backend's own layout; 0 (the defaults) stages every batch that fits."""
     base, adapters = tiny()
     engine = _engine(
         base, adapters, "cpu", lora_backend="triton-sgmv", lora_stage_slots=4, lora_page_rank=2,
@@ -343,6 +345,13 @@ def test_a_batch_that_fills_too_little_of_its_staged_layout_replays_the_usual_on
     assert lora.prepare_replay([b, b])[1] == "staged/4"  # 1 of 1
     assert lora.prepare_replay([a, -1])[1] == "staged/2"  # 2 of 2
     assert not lora.stage.worth(both) and lora.stage.worth([a])
+    monkeypatch.setitem(stage_policy.SETTINGS, "min_fill", 0.0)
+    monkeypatch.setitem(stage_policy.SETTINGS, "min_rows_per_adapter", 1.5)
+    assert lora.prepare_replay(both)[1] == "staged"  # 3 rows on 2 adapters: 1.5 each
+    assert lora.prepare_replay([a, b, -1, -1])[1] not in STAGED_LAYOUTS  # 1 each
+    assert lora.prepare_replay([b, b, -1])[1] == "staged/4"  # 2 on 1
+    assert lora.prepare_replay([a, -1])[1] not in STAGED_LAYOUTS  # 1 on 1
+    assert [lora.stage.worth(s) for s in ([a, a, b, b], [a, b, a], [a, b, -1, -1])] == [True, True, False]
     engine.shutdown()
 
 
