@@ -14,7 +14,8 @@ case $part in
   t tests/models/test_gemma2_vs_peft.py > "$out/tests_gemma2.txt" 2>&1 &
   t tests/models/test_qwen2_vl_vs_peft.py > "$out/tests_qwen2_vl.txt" 2>&1 &
   t tests/kernels/test_cuda_graph.py > "$out/tests_graphs.txt" 2>&1 &
-  t tests/kernels/test_lora_warmup.py tests/kernels/test_lora_stage.py > "$out/tests_warmup_stage.txt" 2>&1 &
+  t tests/kernels/test_lora_warmup.py tests/kernels/test_lora_stage.py tests/kernels/test_lora_stage_engine.py \
+    > "$out/tests_warmup_stage.txt" 2>&1 &
   ;;
 2)
   t tests/kernels/test_lora_kernels.py > "$out/tests_kernels.txt" 2>&1 &

@@ -27,7 +27,10 @@ TUNING = {
     # stop at the slot's rank either way, so a step reads no more bytes, in fewer dependent steps. H200,
     # rank-64 pool (benchmarks/scripts/decode_lora_anatomy.py, 2026-12-03, two rounds; 16 before): decode
     # runs B=128 321 -> 206 us with 32 (234 with 64), mixed step 1632 -> 904 us with 64 (1071 with 32),
-    # 4096-token prefill 1237 -> 702 us with 64.
+    # 4096-token prefill 1237 -> 702 us with 64. A decode-run step of 64 (which lets the column-tile groups
+    # apply in a rank-64 bucket) was slower on an H100 (session 39, g/): all modules' LoRA per layer at B=72
+    # on 24 adapters 129.2 -> 133.6 us for rank 64 and 93.1 -> 101.6 us for {8, 64}; at B=128 on 32,
+    # 166.3 -> 166.5 and 120.0 -> 126.6 us.
     "expand_rank_step": 64,
     "run_expand_rank_step": 32,
     "max_split_k": 16,
