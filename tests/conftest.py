@@ -16,6 +16,17 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+
+# pytest-xdist workers share the CPU (scripts/test.sh: 2 on the 2-core CI machine). Each with torch's
+# default of a thread per core oversubscribes it, and OpenMP threads waiting on each other then crawl: the
+# quickstart notebook ran in 14 s alone and 160 s beside another worker. Each worker (and what it starts:
+# notebook kernels, tensor-parallel workers, servers, through OMP_NUM_THREADS) gets its share of the cores.
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _workers > 1:
+    _share = max(1, (os.cpu_count() or 1) // _workers)
+    if torch.get_num_threads() > _share:
+        torch.set_num_threads(_share)
+        os.environ["OMP_NUM_THREADS"] = str(_share)
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
     if os.environ.get("TRITON_INTERPRET") == "1":
