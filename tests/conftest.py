@@ -38,7 +38,8 @@ _built: list[weakref.ref] = []  # every Engine built in this session, in order
 
 # On CUDA an engine without max_kv_tokens sizes its KV cache to mem_fraction_static of the whole card,
 # less what is in use there; benchmarks/gpu_tests.sh runs several pytest processes on one card, so such an
-# engine would leave the others' engines no room (session 39 lost six tests to it). Tests cap it here.
+# engine would leave the others' engines no room (the likely cause of six failures in session 39's run of
+# it: benchmarks/results/h100-2026-12-06-session39/u). Tests cap it here.
 TEST_KV_TOKENS_ON_CUDA = 1 << 16
 
 
