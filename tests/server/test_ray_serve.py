@@ -8,6 +8,7 @@ killing a replica mid-run loses no request that had not been answered.
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import time
 
 import pytest
@@ -40,8 +41,20 @@ def engine_options(tiny) -> dict:
     }
 
 
+# Ray's router gives a replica 0.1 s to report its queue length; one that answers later (this CPU engine
+# beside CI's other tests) counts as busy, and the retry goes to the replicas holding the fewest adapters,
+# so requests for one adapter landed on both replicas (once, in session 39's CI run). The local cluster
+# (raylet, proxy, replicas) inherits the driver's environment.
+ROUTER_ENV = {
+    "RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S": "2.0",
+    "RAY_SERVE_MAX_QUEUE_LENGTH_RESPONSE_DEADLINE_S": "4.0",
+}
+
+
 @pytest.fixture(scope="module")
 def cluster(tiny):
+    saved = {k: os.environ.get(k) for k in ROUTER_ENV}
+    os.environ.update(ROUTER_ENV)
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -61,6 +74,11 @@ def cluster(tiny):
     finally:
         serve.shutdown()
         ray.shutdown()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def generate(url: str, lora: str | None, text: str = "Hello world", tokens: int = 6) -> requests.Response:
