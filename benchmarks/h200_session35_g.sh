@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# For the next session (written in session 35 after its device time was spent; not yet run). One call, about
+# Written in session 35 after its device time was spent; ran in session 39 (benchmarks/results/h100-2026-12-06-session39/g/). One call, about
 # 450 s, on an H200 if one comes:
 # 1. upload_launch_probe.py: does a burst of adapter uploads (pinned host-to-device copies on a side stream)
 #    hold the host in a step's small pageable input copies, and would pinned inputs not be held?

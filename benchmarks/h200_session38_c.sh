@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# For the next session (written in session 38 after its device time was spent; not yet run). One call, about
+# Written in session 38 after its device time was spent; ran in session 39 (benchmarks/results/h100-2026-12-06-session39/c/). One call, about
 # 590 s. Session 38 (H100, b/) found the stage (--lora-stage-slots 32, placed within the narrowest staged
 # graph) ahead at 8 and 32 adapters and 0.002 behind at 1000 in both rounds. A staged GEMM reads every
 # position of its layout, so a batch that fills little more than half of it reads up to twice its adapters'

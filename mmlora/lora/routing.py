@@ -66,8 +66,7 @@ class ForwardRouting:
             elif (
                 staged
                 and len(runs) <= backend.graph_segments(len(row_slots), "staged")
-                and stage.worth(row_slots)
-                and stage.ensure(row_slots)
+                and stage.ensure(row_slots, when_worth=True)
             ):
                 layout = stage.layout_for(row_slots)  # every slot of the batch is staged now
             elif len(layouts) == 1:

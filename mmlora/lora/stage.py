@@ -136,23 +136,32 @@ class ShrinkStage:
             return None
         return need, next(w for w in map(self.width, self.layouts) if w >= need)
 
+    def _fit_if_worth(self, slots: Iterable[int]) -> tuple[set[int], tuple[int, int] | None]:
+        """(the adapter slots among ``slots``, their :meth:`_fit` or None when they do not fit or the step
+        is not worth staging: :func:`~mmlora.forward.stage_policy.worth_staging`)."""
+        rows = [s for s in slots if s >= 0]
+        wanted = set(rows)
+        fit = self._fit(wanted)
+        return wanted, fit if fit is not None and worth_staging(len(rows), len(wanted), *fit) else None
+
     def worth(self, slots: Iterable[int]) -> bool:
         """Whether a decode step over ``slots`` (-1: a row without adapter) should take the stage: its adapters
         fit the positions, take enough of the narrowest layout that holds them, and have rows enough each
         (:func:`~mmlora.forward.stage_policy.worth_staging`)."""
-        rows = [s for s in slots if s >= 0]
-        wanted = set(rows)
-        fit = self._fit(wanted)
-        return fit is not None and worth_staging(len(rows), len(wanted), *fit)
+        return self._fit_if_worth(slots)[1] is not None
 
-    def ensure(self, slots: Iterable[int]) -> bool:
+    def ensure(self, slots: Iterable[int], when_worth: bool = False) -> bool:
         """Stage every adapter slot among ``slots`` (-1: none) within the narrowest layout's positions that
         can hold them, copying the missing ones' A there (on the current stream, after the slot's load):
         into free positions, else over the least recently used ones the batch does not use; an adapter
         staged past those positions is copied again into them. False, staging nothing, when they do not
-        fit the positions together."""
-        wanted = {s for s in slots if s >= 0}
-        fit = self._fit(wanted)
+        fit the positions together, or with ``when_worth`` when the step is not :meth:`worth` staging (the
+        batch's fit is computed once for both)."""
+        if when_worth:
+            wanted, fit = self._fit_if_worth(slots)
+        else:
+            wanted = {s for s in slots if s >= 0}
+            fit = self._fit(wanted)
         if fit is None:
             return False
         for slot in wanted & self._position.keys():
