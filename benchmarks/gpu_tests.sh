@@ -30,7 +30,15 @@ case $part in
   ;;
 *) echo "part must be 1 or 2, got $part" >&2; exit 2 ;;
 esac
-wait
+# Who holds the card's memory (session 40's part 1 failed 20 tests for want of it): each process's use every
+# 3 s, and which test group each pytest process runs.
+(while sleep 3; do
+  echo "# $SECONDS s"; nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader
+done) > "$out/gpu_memory.txt" 2>&1 &
+monitor=$!
+sleep 5; ps -eo pid,args | grep "[p]ytest" | cut -c1-200 > "$out/pids.txt"
+wait $(jobs -p | grep -v "^$monitor$")
+kill $monitor
 for f in "$out"/tests_*.txt; do echo "$(basename "$f"): $(tail -1 "$f")"; done | tee "$out/summary.txt"
 grep -hE "^(FAILED|ERROR)" "$out"/tests_*.txt | head -20
 true
