@@ -7,6 +7,13 @@ runs ``python -m mmlora.bench serving`` with the given arguments under a cProfil
 writes both (top functions by total and cumulative time) with the calls' wall seconds into OUT every 10
 calls, so a run cut short still leaves them.
 
+Session 40's run (benchmarks/results/h100-2026-12-06-session40/p) found the time in the step's first
+launch after the graph replay, the logits GEMM: 9.4 ms a call in steps with an adapter row, 0.1 ms in
+base-only ones. So each logits call is also logged (``logits.txt``: the step's kind, seconds, rows, whether this
+process's logits GEMM had that many rows before, and whether the current stream was idle and the pool's
+upload stream busy just before it), to tell a host blocked on a new shape (a kernel loaded lazily on first
+use can synchronize the context) from one blocked behind uploads.
+
     python benchmarks/scripts/mixed_host_profile.py OUT serving --model ... --num-adapters 1000 ...
 """
 
@@ -18,6 +25,8 @@ import pstats
 import sys
 import time
 from pathlib import Path
+
+import torch
 
 from mmlora.bench.__main__ import main as bench_main
 from mmlora.engine import mixed_graph
@@ -41,23 +50,70 @@ def main() -> None:
     walls: dict[str, list[float]] = {"lora": [], "base": []}
     run = mixed_graph.MixedGraphRunner.run
 
+    step = {"kind": None}  # the mixed step running now: "lora" or "base"
+
     def profiled(self, sched, future=None):  # noqa: ANN001, ANN202
-        name = "lora" if any(r.slot >= 0 for r in sched.requests) else "base"
+        name = step["kind"] = "lora" if any(r.slot >= 0 for r in sched.requests) else "base"
         t0 = time.perf_counter()
         profiles[name].enable()
         try:
             return run(self, sched, future)
         finally:
             profiles[name].disable()
+            step["kind"] = None
             walls[name].append(time.perf_counter() - t0)
             if sum(map(len, walls.values())) % 10 == 0:
                 _dump(out, profiles, walls)
 
-    mixed_graph.MixedGraphRunner.run = profiled
+    logits_log: list[str] = []
+    seen_rows: set[int] = set()  # row counts the logits GEMM has had in this process
+
+    def watch_logits(runner) -> None:  # noqa: ANN001
+        model = runner.model
+        if getattr(model.compute_logits, "watched", False):
+            return
+        compute = model.compute_logits
+        upload = runner.lora._pool.upload_stream  # a benchmark instrument, as bench's breakdown
+
+        def compute_logits(hidden):  # noqa: ANN001, ANN202
+            kind = step["kind"]
+            if kind is None:  # a decode step's
+                return compute(hidden)
+            rows = hidden.shape[0]
+            first = rows not in seen_rows
+            seen_rows.add(rows)
+            idle = torch.cuda.current_stream().query()
+            uploading = upload is not None and not upload.query()
+            t0 = time.perf_counter()
+            logits = compute(hidden)
+            seconds = time.perf_counter() - t0
+            logits_log.append(f"{kind} {seconds:.6f} {rows} {int(first)} {int(idle)} {int(uploading)}")
+            return logits
+
+        compute_logits.watched = True
+        model.compute_logits = compute_logits
+
+    def profiled_and_watched(self, sched, future=None):  # noqa: ANN001, ANN202
+        if self.device.type == "cuda":
+            watch_logits(self)
+        try:
+            return profiled(self, sched, future)
+        finally:
+            if len(logits_log) % 10 == 0:
+                write_logits()
+
+    def write_logits() -> None:
+        text = "step seconds rows first_time_rows current_stream_idle upload_stream_busy\n" + "\n".join(
+            logits_log
+        )
+        (out / "logits.txt").write_text(text + "\n")
+
+    mixed_graph.MixedGraphRunner.run = profiled_and_watched
     try:
         bench_main(sys.argv[2:])
     finally:
         _dump(out, profiles, walls)
+        write_logits()
 
 
 if __name__ == "__main__":
