@@ -103,10 +103,8 @@ def main() -> None:
                 write_logits()
 
     def write_logits() -> None:
-        text = "step seconds rows first_time_rows current_stream_idle upload_stream_busy\n" + "\n".join(
-            logits_log
-        )
-        (out / "logits.txt").write_text(text + "\n")
+        header = "step seconds rows first_time_rows current_stream_idle upload_stream_busy"
+        (out / "logits.txt").write_text("".join(line + "\n" for line in [header, *logits_log]))
 
     mixed_graph.MixedGraphRunner.run = profiled_and_watched
     try:
