@@ -11,15 +11,7 @@ knob=stage:min_rows_per_adapter=1.5
 extra=(--lora-stage-slots 32)
 args=(serving --model dummy:mistral-7b-v0.3 --num-adapters 32 --num-requests 192 --hf-batch 0 --pool-rank 64
   --rank-mixes 64 8,64 --sweep-rounds 2)
-{
-  echo "python -m mmlora.bench ${args[*]}"
-  echo "python benchmarks/scripts/with_tuning.py $knob -- ${args[*]} ${extra[*]}"
-} > "$out/command.txt"
-timeout $(((590 - SECONDS) / 2)) python -m mmlora.bench "${args[@]}" --out "$out/serving" > "$out/serving.log" 2>&1
-echo "defaults rc=$? at ${SECONDS} s" | tee "$out/summary.txt"
-timeout $((590 - SECONDS)) python benchmarks/scripts/with_tuning.py "$knob" -- "${args[@]}" "${extra[@]}" \
-  --out "$out/knobs" > "$out/knobs.log" 2>&1
-echo "stage rc=$? at ${SECONDS} s" | tee -a "$out/summary.txt"
+source "$(dirname "$0")/serving_ab.sh"
 grep -ihE "Error|Traceback" "$out"/*.log | head -8
 python benchmarks/scripts/serving_summary.py "$out" serving knobs 2>&1 | head -40
 true

@@ -3,9 +3,10 @@
 # override's arm needs more options, the array $extra: issue 13's serving command (default backend,
 # 8 / 32 / 1000 adapters, decode micro-benchmark, two sweep rounds) with the defaults, then with the
 # override, the two sharing what is left of the call's 590 s; both commands go to command.txt (after what
-# is there), the runs to serving/ and knobs/.
-args=(serving --model dummy:mistral-7b-v0.3 --num-adapters 8 32 1000 --num-requests 192 --hf-batch 0
-  --micro-batch 32 128 --sweep-rounds 2)
+# is there), the runs to serving/ and knobs/. A script that sets the array $args first runs that bench
+# command instead of issue 13's.
+[[ -v args ]] || args=(serving --model dummy:mistral-7b-v0.3 --num-adapters 8 32 1000 --num-requests 192
+  --hf-batch 0 --micro-batch 32 128 --sweep-rounds 2)
 [[ $knob == *:* ]] && override=$knob || override=triton-sgmv:$knob
 extra=(${extra[@]+"${extra[@]}"})  # empty unless the script set it
 echo "python -m mmlora.bench ${args[*]}" >> "$out/command.txt"

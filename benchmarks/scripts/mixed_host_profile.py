@@ -48,27 +48,17 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     profiles = {"lora": cProfile.Profile(), "base": cProfile.Profile()}
     walls: dict[str, list[float]] = {"lora": [], "base": []}
+    logits_log = ["step seconds rows first_time_rows current_stream_idle upload_stream_busy"]
+    seen_rows: set[int] = set()  # row counts the logits GEMM has had in this process
+    step = {"kind": None}  # the mixed step running now: "lora" or "base"
     run = mixed_graph.MixedGraphRunner.run
 
-    step = {"kind": None}  # the mixed step running now: "lora" or "base"
-
-    def profiled(self, sched, future=None):  # noqa: ANN001, ANN202
-        name = step["kind"] = "lora" if any(r.slot >= 0 for r in sched.requests) else "base"
-        t0 = time.perf_counter()
-        profiles[name].enable()
-        try:
-            return run(self, sched, future)
-        finally:
-            profiles[name].disable()
-            step["kind"] = None
-            walls[name].append(time.perf_counter() - t0)
-            if sum(map(len, walls.values())) % 10 == 0:
-                _dump(out, profiles, walls)
-
-    logits_log: list[str] = []
-    seen_rows: set[int] = set()  # row counts the logits GEMM has had in this process
+    def dump() -> None:
+        _dump(out, profiles, walls)
+        (out / "logits.txt").write_text("".join(line + "\n" for line in logits_log))
 
     def watch_logits(runner) -> None:  # noqa: ANN001
+        """Log each mixed step's logits call (a decode step's, outside ``profiled``, is not logged)."""
         model = runner.model
         if getattr(model.compute_logits, "watched", False):
             return
@@ -77,7 +67,7 @@ def main() -> None:
 
         def compute_logits(hidden):  # noqa: ANN001, ANN202
             kind = step["kind"]
-            if kind is None:  # a decode step's
+            if kind is None:
                 return compute(hidden)
             rows = hidden.shape[0]
             first = rows not in seen_rows
@@ -93,25 +83,26 @@ def main() -> None:
         compute_logits.watched = True
         model.compute_logits = compute_logits
 
-    def profiled_and_watched(self, sched, future=None):  # noqa: ANN001, ANN202
+    def profiled(self, sched, future=None):  # noqa: ANN001, ANN202
         if self.device.type == "cuda":
             watch_logits(self)
+        name = step["kind"] = "lora" if any(r.slot >= 0 for r in sched.requests) else "base"
+        t0 = time.perf_counter()
+        profiles[name].enable()
         try:
-            return profiled(self, sched, future)
+            return run(self, sched, future)
         finally:
-            if len(logits_log) % 10 == 0:
-                write_logits()
+            profiles[name].disable()
+            step["kind"] = None
+            walls[name].append(time.perf_counter() - t0)
+            if sum(map(len, walls.values())) % 10 == 0:
+                dump()
 
-    def write_logits() -> None:
-        header = "step seconds rows first_time_rows current_stream_idle upload_stream_busy"
-        (out / "logits.txt").write_text("".join(line + "\n" for line in [header, *logits_log]))
-
-    mixed_graph.MixedGraphRunner.run = profiled_and_watched
+    mixed_graph.MixedGraphRunner.run = profiled
     try:
         bench_main(sys.argv[2:])
     finally:
-        _dump(out, profiles, walls)
-        write_logits()
+        dump()
 
 
 if __name__ == "__main__":

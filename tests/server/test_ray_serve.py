@@ -8,7 +8,6 @@ killing a replica mid-run loses no request that had not been answered.
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import time
 
 import pytest
@@ -53,32 +52,28 @@ ROUTER_ENV = {
 
 @pytest.fixture(scope="module")
 def cluster(tiny):
-    saved = {k: os.environ.get(k) for k in ROUTER_ENV}
-    os.environ.update(ROUTER_ENV)
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    app = build_application(
-        EngineConfig.from_kwargs(**engine_options(tiny)),
-        ServerConfig(lora_root=str(tiny.root)),
-        ClusterConfig(num_replicas=2, replica_num_cpus=1.0, replica_num_gpus=0.0),
-    )
-    serve.run(app, name="mmlora", route_prefix="/")
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while requests.get(url + "/v1/models", timeout=30).status_code != 200:
-        assert time.time() < deadline, "the Ray Serve app did not come up"
-        time.sleep(0.5)
-    try:
-        yield url
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with pytest.MonkeyPatch.context() as env:
+        for key, value in ROUTER_ENV.items():
+            env.setenv(key, value)
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        app = build_application(
+            EngineConfig.from_kwargs(**engine_options(tiny)),
+            ServerConfig(lora_root=str(tiny.root)),
+            ClusterConfig(num_replicas=2, replica_num_cpus=1.0, replica_num_gpus=0.0),
+        )
+        serve.run(app, name="mmlora", route_prefix="/")
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 120
+        while requests.get(url + "/v1/models", timeout=30).status_code != 200:
+            assert time.time() < deadline, "the Ray Serve app did not come up"
+            time.sleep(0.5)
+        try:
+            yield url
+        finally:
+            serve.shutdown()
+            ray.shutdown()
 
 
 def generate(url: str, lora: str | None, text: str = "Hello world", tokens: int = 6) -> requests.Response:
