@@ -37,6 +37,12 @@ from mmlora.lora.stage import ShrinkStage
 logger = logging.getLogger(__name__)
 
 
+def release_cached_memory(device: torch.device) -> None:
+    """Give the CUDA caching allocator's free segments back to the device (nothing elsewhere)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def _target(model: LoRATargetModel, layer: int, target: str) -> nn.Module:
     return model.layers[layer].get_submodule(model.lora_target_paths[target])
 
@@ -136,8 +142,13 @@ class LoRAManager(ForwardRouting):
             logger.warning("lora_stage_slots=%d is unused: %s", positions, why)
             return
         self._ctx.stage = ShrinkStage(positions, slot_ids, device, self.page_rank, self._pool.pages)
+        release_cached_memory(device)
         for _, _, wrapper in self._wrapped:
             wrapper.staged = self._ctx.stage.add(wrapper.base, wrapper.weights)
+            # Each W_cat replaces its base weight: hand the old one's memory back before the next W_cat is
+            # allocated, which the caching allocator would otherwise carve out of it, leaving the rest of
+            # that segment reserved and lost to the KV cache.
+            release_cached_memory(device)
 
     @property
     def stage(self) -> ShrinkStage | None:

@@ -26,6 +26,15 @@ from mmlora.forward.lora import STAGED_LAYOUTS  # noqa: E402
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
+@pytest.fixture(autouse=True)
+def _stage_every_batch_that_fits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both of ``stage_policy``'s bounds at 0: these tests' batches put one row on an adapter (which the
+    default ``min_rows_per_adapter`` of 1.5 sends to the backend's layout), and they check the staged arithmetic;
+    the test of the policy sets its bounds itself."""
+    monkeypatch.setitem(stage_policy.SETTINGS, "min_fill", 0.0)
+    monkeypatch.setitem(stage_policy.SETTINGS, "min_rows_per_adapter", 0.0)
+
+
 LORAS = ["a", "a", None, "a", "b", "b"]
 # Six tokens: every decode layout these tests expect is replayed within them (ten took 148 s of the CI's
 # CPU for the four engine tests, six 81 s).
@@ -101,7 +110,7 @@ def test_a_batch_that_fills_too_little_or_has_too_few_rows_replays_the_usual_lay
 ) -> None:  # noqa: ANN001
     """``stage_policy.SETTINGS``: a decode batch whose adapters take less than ``min_fill`` of the narrowest
     staged layout that holds them, or have fewer than ``min_rows_per_adapter`` rows each on average (base
-    rows not counted), replays the backend's own layout; 0 (the defaults) stages every batch that fits."""
+    rows not counted), replays the backend's own layout; with both 0 every batch that fits is staged."""
     base, adapters = tiny()
     engine = _engine(
         base, adapters, "cpu", lora_backend="triton-sgmv", lora_stage_slots=4, lora_page_rank=2,
