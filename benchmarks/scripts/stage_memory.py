@@ -1,17 +1,20 @@
-"""What the shrink stage (``lora_stage_slots``) costs the KV cache, against its own bytes: engines of one
-dummy model with no stage, with the stage, and with the stage built without handing each replaced base
-weight's memory back (``mmlora.lora.manager.release_cached_memory`` a no-op: the allocator then carves later
-W_cat out of freed weights, and the segments' rest stays reserved). One CUDA device.
+"""What an engine's start-up leaves of the card for the KV cache: engines of one dummy model with and without
+the shrink stage (``lora_stage_slots``), built as now and built the old way (``--old`` arms: the model made
+in fp32 and then cast, no cached memory handed back after loading or between the stage's modules, so the
+caching allocator carves later tensors out of freed ones and the segments' rest stays reserved). One CUDA
+device.
 
     python benchmarks/scripts/stage_memory.py OUT.json [--model dummy:mistral-7b-v0.3] [--positions 32]
+        [--arms new:0 old:0 new:32 old:32]
 
-Per arm: KV cache tokens, stage bytes, the KV bytes lost against the no-stage engine, and the allocator's
-reserved-but-unallocated bytes after start-up (``memory_reserved - memory_allocated``).
+Per arm: KV cache tokens and bytes, stage bytes, the KV bytes lost against the first arm, start-up's peak
+allocated bytes, and the allocator's reserved-but-unallocated bytes after start-up.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 from unittest import mock
@@ -19,33 +22,40 @@ from unittest import mock
 import torch
 
 import mmlora
+import mmlora.engine.setup as setup
 import mmlora.lora.manager as manager
 
 
-def _arm(model: str, positions: int, release: bool, slots: int, rank: int, device: str) -> dict:
+def _old_ways() -> contextlib.ExitStack:
+    stack = contextlib.ExitStack()
+    for module in (setup, manager):
+        stack.enter_context(mock.patch.object(module, "release_cached_memory", lambda device: None))
+    stack.enter_context(mock.patch.object(setup, "_default_dtype", lambda dtype: contextlib.nullcontext()))
+    return stack
+
+
+def _arm(args: argparse.Namespace, way: str, positions: int) -> dict:
     kw = dict(
-        model=model, dtype="bfloat16", device=device, max_loras_per_batch=slots, max_lora_rank=rank,
-        lora_backend="auto", lora_stage_slots=positions, disable_cuda_graph=True,
+        model=args.model, dtype="bfloat16", device="cuda", max_loras_per_batch=args.slots,
+        max_lora_rank=args.rank, lora_backend="auto", lora_stage_slots=positions, disable_cuda_graph=True,
     )  # fmt: skip
-    keep = manager.release_cached_memory if release else (lambda device: None)
-    with mock.patch.object(manager, "release_cached_memory", keep):
+    torch.cuda.reset_peak_memory_stats()
+    with _old_ways() if way == "old" else contextlib.nullcontext():
         engine = mmlora.Engine(**kw)
-    alloc = engine.kv_cache.allocator
-    stage = engine.runner.lora.stage
+    alloc, stage = engine.kv_cache.allocator, engine.runner.lora.stage
     row = {
+        "way": way,
         "positions": positions,
-        "release": release,
         "kv_tokens": alloc.num_blocks * alloc.block_size,
         "kv_bytes": engine.kv_cache.data.numel() * engine.kv_cache.data.element_size(),
         "stage_bytes": stage.nbytes() if stage is not None else 0,
+        "startup_peak_allocated_bytes": torch.cuda.max_memory_allocated(),
+        "reserved_unallocated_bytes": torch.cuda.memory_reserved() - torch.cuda.memory_allocated(),
     }
-    if device == "cuda":
-        row["reserved_unallocated_bytes"] = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
-        row["inactive_split_bytes"] = torch.cuda.memory_stats().get("inactive_split_bytes.all.current", 0)
     engine.close()
     del engine
     gc.collect()
-    manager.release_cached_memory(torch.device(device))
+    torch.cuda.empty_cache()
     return row
 
 
@@ -56,21 +66,17 @@ def main() -> None:
     p.add_argument("--positions", type=int, default=32)
     p.add_argument("--slots", type=int, default=32)
     p.add_argument("--rank", type=int, default=64)
-    p.add_argument("--device", default="cuda", help="cpu: a smoke run (no allocator to fragment)")
+    p.add_argument("--arms", nargs="+", default=["old:0", "new:0", "new:32", "old:32"], help="WAY:POSITIONS")
     args = p.parse_args()
-    rows = [_arm(args.model, 0, True, args.slots, args.rank, args.device)]
-    rows += [
-        _arm(args.model, args.positions, release, args.slots, args.rank, args.device)
-        for release in (True, False)
-    ]
-    base = rows[0]["kv_tokens"]
-    for r in rows:
-        r["kv_tokens_lost"] = base - r["kv_tokens"]
-        r["kv_bytes_lost"] = rows[0]["kv_bytes"] - r["kv_bytes"]
-        r["kv_bytes_lost_over_stage_bytes"] = (
-            r["kv_bytes_lost"] / r["stage_bytes"] if r["stage_bytes"] else None
-        )
-        print(json.dumps(r))
+    rows = []
+    for arm in args.arms:
+        way, positions = arm.split(":")
+        if way not in ("old", "new"):
+            raise SystemExit(f"--arms: {arm!r}: WAY must be old or new")
+        rows.append(_arm(args, way, int(positions)))
+        first = rows[0]
+        rows[-1]["kv_bytes_lost"] = first["kv_bytes"] - rows[-1]["kv_bytes"]
+        print(json.dumps(rows[-1]), flush=True)
     with open(args.out, "w") as f:
         json.dump({"model": args.model, "slots": args.slots, "rank": args.rank, "arms": rows}, f, indent=1)
 

@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import gc
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +20,7 @@ from mmlora.hub import resolve_lora_config, resolve_model_source, resolve_tokeni
 from mmlora.kvcache.allocator import KVCache
 from mmlora.layers.attention import AttentionBackend, get_attention_backend
 from mmlora.layers.packed_linear import set_weight_layout
-from mmlora.lora.manager import LoRAManager
+from mmlora.lora.manager import LoRAManager, release_cached_memory
 from mmlora.models.base import CausalLM
 from mmlora.models.loader import ModelSource, iter_weights, load_config, load_tokenizer
 from mmlora.models.registry import model_class_for
@@ -95,7 +96,9 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     # Checkpoint weights overwrite every parameter (load_weights checks it), so their random
     # initialisation is skipped: 1 s of SmolLM2's CPU build. Dummy weights start from it.
     skip_init = _no_init_weights() if source.kind != "dummy" else contextlib.nullcontext()
-    with torch.device(device), skip_init:
+    # Made in the serving dtype: made in fp32 and then cast, a bf16 7B model's start-up peaked at twice its
+    # bf16 bytes (more than a 24 GB card holds). The cast stays for what a model makes explicitly in fp32.
+    with torch.device(device), skip_init, _default_dtype(dtype):
         model = cls(hf_config).to(dtype)
     limit = model.arch.max_position_embeddings
     if mc.max_model_len is not None and mc.max_model_len > limit:
@@ -112,6 +115,9 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     model.eval().requires_grad_(False)
     if mc.weight_layout == "column-major":  # before any CUDA graph holds the weights
         set_weight_layout(model, column_major=True)
+    # The temporaries of loading are free now: hand their segments back, or the adapter slots are carved out
+    # of them and the segments' rest stays reserved, lost to the KV cache.
+    release_cached_memory(device)
 
     sched = config.scheduler
     max_tokens = max(sched.max_num_batched_tokens, sched.max_running_requests)
@@ -161,6 +167,18 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         eos_ids=_eos_ids(model.arch.eos_token_ids, tokenizer),
         multimodal=_image_prompts(model, hf_config.name_or_path),
     )
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """torch's default dtype set to ``dtype`` inside the block (floating dtypes; others leave it)."""
+    old = torch.get_default_dtype()
+    if dtype.is_floating_point:
+        torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
 
 
 def _no_init_weights() -> contextlib.AbstractContextManager:
