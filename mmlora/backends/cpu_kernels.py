@@ -8,7 +8,8 @@ is the call, not the arithmetic. Where one C loop does what several torch calls 
 - :func:`rms_norm` (with the residual add), :func:`rotary` and :func:`silu_and_mul`: the arithmetic of the
   torch references in :mod:`mmlora.layers.fused_ops` in one pass each;
 - a LoRA module's expand and add, reading only each row's own slot: its Python side is
-  :mod:`mmlora.backends.cpu_expand`;
+  :mod:`mmlora.backends.cpu_expand`; over many slots, the shrink and expand reading each row's slot of the
+  pool in place (``cpu_row_lora.c``): :mod:`mmlora.backends.cpu_row_lora`;
 - the decode step's thin GEMMs over weights prepacked in column panels (``cpu_gemm.c``): its Python side
   is :mod:`mmlora.backends.cpu_gemm`.
 
@@ -37,10 +38,11 @@ from pathlib import Path
 
 import torch
 
-#: The kernels' C source: ``cpu_kernels.c``, ``cpu_gemm.c`` and ``cpu_plan.c`` (beside this module; package
-#: data), one library.
+#: The kernels' C source: ``cpu_kernels.c``, ``cpu_gemm.c``, ``cpu_row_lora.c`` and ``cpu_plan.c`` (beside
+#: this module; package data), one library.
 _SOURCE = "\n".join(
-    (Path(__file__).parent / name).read_text() for name in ("cpu_kernels.c", "cpu_gemm.c", "cpu_plan.c")
+    (Path(__file__).parent / name).read_text()
+    for name in ("cpu_kernels.c", "cpu_gemm.c", "cpu_row_lora.c", "cpu_plan.c")
 )
 
 # fast-math lets the dot products and sums vectorize (reassociated) and expf go through glibc's vector
@@ -53,6 +55,8 @@ _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _EXPAND_ARGS = [_I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _I64]
 _ATTENTION_ARGS = [_I64] * 4 + [_PTR] * 5 + [_I64, _I64, _PTR, _I64, ctypes.c_float, _PTR, _I64, _I64]
 _GEMM_ARGS = [_I64] * 3 + [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64]
+_ROW_SHRINK_ARGS = [_I64, _PTR, _I64, _PTR, _I64, _PTR] + [_I64] * 7 + [_PTR, _PTR, _I64]
+_ROW_EXPAND_ARGS = [_I64, _PTR, _I64, _PTR, _I64, _PTR] + [_I64] * 5 + [_PTR, _PTR, _I64, _PTR, _PTR, _I64]
 
 
 #: Set False (or ``MMLORA_CPU_KERNELS=0`` before the first use) to keep every caller on its torch path;
@@ -103,6 +107,10 @@ def _library() -> ctypes.CDLL | None:
     for name in ("decode_attention_f32", "decode_attention_bf16"):
         fn = getattr(dll, name)
         fn.argtypes, fn.restype = _ATTENTION_ARGS, None
+    for kind, args in (("shrink", _ROW_SHRINK_ARGS), ("expand", _ROW_EXPAND_ARGS)):
+        for dtype in ("f32", "bf16"):
+            fn = getattr(dll, f"lora_row_{kind}_{dtype}")
+            fn.argtypes, fn.restype = args, None
     dll.store_kv_rows.argtypes, dll.store_kv_rows.restype = (
         [_I64] * 3 + [_PTR, _I64, _PTR, _I64] + [_PTR] * 3,
         None,

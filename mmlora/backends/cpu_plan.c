@@ -1,6 +1,7 @@
-/* Replay of a recorded chain of this library's kernels (compiled after cpu_kernels.c and cpu_gemm.c, as one
-   library): a CPU decode step's forward is a few hundred of these calls, and each one made from Python costs
-   more than its arithmetic (mmlora/backends/cpu_plan.py records them once, this runs them in one call).
+/* Replay of a recorded chain of this library's kernels (compiled after cpu_kernels.c, cpu_gemm.c and
+   cpu_row_lora.c, as one library): a CPU decode step's forward is a few hundred of these calls, and each one
+   made from Python costs more than its arithmetic (mmlora/backends/cpu_plan.py records them once, this runs
+   them in one call).
 
    ops: int64 words, each op its kernel's index in PLAN_KERNELS, then that kernel's arguments in order
    (pointers and integers as they are, a float argument as the bits of a double). */
@@ -8,7 +9,9 @@
 #define PLAN_KERNELS(X)                                                                                     \
     X(lora_expand_f32, 11) X(lora_expand_bf16, 11) X(decode_attention_f32, 17) X(decode_attention_bf16, 17) \
     X(store_kv_rows, 10) X(rms_norm_f32, 10) X(rms_norm_bf16, 10) X(rotary_f32, 12) X(rotary_bf16, 12)       \
-    X(silu_and_mul_f32, 6) X(silu_and_mul_bf16, 6) X(gemm_f32, 10) X(gemm_bf16, 10)
+    X(silu_and_mul_f32, 6) X(silu_and_mul_bf16, 6) X(gemm_f32, 10) X(gemm_bf16, 10)                         \
+    X(lora_row_shrink_f32, 16) X(lora_row_shrink_bf16, 16) X(lora_row_expand_f32, 17)                       \
+    X(lora_row_expand_bf16, 17)
 
 #define PLAN_NAME(name, n) #name,
 #define PLAN_NARGS(name, n) n,
@@ -56,6 +59,22 @@ static int64_t plan_op(const int64_t *ops) {
 #if defined(__AVX512BF16__)
     case 12: return gemm_bf16(a[0], a[1], a[2], P(3), a[4], P(5), P(6), P(7), a[8], a[9]) ? 1 : 0;
 #endif
+    case 13:
+        lora_row_shrink_f32(a[0], P(1), a[2], P(3), a[4], P(5), a[6], a[7], a[8], a[9], a[10], a[11], a[12],
+                            P(13), P(14), a[15]);
+        return 0;
+    case 14:
+        lora_row_shrink_bf16(a[0], P(1), a[2], P(3), a[4], P(5), a[6], a[7], a[8], a[9], a[10], a[11], a[12],
+                             P(13), P(14), a[15]);
+        return 0;
+    case 15:
+        lora_row_expand_f32(a[0], P(1), a[2], P(3), a[4], P(5), a[6], a[7], a[8], a[9], a[10], P(11), P(12),
+                            a[13], P(14), P(15), a[16]);
+        return 0;
+    case 16:
+        lora_row_expand_bf16(a[0], P(1), a[2], P(3), a[4], P(5), a[6], a[7], a[8], a[9], a[10], P(11), P(12),
+                             a[13], P(14), P(15), a[16]);
+        return 0;
     default: return -1;
     }
 }
