@@ -66,18 +66,20 @@ static const v16i HSUM_LO4 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 
 static const v16i HSUM_HI4 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
 static const v16i HSUM_LO2 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
 static const v16i HSUM_HI2 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
+/* One level of those trees: the lanes of a and b that ``lo`` picks plus those that ``hi`` picks. */
+static inline __attribute__((always_inline)) v16f hsum_level(v16f a, v16f b, v16i lo, v16i hi) {
+    return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, hi);
+}
 /* out[k] = the sum of t[k]'s 16 lanes, k < 8: a transpose-and-add tree (7 shuffle pairs), not 8 serial
    horizontal sums. */
 static inline void hsum8(const v16f t[8], float out[8]) {
     const v16i swap = {1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14};
     v16f a[4], b[2];
     for (int k = 0; k < 4; k++)  /* lanes 0-7: 8 partial sums of t[2k], 8-15: of t[2k+1] */
-        a[k] = __builtin_shuffle(t[2 * k], t[2 * k + 1], HSUM_LO8)
-            + __builtin_shuffle(t[2 * k], t[2 * k + 1], HSUM_HI8);
+        a[k] = hsum_level(t[2 * k], t[2 * k + 1], HSUM_LO8, HSUM_HI8);
     for (int k = 0; k < 2; k++)  /* 4 lanes each of t[4k .. 4k+3] */
-        b[k] = __builtin_shuffle(a[2 * k], a[2 * k + 1], HSUM_LO4)
-            + __builtin_shuffle(a[2 * k], a[2 * k + 1], HSUM_HI4);
-    v16f c = __builtin_shuffle(b[0], b[1], HSUM_LO2) + __builtin_shuffle(b[0], b[1], HSUM_HI2);  /* 2 lanes each */
+        b[k] = hsum_level(a[2 * k], a[2 * k + 1], HSUM_LO4, HSUM_HI4);
+    v16f c = hsum_level(b[0], b[1], HSUM_LO2, HSUM_HI2);  /* 2 lanes each */
     c += __builtin_shuffle(c, swap);
     for (int k = 0; k < 8; k++) out[k] = c[2 * k];
 }

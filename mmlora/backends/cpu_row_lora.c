@@ -45,15 +45,12 @@ static inline v16f hsum16x16(const v16f t[16]) {
     const v16i odd = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
     v16f a[8], b[4], c[2];
     for (int k = 0; k < 8; k++)  /* lanes 0-7: 8 partial sums of t[2k], 8-15: of t[2k+1] */
-        a[k] = __builtin_shuffle(t[2 * k], t[2 * k + 1], HSUM_LO8)
-            + __builtin_shuffle(t[2 * k], t[2 * k + 1], HSUM_HI8);
+        a[k] = hsum_level(t[2 * k], t[2 * k + 1], HSUM_LO8, HSUM_HI8);
     for (int k = 0; k < 4; k++)  /* 4 lanes each of t[4k .. 4k+3] */
-        b[k] = __builtin_shuffle(a[2 * k], a[2 * k + 1], HSUM_LO4)
-            + __builtin_shuffle(a[2 * k], a[2 * k + 1], HSUM_HI4);
+        b[k] = hsum_level(a[2 * k], a[2 * k + 1], HSUM_LO4, HSUM_HI4);
     for (int k = 0; k < 2; k++)  /* lanes 2m, 2m+1: t[8k + m] */
-        c[k] = __builtin_shuffle(b[2 * k], b[2 * k + 1], HSUM_LO2)
-            + __builtin_shuffle(b[2 * k], b[2 * k + 1], HSUM_HI2);
-    return __builtin_shuffle(c[0], c[1], even) + __builtin_shuffle(c[0], c[1], odd);
+        c[k] = hsum_level(b[2 * k], b[2 * k + 1], HSUM_LO2, HSUM_HI2);
+    return hsum_level(c[0], c[1], even, odd);
 }
 
 /* The first n (<= 16) values at p widened to fp32, zeros in the other lanes; nothing past p + n is read. */
