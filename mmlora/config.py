@@ -143,8 +143,8 @@ class LoRAConfig:
         "forward with adapters is 6-12% faster, one without adapters 2-6% slower (it computes the stacked "
         "columns too), and each slot load repacks the modules' weights (about 90 ms for SmolLM2 in fp32).",
     )
-    lora_stage_slots: int = _f(
-        0,
+    lora_stage_slots: int | None = _f(
+        None,
         "On CUDA, decode graphs whose adapters fit this many stage positions take the LoRA shrink from the "
         "base GEMM: each LoRA module's weight gets the positions' A rows stacked under it (mmlora.lora.stage; "
         "adapters are copied in as they enter a batch), so a decode step runs one expand a module instead "
@@ -155,7 +155,10 @@ class LoRAConfig:
         "adapter staged further out copied again), and they take GPU memory from the KV cache (Mistral-7B: "
         "40 MB a rank-16 position; on an 80 GB card beside a 128-slot rank-64 pool, an engine with 80 "
         "positions decoded issue 23's base-only run in batches of 49 requests against 73; start-up warns past "
-        "a tenth of the KV cache's bytes). One device only. 0: off.",
+        "a tenth of the KV cache's bytes). One device only. 0: off. None (auto): 32 positions (at most one a "
+        "pool page) on one CUDA device with a backend that has a staged expand, where they take at most 5% "
+        "of the memory the KV cache would have without them (or, with max_kv_tokens, fit in what the capped "
+        "cache leaves); else off.",
     )
     allow_pickled_adapters: bool = _f(
         False, "Accept adapter_model.bin (read with torch.load(weights_only=True)); safetensors otherwise."
@@ -248,7 +251,11 @@ class EngineConfig:
             f"must be >= max_loras_per_batch ({lora.max_loras_per_batch})",
         )
         _check(lora.lora_side_max_tokens >= 0, "lora_side_max_tokens", "must be >= 0")
-        _check(lora.lora_stage_slots >= 0, "lora_stage_slots", "must be >= 0")
+        _check(
+            lora.lora_stage_slots is None or lora.lora_stage_slots >= 0,
+            "lora_stage_slots",
+            "must be >= 0 or None",
+        )
         _check(cache.block_size >= 1, "block_size", "must be >= 1")
         mml = self.model.max_model_len
         _check(mml is None or mml >= 2, "max_model_len", "must be >= 2 (a prompt token and one to generate)")

@@ -5,10 +5,11 @@ caching allocator carves later tensors out of freed ones and the segments' rest 
 device.
 
     python benchmarks/scripts/stage_memory.py OUT.json [--model dummy:mistral-7b-v0.3] [--positions 32]
-        [--arms new:0 old:0 new:32 old:32]
+        [--arms new:0 old:0 new:32 old:32 new:auto]
 
 Per arm: KV cache tokens and bytes, stage bytes, the KV bytes lost against the first arm, start-up's peak
-allocated bytes, and the allocator's reserved-but-unallocated bytes after start-up.
+allocated bytes, and the allocator's reserved-but-unallocated bytes after start-up. POSITIONS ``auto`` leaves
+``lora_stage_slots`` at its default (None: start-up decides, :func:`mmlora.engine.setup._stage_fits`).
 """
 
 from __future__ import annotations
@@ -23,18 +24,18 @@ import torch
 
 import mmlora
 import mmlora.engine.setup as setup
-import mmlora.lora.manager as manager
+import mmlora.lora.stage_build as stage_build
 
 
 def _old_ways() -> contextlib.ExitStack:
     stack = contextlib.ExitStack()
-    for module in (setup, manager):
+    for module in (setup, stage_build):
         stack.enter_context(mock.patch.object(module, "release_cached_memory", lambda device: None))
     stack.enter_context(mock.patch.object(setup, "_default_dtype", lambda dtype: contextlib.nullcontext()))
     return stack
 
 
-def _arm(args: argparse.Namespace, way: str, positions: int) -> dict:
+def _arm(args: argparse.Namespace, way: str, positions: int | None) -> dict:
     kw = dict(
         model=args.model, dtype="bfloat16", device="cuda", max_loras_per_batch=args.slots,
         max_lora_rank=args.rank, lora_backend="auto", lora_stage_slots=positions, disable_cuda_graph=True,
@@ -45,7 +46,8 @@ def _arm(args: argparse.Namespace, way: str, positions: int) -> dict:
     alloc, stage = engine.kv_cache.allocator, engine.runner.lora.stage
     row = {
         "way": way,
-        "positions": positions,
+        "positions": positions if positions is not None else "auto",
+        "stage_positions": stage.capacity if stage is not None else 0,
         "kv_tokens": alloc.num_blocks * alloc.block_size,
         "kv_bytes": engine.kv_cache.data.numel() * engine.kv_cache.data.element_size(),
         "stage_bytes": stage.nbytes() if stage is not None else 0,
@@ -73,7 +75,7 @@ def main() -> None:
         way, positions = arm.split(":")
         if way not in ("old", "new"):
             raise SystemExit(f"--arms: {arm!r}: WAY must be old or new")
-        rows.append(_arm(args, way, int(positions)))
+        rows.append(_arm(args, way, None if positions == "auto" else int(positions)))
         first = rows[0]
         rows[-1]["kv_bytes_lost"] = first["kv_bytes"] - rows[-1]["kv_bytes"]
         print(json.dumps(rows[-1]), flush=True)

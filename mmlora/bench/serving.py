@@ -98,7 +98,7 @@ def _engine(args: argparse.Namespace, slots: int, rank: int) -> Any:
         weight_layout=getattr(args, "weight_layout", "row-major"),
         disable_mixed_cuda_graph=getattr(args, "disable_mixed_cuda_graph", False),
         disable_lora_overlap=getattr(args, "disable_lora_overlap", False),
-        lora_stage_slots=getattr(args, "lora_stage_slots", 0),
+        lora_stage_slots=getattr(args, "lora_stage_slots", None),
         **side_max_tokens(args),
         overlap_schedule=getattr(args, "overlap_schedule", "auto"),
         disable_async_uploads=getattr(args, "disable_async_uploads", False),

@@ -136,9 +136,9 @@ def parse_args(argv: list[str] | None, description: str) -> argparse.Namespace:
     p.add_argument(
         "--lora-stage-slots",
         type=int,
-        default=0,
+        default=None,
         help="the engine's lora_stage_slots: decode graphs of at most this many adapters take the LoRA "
-        "shrink from the base GEMM (mmlora.lora.stage; 0: off)",
+        "shrink from the base GEMM (mmlora.lora.stage; 0: off; default: the engine's, auto)",
     )
     p.add_argument(
         "--tp-size",

@@ -16,11 +16,12 @@ from mmlora.config import EngineConfig
 from mmlora.distributed.state import all_reduce_min, tp_group
 from mmlora.distributed.step import set_comm_device
 from mmlora.engine.cpu_decode import auto_cpu_dtype
+from mmlora.forward.device_memory import release_cached_memory
 from mmlora.hub import resolve_lora_config, resolve_model_source, resolve_tokenizer
 from mmlora.kvcache.allocator import KVCache
 from mmlora.layers.attention import AttentionBackend, get_attention_backend
 from mmlora.layers.packed_linear import set_weight_layout
-from mmlora.lora.manager import LoRAManager, release_cached_memory
+from mmlora.lora.manager import LoRAManager
 from mmlora.models.base import CausalLM
 from mmlora.models.loader import ModelSource, iter_weights, load_config, load_tokenizer
 from mmlora.models.registry import model_class_for
@@ -121,12 +122,16 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
 
     sched = config.scheduler
     max_tokens = max(sched.max_num_batched_tokens, sched.max_running_requests)
-    lora = LoRAManager(model, lora_config, max_tokens, dtype, device)
+    attn0 = model.layers[0].self_attn
+    per_token = KVCache.bytes_per_token(len(model.layers), attn0.num_kv_heads, attn0.head_dim, dtype)
+
+    def stage_fits(nbytes: int) -> bool:
+        return _stage_fits(config, device, per_token, max_tokens, model.arch.vocab_size, nbytes)
+
+    lora = LoRAManager(model, lora_config, max_tokens, dtype, device, stage_fits=stage_fits)
     if device.type == "cuda":  # every LoRA kernel variant compiled now, none inside a serving step
         lora.warm_up_kernels()
 
-    attn0 = model.layers[0].self_attn
-    per_token = KVCache.bytes_per_token(len(model.layers), attn0.num_kv_heads, attn0.head_dim, dtype)
     num_blocks = _plan_kv_blocks(config, device, per_token, max_tokens, model.arch.vocab_size)
     num_blocks = all_reduce_min(num_blocks, device)  # every rank pages the same blocks
     stage_bytes = lora.stage_nbytes()
@@ -212,7 +217,9 @@ def _warn_if_the_stage_crowds_the_kv_cache(
     config: EngineConfig, stage_bytes: int, kv_tokens: int, per_token: int
 ) -> None:
     kv_bytes = kv_tokens * per_token
-    if stage_bytes > STAGE_KV_SHARE_WARNING * kv_bytes:
+    # Auto (None) stages only what fits (STAGE_AUTO_KV_SHARE), or memory a capped KV cache leaves unused.
+    explicit = config.lora.lora_stage_slots is not None
+    if explicit and stage_bytes > STAGE_KV_SHARE_WARNING * kv_bytes:
         logger.warning(
             "lora_stage_slots=%d: the shrink stage takes %.2f GiB, %.0f%% of the KV cache's %.2f GiB "
             "(%d tokens) it was taken from; fewer positions leave room for more requests at once",
@@ -224,29 +231,55 @@ def _warn_if_the_stage_crowds_the_kv_cache(
         )
 
 
+#: ``lora_stage_slots`` None (auto) stages where the positions take at most this share of the memory the KV
+#: cache would have without them. On an 80 GB H100, issue 13's 32 rank-16 adapters (128 slots) leave the KV
+#: cache 41 GiB: 32 positions' 1.19 GiB are 2.9% of it, and the stage lifted 32 adapters from 0.835x to
+#: 0.850x of base-only; beside issue 23's 128 rank-64 slots it has 9.2 GiB, the same stage is 13% of it and
+#: cut base-only's decode batches from 73 to 60 requests (benchmarks/results/h100-2026-12-06-session41).
+STAGE_AUTO_KV_SHARE = 0.05
+
+
+def _stage_fits(
+    config: EngineConfig, device: torch.device, per_token: int, max_tokens: int, vocab: int, nbytes: int
+) -> bool:
+    """Whether a shrink stage of ``nbytes`` may be taken from the KV cache's memory: at most
+    :data:`STAGE_AUTO_KV_SHARE` of it, or (``max_kv_tokens`` set) out of what the capped cache leaves."""
+    if device.type != "cuda":
+        return False
+    budget = _kv_budget_bytes(config, device, max_tokens, vocab)
+    cap = config.cache.max_kv_tokens
+    spare = budget - cap * per_token if cap is not None else 0
+    return nbytes <= max(STAGE_AUTO_KV_SHARE * budget, spare)
+
+
+def _kv_budget_bytes(config: EngineConfig, device: torch.device, max_tokens: int, vocab: int) -> int:
+    """GPU memory the KV cache may take: ``mem_fraction_static`` of the device less what is in use (this
+    engine's weights and adapter slots, and anything else there) and the largest forward's activations."""
+    # An engine's own parts make no reference cycle, but one dropped earlier may still sit in a cycle
+    # made outside it (a traceback, a wrapper of its methods): collect those first. Engine.close()
+    # frees its memory whatever still references it.
+    gc.collect()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    # Activations of the largest forward: logits in fp32 plus a margin for the hidden states.
+    reserve = max_tokens * vocab * 4 + (1 << 30)
+    return int(total * config.cache.mem_fraction_static) - (total - free) - reserve
+
+
 def _plan_kv_blocks(
     config: EngineConfig, device: torch.device, per_token: int, max_tokens: int, vocab: int
 ) -> int:
     """Pages that fit: on GPU what ``mem_fraction_static`` leaves after weights and adapter slots."""
     block_size = config.cache.block_size
     if device.type == "cuda":
-        # An engine's own parts make no reference cycle, but one dropped earlier may still sit in a cycle
-        # made outside it (a traceback, a wrapper of its methods): collect those first. Engine.close()
-        # frees its memory whatever still references it.
-        gc.collect()
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(device)
-        used = total - free
-        # Activations of the largest forward: logits in fp32 plus a margin for the hidden states.
-        reserve = max_tokens * vocab * 4 + (1 << 30)
-        budget = int(total * config.cache.mem_fraction_static) - used - reserve
-        tokens = budget // per_token
+        tokens = _kv_budget_bytes(config, device, max_tokens, vocab) // per_token
         if tokens < block_size:
+            free, total = torch.cuda.mem_get_info(device)
             raise ValueError(
                 f"mem_fraction_static={config.cache.mem_fraction_static}: no room left for the KV cache: "
-                f"{used / 2**30:.1f} GiB of {total / 2**30:.1f} GiB are in use on {device} (this engine's "
-                "weights and adapter slots, plus anything else there: another engine still referenced in "
-                "this process, or other processes); raise mem_fraction_static or free the device"
+                f"{(total - free) / 2**30:.1f} GiB of {total / 2**30:.1f} GiB are in use on {device} (this "
+                "engine's weights and adapter slots, plus anything else there: another engine still referenced "
+                "in this process, or other processes); raise mem_fraction_static or free the device"
             )
     else:
         tokens = CPU_DEFAULT_KV_TOKENS

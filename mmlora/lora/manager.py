@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 from mmlora.backends import get_backend
-from mmlora.backends.base import LoRABackend
 from mmlora.backends.warmup import warm_up_lora_kernels
 from mmlora.config import LoRAConfig, split_lora_spec
 from mmlora.distributed.state import tp_group
@@ -33,14 +32,9 @@ from mmlora.lora.routing import ForwardRouting
 from mmlora.lora.shard import AdapterSharder, ShardedLoRAPool, recv_shard
 from mmlora.lora.spec import LoRATargetModel
 from mmlora.lora.stage import ShrinkStage
+from mmlora.lora.stage_build import StageShape, build_stage
 
 logger = logging.getLogger(__name__)
-
-
-def release_cached_memory(device: torch.device) -> None:
-    """Give the CUDA caching allocator's free segments back to the device (nothing elsewhere)."""
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def _target(model: LoRATargetModel, layer: int, target: str) -> nn.Module:
@@ -68,7 +62,10 @@ class LoRAManager(ForwardRouting):
         max_tokens: int,
         dtype: torch.dtype,
         device: torch.device,
+        stage_fits: Callable[[int], bool] | None = None,
     ) -> None:
+        """``stage_fits(nbytes)``: whether a shrink stage of that many bytes may be taken from the KV cache,
+        asked when ``lora_stage_slots`` is None (auto; without it, auto leaves the stage off)."""
         self.config = config
         self.spec = model.lora_model_spec()  # full sizes: adapters are validated against these
         #: Ranks per page of the pool, None when unpaged (``lora_page_rank`` resolved for the device).
@@ -106,7 +103,14 @@ class LoRAManager(ForwardRouting):
         self._registry = AdapterRegistry()
         self.dtype = dtype
         self._wrap(model)
-        self._stage_shrinks(config.lora_stage_slots, slot_ids, device)
+        self._ctx.stage = build_stage(
+            [w for _, _, w in self._wrapped],
+            config.lora_stage_slots,
+            StageShape(slot_ids, self.page_rank, self._pool.pages),
+            self._ctx.backend,
+            device,
+            stage_fits,
+        )
         for spec in config.lora_paths:
             name, path = split_lora_spec(spec)
             self.load(name, path)
@@ -122,33 +126,6 @@ class LoRAManager(ForwardRouting):
                 wrapper = LoRALinear(getattr(parent, attr), weights, self._ctx)
                 setattr(parent, attr, wrapper)
                 self._wrapped.append((parent, attr, wrapper))
-
-    def _stage_shrinks(self, positions: int, slot_ids: int, device: torch.device) -> None:
-        """``lora_stage_slots``: stack that many stage positions under every LoRA module's base weight
-        (:mod:`mmlora.lora.stage`), where decode graphs can use them."""
-        if positions == 0:
-            return
-        backend = self._ctx.backend
-        # Any device: decode CUDA graphs use it, and the graph runner's uncaptured path on CPU (tests).
-        why = (
-            "tensor parallelism" if tp_group().is_parallel
-            else "base weights not in row-major layout"
-            if not all(w.base.weight.is_contiguous() for _, _, w in self._wrapped)
-            else f"the {backend.name} backend has no staged expand"
-            if type(backend).add_lora_staged is LoRABackend.add_lora_staged
-            else None
-        )  # fmt: skip
-        if why is not None:
-            logger.warning("lora_stage_slots=%d is unused: %s", positions, why)
-            return
-        self._ctx.stage = ShrinkStage(positions, slot_ids, device, self.page_rank, self._pool.pages)
-        release_cached_memory(device)
-        for _, _, wrapper in self._wrapped:
-            wrapper.staged = self._ctx.stage.add(wrapper.base, wrapper.weights)
-            # Each W_cat replaces its base weight: hand the old one's memory back before the next W_cat is
-            # allocated, which the caching allocator would otherwise carve out of it, leaving the rest of
-            # that segment reserved and lost to the KV cache.
-            release_cached_memory(device)
 
     @property
     def stage(self) -> ShrinkStage | None:

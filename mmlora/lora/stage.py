@@ -111,6 +111,13 @@ class ShrinkStage:
                 widths.setdefault(capacity // divisor, layout)
         self.layouts = tuple(widths[w] for w in sorted(widths))
 
+    @staticmethod
+    def module_nbytes(base: nn.Linear, weights: LoRAWeights, capacity: int) -> int:
+        """The bytes ``capacity`` positions add to one module (what :meth:`nbytes` counts for it once added)."""
+        rows = capacity * weights.A.shape[-2]  # a position: a page's n * U rows, or n * R unpaged
+        bias = 0 if getattr(base, "bias", None) is None else rows * base.bias.element_size()
+        return rows * base.weight.shape[1] * base.weight.element_size() + bias
+
     def add(self, base: nn.Linear, weights: LoRAWeights) -> StagedModule:
         """Stage one module: its ``W_cat`` (the base's weight becomes a view of it)."""
         if weights.pages != self.max_pages:

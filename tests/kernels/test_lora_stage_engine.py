@@ -232,3 +232,79 @@ def test_staged_graphs_with_a_segment_per_row_take_every_batch_that_fits(tiny, m
         used[setting] = {layout for _, bound, layout in graphs.graphs.used if bound}
     assert "rows" in used["half"], used
     assert used["rows"] == {"staged"}, used
+
+
+@pytest.mark.parametrize(
+    ("budget", "cap", "nbytes", "fits"),
+    [
+        (1000, None, 50, True),  # 5% of the KV cache's memory
+        (1000, None, 51, False),
+        (1000, 10, 900, True),  # the capped cache (10 tokens of 10 bytes) leaves 900 unused
+        (1000, 10, 901, False),
+        (1000, 200, 60, False),  # the capped cache takes more than the budget: the share rule alone
+    ],
+)
+def test_auto_stages_what_fits_beside_the_kv_cache(monkeypatch, budget, cap, nbytes, fits) -> None:  # noqa: ANN001
+    """``lora_stage_slots`` None (auto): a stage of at most ``STAGE_AUTO_KV_SHARE`` of the KV cache's
+    memory, or of what a ``max_kv_tokens`` cap leaves unused; never off CUDA."""
+    from mmlora.config import EngineConfig
+    from mmlora.engine import setup
+
+    monkeypatch.setattr(setup, "_kv_budget_bytes", lambda *a: budget)
+    assert setup.STAGE_AUTO_KV_SHARE == 0.05
+    config = EngineConfig.from_kwargs(model="dummy:tiny", max_kv_tokens=cap)
+    per_token = 10
+    assert setup._stage_fits(config, torch.device("cuda"), per_token, 64, 100, nbytes) is fits
+    assert setup._stage_fits(config, torch.device("cpu"), per_token, 64, 100, nbytes) is False
+
+
+def test_auto_builds_the_stage_it_was_asked_about(tiny, monkeypatch) -> None:  # noqa: ANN001
+    """Auto asks start-up whether the stage's bytes fit and builds exactly that stage: ``min(32, pool
+    pages)`` positions whose :meth:`ShrinkStage.nbytes` are the bytes asked about; when they do not fit,
+    or the backend has no staged expand (not asked, no warning), there is none. The default on CPU: none."""
+    from mmlora.engine import setup
+
+    base, adapters = tiny()
+    assert _engine(base, adapters, "cpu", lora_backend="triton-sgmv").runner.lora.stage is None
+    asked = []
+
+    def fits(answer: bool):  # noqa: ANN202
+        def stage_fits(*args) -> bool:  # noqa: ANN002
+            asked.append(args[-1])
+            return answer
+
+        return stage_fits
+
+    monkeypatch.setattr(setup, "_stage_fits", fits(True))
+    engine = _engine(base, adapters, "cpu", lora_backend="triton-sgmv", disable_cuda_graph=True)
+    stage = engine.runner.lora.stage
+    assert stage is not None and stage.capacity == 2  # the pool's two slots
+    assert asked == [stage.nbytes()] and stage.nbytes() > 0
+    assert "staged" in engine.runner.lora.graph_layouts
+    engine.shutdown()
+    monkeypatch.setattr(setup, "_stage_fits", fits(False))
+    assert _engine(base, adapters, "cpu", lora_backend="triton-sgmv").runner.lora.stage is None
+    assert len(asked) == 2
+    engine = _engine(base, adapters, "cpu", lora_backend="torch-gather")
+    assert engine.runner.lora.stage is None and len(asked) == 2
+
+
+@cuda
+def test_the_default_engine_on_cuda_stages_beside_a_capped_kv_cache(tiny) -> None:  # noqa: ANN001
+    """The default (auto) on CUDA: the tiny engine's KV cache is capped at 2048 tokens, so a stage of its
+    pool's two slots fits in what the cap leaves, and its captured graphs give the tokens of an engine
+    without one (fp32)."""
+    base, adapters = tiny()
+    ref = _generate(_engine(base, adapters, "cuda", lora_stage_slots=0))
+    engine = _engine(base, adapters, "cuda")
+    stage = engine.runner.lora.stage
+    assert stage is not None and stage.capacity == 2
+    graphs = engine.runner.decode_graphs
+    graphs.graphs = KeyLog(graphs.graphs)
+    got = _generate(engine)
+    used = {layout for _, bound, layout in graphs.graphs.used if bound}
+    del engine, graphs
+    gc.collect()
+    torch.cuda.empty_cache()
+    assert_same_outputs(ref, got, 1e-4)
+    assert "staged" in used, used
