@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# Session 42, one call of about 470 s: lora_stage_slots auto (the new default: 32 positions where they take at
-# most 5% of the KV cache's memory). 1. benchmarks/scripts/stage_memory.py beside issue 13's pool (128 rank-16
-# slots) and issue 23's (128 rank-64 slots paged by 16): the stage off, then auto (memory_r16.json,
-# memory_r64.json: what auto chose and what it cost the KV cache); 2. issue 13's command (two sweep rounds)
+# Session 42, one call of about 430 s: lora_stage_slots auto (the new default: 32 positions where they take at
+# most 5% of the KV cache's memory). 1. benchmarks/scripts/stage_memory.py beside issue 23's pool (128 rank-64
+# slots paged by 16): the stage off, then auto (memory_r64.json: what auto chose there; issue 13's runs
+# record theirs in serving.json's "memory"); 2. issue 13's command (two sweep rounds)
 # with the defaults (auto; serving/) against the stage off (--lora-stage-slots 0; off/).
 # Usage: bash benchmarks/h200_session42_a.sh OUTDIR
 source "$(dirname "$0")/device_preamble.sh" "$@"
 rm -f "$out/commit.txt"  # stale; the call returns at most eight files
-for rank in 16 64; do
+for rank in 64; do
   echo "python benchmarks/scripts/stage_memory.py OUT/memory_r$rank.json --slots 128 --rank $rank --arms new:0 new:auto" \
     >> "$out/command.txt"
   timeout 70 python benchmarks/scripts/stage_memory.py "$out/memory_r$rank.json" --slots 128 --rank $rank \
