@@ -26,6 +26,14 @@ echo "serving (auto) rc=$? at ${SECONDS} s" | tee -a "$out/summary.txt"
 timeout $((590 - SECONDS)) python -m mmlora.bench "${args[@]}" --lora-stage-slots 0 --out "$out/off" \
   > "$out/off.log" 2>&1
 echo "serving (stage off) rc=$? at ${SECONDS} s" | tee -a "$out/summary.txt"
+# What is left of the call: the stage's engine tests and the decode graph tests on CUDA, now that the stage
+# is on by default there (stopped with SIGINT so that a run cut off still prints what ran).
+if ((SECONDS < 520)); then
+  echo "python -m pytest -q -rfE tests/kernels/test_lora_stage_engine.py tests/kernels/test_cuda_graph.py" >> "$out/command.txt"
+  timeout -s INT -k 5 $((590 - SECONDS)) python -m pytest -q -rfE -p no:cacheprovider \
+    tests/kernels/test_lora_stage_engine.py tests/kernels/test_cuda_graph.py > "$out/tests_stage_graphs.txt" 2>&1
+  echo "stage + graph tests rc=$? at ${SECONDS} s: $(tail -1 "$out/tests_stage_graphs.txt")" | tee -a "$out/summary.txt"
+fi
 grep -ihE "Error|Traceback" "$out"/*.log | head -8
 python benchmarks/scripts/serving_summary.py "$out" serving off 2>&1 | head -60
 true
