@@ -74,7 +74,9 @@ def test_static_buffer_path_matches_eager(tiny, lora_backend, loras):
     only set without CUDA)."""
     base, adapters = tiny()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    kw = dict(lora_backend=lora_backend, disable_cuda_graph=True)
+    # The backend's own layouts: no shrink stage (on CUDA it is on by default; its staged layouts would take
+    # some of these steps, test_lora_stage_engine.py replays them).
+    kw = dict(lora_backend=lora_backend, disable_cuda_graph=True, lora_stage_slots=0)
 
     def generate(engine: mmlora.Engine) -> list:
         return engine.generate(
@@ -201,7 +203,8 @@ def test_graphs_in_the_runs_layout_equal_eager(tiny, lora_backend):
 
     ref = generate(_engine(base, adapters, "cuda", disable_cuda_graph=True, lora_backend=lora_backend))
     _free()
-    engine = _engine(base, adapters, "cuda", lora_backend=lora_backend)
+    # The backend's own layouts: no shrink stage (on by default on CUDA; test_lora_stage_engine.py has it).
+    engine = _engine(base, adapters, "cuda", lora_backend=lora_backend, lora_stage_slots=0)
     graphs = engine.runner.decode_graphs
     graphs.graphs = KeyLog(graphs.graphs)
     got = generate(engine)
