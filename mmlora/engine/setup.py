@@ -232,10 +232,11 @@ def _warn_if_the_stage_crowds_the_kv_cache(
 
 
 #: ``lora_stage_slots`` None (auto) stages where the positions take at most this share of the memory the KV
-#: cache would have without them. On an 80 GB H100, issue 13's 32 rank-16 adapters (128 slots) leave the KV
-#: cache 41 GiB: 32 positions' 1.19 GiB are 2.9% of it, and the stage lifted 32 adapters from 0.835x to
-#: 0.850x of base-only; beside issue 23's 128 rank-64 slots it has 9.2 GiB, the same stage is 13% of it and
-#: cut base-only's decode batches from 73 to 60 requests (benchmarks/results/h100-2026-12-06-session41).
+#: cache would have without them. On an 80 GB H100, issue 13's 128 rank-16 slots leave the KV cache 41 GiB:
+#: 32 positions' 1.19 GiB are 2.9% of it, and the stage lifted 32 adapters from 0.841x to 0.853x of base-only
+#: (benchmarks/results/h100-2026-12-06-session42); beside issue 23's 128 rank-64 slots it has 11.3 GiB, the
+#: same stage is 10.5% of it, and there it cut base-only's decode batches from 73 to 60 requests
+#: (h100-2026-12-06-session41).
 STAGE_AUTO_KV_SHARE = 0.05
 
 

@@ -190,16 +190,21 @@ def test_captured_staged_graphs_equal_eager(tiny, pool: dict, positions: int) ->
     The staged expand's bf16 results are checked against the fp64 oracle above.)"""
     base, adapters = tiny()
     ref = _generate(_engine(base, adapters, "cuda", disable_cuda_graph=True, **pool))
-    engine = _engine(base, adapters, "cuda", lora_stage_slots=positions, **pool)
+    got, used = _generate_captured(_engine(base, adapters, "cuda", lora_stage_slots=positions, **pool))
+    assert_same_outputs(ref, got, 1e-4)
+    assert "staged" in used, used
+
+
+def _generate_captured(engine: mmlora.Engine) -> tuple[list, set[str]]:
+    """(:func:`_generate`'s outputs, the LoRA layouts of the captured graphs replayed); the engine closed."""
     graphs = engine.runner.decode_graphs
     graphs.graphs = KeyLog(graphs.graphs)
     got = _generate(engine)
     used = {layout for _, bound, layout in graphs.graphs.used if bound}
-    del engine, graphs
+    engine.close()
     gc.collect()
     torch.cuda.empty_cache()
-    assert_same_outputs(ref, got, 1e-4)
-    assert "staged" in used, used
+    return got, used
 
 
 def test_staged_graphs_with_a_segment_per_row_take_every_batch_that_fits(tiny, monkeypatch) -> None:  # noqa: ANN001
@@ -299,12 +304,6 @@ def test_the_default_engine_on_cuda_stages_beside_a_capped_kv_cache(tiny) -> Non
     engine = _engine(base, adapters, "cuda")
     stage = engine.runner.lora.stage
     assert stage is not None and stage.capacity == 2
-    graphs = engine.runner.decode_graphs
-    graphs.graphs = KeyLog(graphs.graphs)
-    got = _generate(engine)
-    used = {layout for _, bound, layout in graphs.graphs.used if bound}
-    del engine, graphs
-    gc.collect()
-    torch.cuda.empty_cache()
+    got, used = _generate_captured(engine)
     assert_same_outputs(ref, got, 1e-4)
     assert "staged" in used, used
