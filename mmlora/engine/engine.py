@@ -384,6 +384,8 @@ class Engine(BatchAPI, AdapterAPI):
             "max_loras": self.lora.num_slots,
             "slots_used": self.lora.slots_used,
             "lora_slot_loads_total": self.lora.slot_loads,
+            # What lora_stage_slots (auto by default) gave: stage positions, 0 without a stage.
+            "lora_stage_positions": self.lora.stage.capacity if self.lora.stage is not None else 0,
             "num_preemptions_total": sched.num_preemptions,
             "prefill_tokens_computed_total": sched.num_prefill_tokens,
             "clients": sched.client_stats(),

@@ -149,6 +149,7 @@ def test_a_stage_that_crowds_the_kv_cache_is_warned_of(tiny, caplog, kv_tokens: 
         )
     stage, alloc = engine.runner.lora.stage, engine.kv_cache.allocator
     assert stage is not None and stage.nbytes() > 0
+    assert engine.stats()["lora_stage_positions"] == 2
     attn = engine.model.layers[0].self_attn
     # K and V of every layer, fp32: the KV cache's bytes from the model's shapes.
     kv_bytes = (
@@ -270,7 +271,8 @@ def test_auto_builds_the_stage_it_was_asked_about(tiny, monkeypatch) -> None:  #
     from mmlora.engine import setup
 
     base, adapters = tiny()
-    assert _engine(base, adapters, "cpu", lora_backend="triton-sgmv").runner.lora.stage is None
+    default = _engine(base, adapters, "cpu", lora_backend="triton-sgmv")
+    assert default.runner.lora.stage is None and default.stats()["lora_stage_positions"] == 0
     asked = []
 
     def fits(answer: bool):  # noqa: ANN202
