@@ -91,22 +91,34 @@ def _fused_ops(hidden: int, intermediate: int, heads: int, kv_heads: int, head_d
 def _engine_steps(preset: str, adapters: dict[str, str], backend: str) -> None:
     import mmlora
     from mmlora.engine.cuda_graph import CudaGraphRunner
+    from mmlora.forward import stage_policy
 
+    # The shrink stage is explicit here: on CUDA it is on by default (lora_stage_slots auto), on CPU it is not.
+    # Backends without a staged expand leave it off (with a warning).
     engine = mmlora.Engine(
         model=f"dummy:{preset}", lora_paths=adapters, lora_backend=backend, attention_backend="triton",
         device="cpu", dtype="bfloat16", max_lora_rank=64, max_loras_per_batch=4, max_running_requests=8,
-        max_num_batched_tokens=256, max_kv_tokens=4096, max_model_len=1024,
+        max_num_batched_tokens=256, max_kv_tokens=4096, max_model_len=1024, lora_stage_slots=16,
     )  # fmt: skip
+    saved = dict(stage_policy.SETTINGS)
     try:
         with as_on_h200():
             engine.lora.warm_up_kernels()
             runner = engine.runner
             names = [*adapters, None]
             prompts = [[(11 * i + j) % 1000 + 3 for j in range(n)] for i, n in enumerate(PROMPT_LENS)]
-            # eager steps, then decode steps through the graph runner's buffers and routing, then prefill
-            # and mixed steps through the mixed-step runner's (no capture on CPU: the same launches)
-            for mode in ("eager", "decode graphs", "mixed graphs"):
+            # eager steps, then decode steps through the graph runner's buffers and routing (the backend's
+            # own layouts, then the staged ones), then prefill and mixed steps through the mixed-step
+            # runner's (no capture on CPU: the same launches)
+            for mode in ("eager", "decode graphs", "staged decode graphs", "mixed graphs"):
                 runner.decode_graphs = runner.mixed_graphs = None
+                if mode == "staged decode graphs" and engine.lora.stage is None:
+                    continue
+                # Every decode step that fits takes the stage in its mode, none in the others.
+                staged = mode == "staged decode graphs"
+                stage_policy.SETTINGS.update(
+                    min_fill=0.0, min_rows_per_adapter=0.0 if staged else float("inf")
+                )
                 if mode != "eager":
                     runner.decode_graphs = CudaGraphRunner(runner, 8, engine.max_model_len, capture=False)
                 if mode == "mixed graphs":
@@ -119,6 +131,7 @@ def _engine_steps(preset: str, adapters: dict[str, str], backend: str) -> None:
                     sampling_params={"max_new_tokens": 3, "temperature": 0.0, "ignore_eos": True},
                 )
     finally:
+        stage_policy.SETTINGS.update(saved)
         engine.close()
 
 
