@@ -8,13 +8,8 @@
 source "$(dirname "$0")/device_preamble.sh" "$@"
 args=(serving --model dummy:mistral-7b-v0.3 --num-adapters 32 --num-requests 192 --hf-batch 0 --pool-rank 64
   --rank-mixes 64 8,64 --sweep-rounds 2)
-echo "python -m mmlora.bench ${args[*]}" >> "$out/command.txt"
-echo "python -m mmlora.bench ${args[*]} --lora-stage-slots 0" >> "$out/command.txt"
-timeout $(((590 - SECONDS) / 2)) python -m mmlora.bench "${args[@]}" --out "$out/serving" > "$out/serving.log" 2>&1
-echo "serving (auto) rc=$? at ${SECONDS} s" | tee -a "$out/summary.txt"
-timeout $((590 - SECONDS)) python -m mmlora.bench "${args[@]}" --lora-stage-slots 0 --out "$out/off" \
-  > "$out/off.log" 2>&1
-echo "serving (stage off) rc=$? at ${SECONDS} s" | tee -a "$out/summary.txt"
+extra=(--lora-stage-slots 0)
+source "$(dirname "$0")/serving_ab.sh"
 grep -ihE "Error|Traceback" "$out"/*.log | head -8
 python benchmarks/scripts/serving_summary.py "$out" serving off 2>&1 | head -40
 true
