@@ -156,9 +156,9 @@ class LoRAConfig:
         "40 MB a rank-16 position; on an 80 GB card beside a 128-slot rank-64 pool, an engine with 80 "
         "positions decoded issue 23's base-only run in batches of 49 requests against 73; start-up warns past "
         "a tenth of the KV cache's bytes). One device only. 0: off. None (auto): 32 positions (at most one a "
-        "pool page) on one CUDA device with a backend that has a staged expand, where they take at most 5% "
-        "of the memory the KV cache would have without them (or, with max_kv_tokens, fit in what the capped "
-        "cache leaves); else off.",
+        "pool page) on one CUDA device with decode CUDA graphs and a backend that has a staged expand, where "
+        "they take at most 5% of the memory the KV cache would have without them (or, with max_kv_tokens, fit "
+        "in what the capped cache leaves); else off.",
     )
     allow_pickled_adapters: bool = _f(
         False, "Accept adapter_model.bin (read with torch.load(weights_only=True)); safetensors otherwise."

@@ -244,8 +244,9 @@ def _stage_fits(
     config: EngineConfig, device: torch.device, per_token: int, max_tokens: int, vocab: int, nbytes: int
 ) -> bool:
     """Whether a shrink stage of ``nbytes`` may be taken from the KV cache's memory: at most
-    :data:`STAGE_AUTO_KV_SHARE` of it, or (``max_kv_tokens`` set) out of what the capped cache leaves."""
-    if device.type != "cuda":
+    :data:`STAGE_AUTO_KV_SHARE` of it, or (``max_kv_tokens`` set) out of what the capped cache leaves. Never
+    off CUDA or without decode CUDA graphs, the only steps that read the stage."""
+    if device.type != "cuda" or config.scheduler.disable_cuda_graph:
         return False
     budget = _kv_budget_bytes(config, device, max_tokens, vocab)
     cap = config.cache.max_kv_tokens

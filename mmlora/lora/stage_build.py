@@ -41,7 +41,8 @@ def build_stage(
     """``lora_stage_slots``: a stage of that many positions under every wrapper's base weight (each
     wrapper's ``staged`` set), or None: 0, or where it cannot serve (a warning says why). None (auto):
     :data:`STAGE_AUTO_POSITIONS` (at most one a pool page) where ``stage_fits`` their bytes (start-up's
-    says so on one CUDA device only, :func:`mmlora.engine.setup._stage_fits`), silently off otherwise."""
+    says so on one CUDA device with decode graphs only, :func:`mmlora.engine.setup._stage_fits`), silently off
+    otherwise."""
     if positions == 0:
         return None
     # Any device: decode CUDA graphs use it, and the graph runner's uncaptured path on CPU (tests).

@@ -252,7 +252,7 @@ def test_staged_graphs_with_a_segment_per_row_take_every_batch_that_fits(tiny, m
 )
 def test_auto_stages_what_fits_beside_the_kv_cache(monkeypatch, budget, cap, nbytes, fits) -> None:  # noqa: ANN001
     """``lora_stage_slots`` None (auto): a stage of at most ``STAGE_AUTO_KV_SHARE`` of the KV cache's
-    memory, or of what a ``max_kv_tokens`` cap leaves unused; never off CUDA."""
+    memory, or of what a ``max_kv_tokens`` cap leaves unused; never off CUDA, nor without decode graphs."""
     from mmlora.config import EngineConfig
     from mmlora.engine import setup
 
@@ -262,6 +262,8 @@ def test_auto_stages_what_fits_beside_the_kv_cache(monkeypatch, budget, cap, nby
     per_token = 10
     assert setup._stage_fits(config, torch.device("cuda"), per_token, 64, 100, nbytes) is fits
     assert setup._stage_fits(config, torch.device("cpu"), per_token, 64, 100, nbytes) is False
+    eager = EngineConfig.from_kwargs(model="dummy:tiny", max_kv_tokens=cap, disable_cuda_graph=True)
+    assert setup._stage_fits(eager, torch.device("cuda"), per_token, 64, 100, nbytes) is False
 
 
 def test_auto_builds_the_stage_it_was_asked_about(tiny, monkeypatch) -> None:  # noqa: ANN001
