@@ -37,6 +37,11 @@ def _pool_strides(w: torch.Tensor) -> tuple[int, int, int]:
     return w.stride(0), w.stride(1) if w.dim() == 4 else 0, w.stride(-2)
 
 
+def _pool_rank(w: torch.Tensor, U: int) -> int:
+    """R, the pool's rank, of a pool buffer of ``U`` ranks a page (4-dim: paged, C pages; else one page)."""
+    return U * (w.shape[1] if w.dim() == 4 else 1)
+
+
 def _layout_ok(A: torch.Tensor, B: torch.Tensor) -> bool:
     """Whether the kernels read these pool buffers in place: A's rows and each of B's columns (its U
     ranks) contiguous, B's columns one after another."""
@@ -70,9 +75,8 @@ def lora_row_shrink_unchecked(
     x: torch.Tensor, A: torch.Tensor, n_slices: int, token_slots: torch.Tensor, ranks: torch.Tensor
 ) -> torch.Tensor:
     """:func:`lora_row_shrink` without its checks."""
-    paged = A.dim() == 4
     U = A.shape[-2] // n_slices
-    R = U * (A.shape[1] if paged else 1)
+    R = _pool_rank(A, U)
     a_slot, a_page, lda = _pool_strides(A)
     T = x.shape[0]
     h = torch.empty(T, n_slices * R, dtype=x.dtype)
@@ -100,10 +104,9 @@ def lora_row_expand(
     out, U] (last two dims contiguous), y's dtype (one of :data:`ROW_DTYPES`); scalings fp32 [S, n] (unit
     column stride); token_slots, ranks as for :func:`lora_row_shrink`. Needs :func:`available`.
     """
-    paged = B.dim() == 4
     n = len(slice_offsets) - 1
     U = B.shape[-1]
-    R = U * (B.shape[1] if paged else 1)
+    R = _pool_rank(B, U)
     T = y.shape[0]
     if h.shape != (T, n * R) or B.dim() not in (3, 4) or slice_offsets[-1] > min(y.shape[1], B.shape[-2]):
         raise ValueError(
@@ -131,14 +134,13 @@ def lora_row_expand_unchecked(
     ranks: torch.Tensor,
 ) -> None:
     """:func:`lora_row_expand` without its checks."""
-    paged = B.dim() == 4
     U = B.shape[-1]
     b_slot, b_page, _ = _pool_strides(B)
     lib = _library()
     fn = lib.lora_row_expand_f32 if y.dtype == torch.float32 else lib.lora_row_expand_bf16
     offs = _offsets(tuple(slice_offsets))
     fn(y.shape[0], h.data_ptr(), h.stride(0), y.data_ptr(), y.stride(0), B.data_ptr(), b_slot, b_page, U,
-       U * (B.shape[1] if paged else 1), len(slice_offsets) - 1, ctypes.addressof(offs), scalings.data_ptr(),
+       _pool_rank(B, U), len(slice_offsets) - 1, ctypes.addressof(offs), scalings.data_ptr(),
        scalings.stride(0), token_slots.data_ptr(), ranks.data_ptr(), torch.get_num_threads())  # fmt: skip
 
 
